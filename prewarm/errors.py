@@ -1,0 +1,70 @@
+"""Errors that reach the user, each with its own exit code (the README's table is generated from EXIT_CODES)."""
+from __future__ import annotations
+
+
+class PrewarmError(Exception):
+    """Base: a clear message naming what is wrong and where; ``exit_code`` is what the CLI returns."""
+
+    exit_code = 1
+
+
+class ManifestError(PrewarmError):
+    """A manifest or record file is malformed: names the file, the key, the bad value and what was expected."""
+
+    exit_code = 3
+
+
+class BuildError(PrewarmError):
+    """One or more planned requests failed to compile."""
+
+    exit_code = 4
+
+
+class WillMissError(PrewarmError):
+    """The runtime would not find one or more planned kernels in the cache (it would compile on the node)."""
+
+    exit_code = 5
+
+
+class IntegrityError(PrewarmError):
+    """A file, object or index does not match its recorded hash or size, or is missing / unexpected."""
+
+    exit_code = 6
+
+
+class SignatureError(PrewarmError):
+    """A signature is missing where required, does not verify, or was made by an untrusted key."""
+
+    exit_code = 7
+
+
+class FingerprintMismatch(PrewarmError):
+    """The bundle was built under a toolchain that differs from this node's (each factor is named)."""
+
+    exit_code = 8
+
+
+class UnsafeBundleError(PrewarmError):
+    """The bundle holds something that must never be unpacked: escaping paths, links, devices, setuid bits..."""
+
+    exit_code = 9
+
+
+class StoreError(PrewarmError):
+    """A store could not be read or written (after retries): connection dropped, permission, missing bundle."""
+
+    exit_code = 10
+
+
+class EnvironmentProblem(PrewarmError):
+    """The local machine cannot do the job: disk full, lock timeout, a needed tool or package missing."""
+
+    exit_code = 11
+
+
+EXIT_CODES = {
+    0: "success",
+    1: "unexpected internal error (a bug: please report the traceback)",
+    2: "bad command line (argparse)",
+    **{cls.exit_code: cls.__doc__.strip() for cls in PrewarmError.__subclasses__()},
+}
