@@ -12,7 +12,7 @@ import sys
 from rich.console import Console
 
 from . import __version__
-from .errors import PrewarmError
+from .errors import PrewarmError, StoreError, WillMissError
 
 out = Console()
 err = Console(stderr=True)
@@ -27,43 +27,239 @@ def emit_json(obj) -> None:
 
 
 def cmd_plan(args) -> int:
-    raise NotImplementedError
+    from rich.table import Table
+
+    from .manifest import load
+    from .plan import plan
+
+    p = plan(load(args.manifest))
+    if args.json:
+        emit_json(p.to_json())
+        return 0
+    m = p.manifest
+    t = Table(title=f"{m.name}: {len(p.requests)} requests for {m.backend} {m.arch} "
+                    f"({m.heads_per_rank} heads per rank, attention-TP {m.attention_tp})")
+    for c in ("#", "id", "label", "kernel", "arguments"):
+        t.add_column(c, overflow="fold")
+    for i, r in enumerate(p.requests, 1):
+        t.add_row(str(i), r.ident, r.label, r.kernel, r.describe())
+    out.print(t)
+    out.print("autotuned kernels compile once per config: `prewarm build` expands each request into its compiles")
+    return 0
 
 
 def cmd_build(args) -> int:
-    raise NotImplementedError
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from .build import build
+    from .errors import BuildError
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, disable=args.json or not err.is_terminal) as bar:
+        task = bar.add_task("building", total=None)
+
+        def progress(result, done, total):
+            bar.update(task, completed=done, total=total, description=f"{result.status:>8} {result.label[:60]}")
+
+        r = build(args.manifest, args.cache_dir, workers=args.workers, mode=args.mode, progress=progress)
+    if args.json:
+        emit_json(r.to_json())
+    else:
+        for note in r.notes:
+            err.print(f"[yellow]note[/]: {note}", highlight=False)
+        for f in r.failed:
+            t = Table(title=f"[red]failed[/] {f.label} ({f.kernel})", show_header=False)
+            t.add_row(f.message)
+            out.print(t)
+        out.print(f"{r.manifest} -> {r.cache_dir} ({r.target}, {r.workers} workers): {r.requests} requests, "
+                  f"{len(r.results)} compiles: [green]{r.count('compiled')} compiled[/], "
+                  f"{r.count('present')} already present, "
+                  f"{'[red]' if r.failed else ''}{len(r.failed)} failed{'[/]' if r.failed else ''} "
+                  f"in {r.seconds:.1f} s")
+    if r.failed and args.json:
+        return BuildError.exit_code  # the report above is the one JSON document
+    if r.failed:
+        raise BuildError(f"{len(r.failed)} of {len(r.results)} compiles failed (first: {r.failed[0].label}: "
+                         f"{r.failed[0].message.splitlines()[0] if r.failed[0].message else 'no message'})")
+    return 0
 
 
 def cmd_record(args) -> int:
-    raise NotImplementedError
+    from .record import record
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    r = record(args.output, command)
+    if args.json:
+        emit_json(r.to_json())
+    else:
+        err.print(f"recorded {r.lines} compile requests ({r.unique} distinct) into {r.output}; "
+                  f"the command exited with {r.returncode}", highlight=False)
+    return r.returncode
 
 
 def cmd_pack(args) -> int:
-    raise NotImplementedError
+    from .bundle import pack
+
+    r = pack(args.cache_dir, args.output, signing_key=args.sign)
+    if args.json:
+        emit_json({"bundle": str(r.bundle_dir), "index_digest": r.index.digest, "entries": len(r.index.entries),
+                   "objects_written": r.objects_written, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
+                   "signed": bool(args.sign), "skipped": r.skipped})
+        return 0
+    out.print(f"packed {len(r.index.entries)} entries ({r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB, "
+              f"{r.objects_written} new objects) into {r.bundle_dir}" + (" [signed]" if args.sign else ""))
+    out.print(f"index sha256 {r.index.digest}")
+    for name in r.skipped:
+        err.print(f"[yellow]skipped[/] {name}: not a cache entry dir")
+    return 0
 
 
 def cmd_push(args) -> int:
-    raise NotImplementedError
+    from rich.table import Table
+
+    from .store import push
+
+    results = push(args.bundle, args.urls, attempts=args.retries + 1)
+    failed = [r for r in results if not r.ok]
+    if args.json:
+        emit_json({"ok": not failed, "targets": [vars(r) for r in results]})
+    else:
+        t = Table(title=f"push {args.bundle}")
+        for c in ("target", "result", "sent", "already there", "MB sent", "retries", "seconds"):
+            t.add_column(c)
+        for r in results:
+            t.add_row(r.url, "[green]ok[/]" if r.ok else f"[red]FAILED[/] {r.error}", str(r.sent), str(r.present),
+                      f"{r.bytes_sent / 1e6:.1f}", str(r.retries), f"{r.seconds:.1f}")
+        out.print(t)
+    return StoreError.exit_code if failed else 0
 
 
 def cmd_install(args) -> int:
-    raise NotImplementedError
+    from .install import install
+
+    r = install(args.source, args.cache_dir, trusted_keys=args.trust, require_signature=args.require_signature,
+                allow_fingerprint_mismatch=args.allow_fingerprint_mismatch, workers=args.workers,
+                lock_timeout=args.lock_timeout)
+    if args.json:
+        doc = {k: v for k, v in vars(r).items() if k != "mismatches"}
+        doc["mismatches"] = [vars(m) for m in r.mismatches]
+        emit_json(doc)
+        return 0
+    for m in r.mismatches:
+        err.print(f"[yellow]{'overridden' if m.blocking else 'note'}[/]: {m}", highlight=False)
+    if r.noop:
+        out.print(f"{r.cache_dir}: already installed ({r.entries} entries), nothing to do")
+    else:
+        out.print(f"{r.cache_dir}: installed {r.installed} entries ({r.bytes_fetched / 1e6:.1f} MB fetched), "
+                  f"{r.present} already present, {r.replaced} replaced, in {r.seconds:.2f} s"
+                  + (f"; signed by {r.signed_by}" if r.signed_by else ""))
+    return 0
 
 
 def cmd_verify(args) -> int:
-    raise NotImplementedError
+    from rich.table import Table
+
+    from .verify import verify
+
+    r = verify(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust,
+               require_signature=args.require_signature, check_fingerprint=not args.no_fingerprint)
+    hit = None
+    if args.plan:
+        from .willhit import check
+
+        hit = check(args.plan, r.cache_dir)
+    code = r.exit_code or (WillMissError.exit_code if hit is not None and not hit.ok else 0)
+    if args.json:
+        emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code})
+        return code
+    t = Table(title=f"integrity of {r.cache_dir} (against {', '.join(r.against)})")
+    t.add_column("check")
+    t.add_column("count", justify="right")
+    t.add_column("files")
+    t.add_row("entries ok", f"{r.entries_ok}/{r.entries}", f"{r.files} files, {r.bytes_hashed / 1e6:.1f} MB hashed")
+    for name, items in (("modified", r.modified), ("missing", r.missing), ("unexpected", r.unexpected),
+                        ("groups pointing outside", r.groups_outside)):
+        t.add_row(f"[red]{name}[/]" if items else name, str(len(items)),
+                  "\n".join(items[:20]) + (f"\n... {len(items) - 20} more" if len(items) > 20 else ""))
+    t.add_row("other entries (not from a bundle)", str(r.other_entries), "")
+    out.print(t)
+    if r.factors:
+        t = Table(title="compatibility (bundle fingerprint vs this node)")
+        for c in ("factor", "bundle", "node", "status", "why"):
+            t.add_column(c)
+        style = {"ok": "green", "mismatch": "bold red", "differs": "yellow", "unchecked": "dim"}
+        for f in r.factors:
+            t.add_row(f.factor, f.bundle, f.node, f"[{style[f.status]}]{f.status}[/]", f.why)
+        out.print(t)
+    if hit is not None:
+        t = Table(title=f"will-hit ({hit.hits} hits, {hit.misses} misses)")
+        for c in ("label", "kernel", "key", "hit", "detail"):
+            t.add_column(c)
+        for x in hit.results:
+            t.add_row(x.label, x.kernel, x.key or "-", "[green]hit[/]" if x.hit else "[red]MISS[/]", x.detail)
+        out.print(t)
+    out.print("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})")
+    return code
 
 
 def cmd_keygen(args) -> int:
-    raise NotImplementedError
+    from .signing import keygen
+
+    priv, pub, kid = keygen(args.output, force=args.force)
+    if args.json:
+        emit_json({"private_key": str(priv), "public_key": str(pub), "key_id": kid})
+    else:
+        out.print(f"key {kid}: private {priv} (keep it secret; `prewarm pack --sign {priv}`), "
+                  f"public {pub} (give it to nodes: `prewarm install --trust {pub}`)")
+    return 0
 
 
 def cmd_fingerprint(args) -> int:
-    raise NotImplementedError
+    from rich.table import Table
+
+    from .fingerprint import current
+
+    fp = current(args.backend, args.arch)
+    if args.json:
+        emit_json(fp)
+        return 0
+    t = Table(title="this environment's fingerprint")
+    t.add_column("factor")
+    t.add_column("value")
+    for k, v in sorted(fp.items()):
+        t.add_row(k, v)
+    out.print(t)
+    return 0
 
 
 def cmd_lower(args) -> int:
-    raise NotImplementedError
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .errors import BuildError
+    from .lower import STAGES, lower
+    from .manifest import load
+
+    r = lower(load(args.manifest))
+    if args.json:  # one document: the report says what failed; the exit code says that something did
+        emit_json(r.to_json())
+        return BuildError.exit_code if r.failed else 0
+    t = Table(title=f"{r.manifest}: front end ({r.triton}) for npu {r.arch}")
+    for c in ("#", "kernel", "variant", *(f"{s} ms" for s in STAGES), "cache key / error"):
+        t.add_column(c, overflow="fold")
+    for i, c in enumerate(r.compiles, 1):
+        ms = [f"{c.stage_ms[s]:.1f}" if s in c.stage_ms else ("[red]failed[/]" if s == c.failed_stage else "")
+              for s in STAGES]
+        t.add_row(str(i), c.kernel, escape(c.label), *ms,
+                  c.cache_key if c.ok else f"[red]{c.failed_stage}[/]: {escape(c.error)}")
+    out.print(t)
+    out.print(f"{r.lowered} of {len(r.compiles)} compiles ({r.requests} requests) lowered to linalg"
+              f"{f', [red]{len(r.failed)} failed[/]' if r.failed else ''}")
+    if r.failed:
+        raise BuildError(f"{len(r.failed)} of {len(r.compiles)} compiles failed in the front end: "
+                         + "; ".join(c.failure() for c in r.failed))
+    return 0
 
 
 # --- parser --------------------------------------------------------------------------------------------------
@@ -86,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = verb("build", cmd_build, "compile a manifest's requests into a Triton cache dir")
     sp.add_argument("manifest")
     sp.add_argument("--cache-dir", required=True)
+    sp.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
+    sp.add_argument("--mode", choices=("offline", "device", "auto"), default="auto",
+                    help="offline: no accelerator (target-only driver); device: compile and run once on it")
 
     sp = verb("record", cmd_record, "run a command and log every Triton compile request it makes")
     sp.add_argument("-o", "--output", required=True)
@@ -94,22 +293,37 @@ def build_parser() -> argparse.ArgumentParser:
     sp = verb("pack", cmd_pack, "pack a cache dir into a content-addressed bundle")
     sp.add_argument("cache_dir")
     sp.add_argument("-o", "--output", required=True)
+    sp.add_argument("--sign", metavar="PRIVATE_KEY", help="sign the index with this Ed25519 key (prewarm keygen)")
 
     sp = verb("push", cmd_push, "copy a bundle to one or more stores (any fsspec URL)")
     sp.add_argument("bundle")
-    sp.add_argument("urls", nargs="*")
+    sp.add_argument("urls", nargs="*", help="fsspec URLs of the bundle's location (default: the default store)")
+    sp.add_argument("--retries", type=int, default=3, help="retries per operation on transient errors")
 
     sp = verb("install", cmd_install, "install a bundle into a node's cache dir, atomically")
-    sp.add_argument("source")
-    sp.add_argument("--cache-dir")
+    sp.add_argument("source", help="a bundle URL, a local bundle dir, or a bundle name in the default store")
+    sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
+    sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY", help="trusted signer (repeat)")
+    sp.add_argument("--require-signature", action="store_true", help="refuse an unsigned bundle")
+    sp.add_argument("--allow-fingerprint-mismatch", action="store_true", help="install despite toolchain mismatch")
+    sp.add_argument("--workers", type=int, default=8, help="parallel object fetches")
+    sp.add_argument("--lock-timeout", type=float, default=600, help="seconds to wait for another install")
 
     sp = verb("verify", cmd_verify, "check a cache dir: integrity, compatibility, will-hit")
-    sp.add_argument("--cache-dir")
+    sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
     sp.add_argument("--plan", metavar="MANIFEST")
+    sp.add_argument("--bundle", help="check against this bundle (URL or dir) instead of the install receipts")
+    sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY")
+    sp.add_argument("--require-signature", action="store_true")
+    sp.add_argument("--no-fingerprint", action="store_true", help="skip the compatibility check")
 
     sp = verb("keygen", cmd_keygen, "make an Ed25519 signing key pair")
+    sp.add_argument("-o", "--output", default="prewarm-signing", help="writes OUTPUT.key and OUTPUT.pub")
+    sp.add_argument("--force", action="store_true", help="replace an existing key pair")
 
     sp = verb("fingerprint", cmd_fingerprint, "show this environment's toolchain fingerprint")
+    sp.add_argument("--backend", help="build target backend (default: detected)")
+    sp.add_argument("--arch", help="build target arch (default: detected)")
 
     sp = verb("lower", cmd_lower, "take every planned request through the compiler front end (no device)")
     sp.add_argument("manifest")

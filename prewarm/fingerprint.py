@@ -7,13 +7,21 @@ and verify compare it with the node's and refuse where a factor that changes cod
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import tritoncompat
+from .errors import FingerprintMismatch, IntegrityError
 
 UNKNOWN = "unknown"
 
@@ -84,6 +92,8 @@ def current(backend: str | None = None, arch: str | None = None) -> dict[str, st
     factors["target.arch"] = arch or detect_arch(backend)
     if backend == "cuda":
         factors["cuda.ptxas"] = _ptxas_version()
+    if backend == "npu":
+        factors.update(ascend_factors())
     for name, value in sorted(tritoncompat.cache_invalidating_env_vars().items()):
         factors[f"env.{name}"] = str(value)
     return factors
@@ -106,7 +116,9 @@ def detect_arch(backend: str) -> str:
                 return f"sm_{major}{minor}"
         except Exception:
             pass
-    return os.environ.get("TRITON_ASCEND_ARCH", UNKNOWN) if backend == "npu" else UNKNOWN
+    if backend == "npu":  # as triton-ascend's NPUDriver.get_current_target: the env var wins, else the device
+        return os.environ.get("TRITON_ASCEND_ARCH") or _ascend_device_soc()
+    return UNKNOWN
 
 
 def compare(built: dict[str, str], node: dict[str, str]) -> list[Mismatch]:
@@ -119,7 +131,198 @@ def compare(built: dict[str, str], node: dict[str, str]) -> list[Mismatch]:
         if b == n or UNKNOWN in (b, n):
             continue
         why = WHY.get(factor) or (
-            "a codegen env var: Triton folds it into its key" if factor.startswith("env.") else "differs"
+            "a codegen env var: Triton folds it into its key" if factor.startswith("env.")
+            else ASCEND_ENV_WHY if factor.startswith("ascend.env.") else "differs"
         )
         out.append(Mismatch(factor, b, n, is_blocking(factor), why))
     return out
+
+
+# --- Ascend: the toolchain Triton's key does not see ------------------------------------------------------------
+# triton-ascend's backend hash is str(target) only ("TODO fetch compiler version"): a binary compiled under one
+# CANN / bishengir-compile is silently reused under another. These factors close that hole. They are computed
+# from the local toolchain only (same code on the build node and the serving node), so compare() sees the truth.
+
+ABSENT = "absent"  # the tool or file is not there (differs from UNKNOWN: absent vs present is a real difference)
+UNSET = "unset"
+
+# Codegen env vars triton-ascend reads while compiling that are NOT in Triton's key (raw values: triton-ascend
+# parses some of them two ways). TRITON_ENABLE_LIBDEVICE_SIMT is read by later triton-ascend releases.
+# Not here, on purpose: TRITON_NPU_COMPILER_PATH only picks the compiler, whose identity is ascend.bishengir.*
+# (so the same compiler installed under another path still matches), and TRITON_ASCEND_ARCH only sets the key's
+# arch, which is target.arch (detect_arch honours it, as triton-ascend's driver does).
+ASCEND_CODEGEN_ENV = (
+    "TRITON_ENABLE_SANITIZER",
+    "TRITON_DISABLE_FFTS",
+    "TRITON_ALL_BLOCKS_PARALLEL",
+    "TRITON_ENABLE_LIBDEVICE_SIMT",
+    "ENABLE_PRINT_UB_BITS",
+)
+ASCEND_DEFAULT_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
+ASCEND_ENV_WHY = "an Ascend codegen env var that Triton's key misses: the cached binary may differ from this node's"
+
+WHY.update({
+    "ascend.cann.version": "the CANN toolkit is not in Triton's key: binaries and launchers from another CANN "
+                           "would be silently reused",
+    "ascend.bishengir.version": "bishengir-compile turns linalg into the NPU binary; Triton's key ignores it",
+    "ascend.bishengir.sha256": "a different bishengir-compile binary (even with the same --version) can emit "
+                               "different code; Triton's key ignores it",
+    "ascend.bishengir.name": "triton-ascend passes bishengir-compile-only flags; 'npuc' "
+                             "(TRITON_NPU_COMPILER_PATH) is driven differently",
+    "ascend.soc": "bishengir-compile targets the device's SoC whatever the key's arch says",
+    "ascend.torch_npu.version": "launcher .so files link torch_npu, and their cache key does not include it",
+})  # fmt: skip
+
+
+def ascend_home() -> Path | None:
+    """The CANN toolkit root as triton-ascend and set_env.sh name it (ASCEND_HOME_PATH first), else a default."""
+    for name in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
+        if os.environ.get(name):
+            return Path(os.environ[name])
+    return next((Path(p) for p in ASCEND_DEFAULT_HOMES if Path(p).is_dir()), None)
+
+
+def _cann_version(home: Path | None) -> str:
+    """``version`` (and ``innerversion``) from the toolkit's own <arch>-linux/ascend_toolkit_install.info."""
+    if home is None:
+        return ABSENT
+    candidates = [home / f"{platform.machine()}-linux" / "ascend_toolkit_install.info"]
+    candidates += sorted(home.glob("*-linux/ascend_toolkit_install.info"))
+    for info in candidates:
+        if info.is_file():
+            fields = dict(
+                line.split("=", 1) for line in info.read_text(errors="replace").splitlines() if "=" in line
+            )
+            version = fields.get("version", "").strip()
+            inner = fields.get("innerversion", "").strip()
+            if version:
+                return f"{version} ({inner})" if inner else version
+    return ABSENT
+
+
+def bishengir_path() -> str | None:
+    """The compiler triton-ascend 3.2 runs (utils._get_npucompiler_path): PATH first, then
+    $TRITON_NPU_COMPILER_PATH/npuc. None where that file does not exist."""
+    found = shutil.which("bishengir-compile")
+    if found is None:
+        found = os.path.join(os.environ.get("TRITON_NPU_COMPILER_PATH", ""), "npuc")
+    return found if os.path.isfile(found) else None
+
+
+def _bishengir_factors() -> dict[str, str]:
+    path = bishengir_path()
+    if path is None:
+        return {"ascend.bishengir.name": ABSENT, "ascend.bishengir.version": ABSENT, "ascend.bishengir.sha256": ABSENT}
+    digest = hashlib.sha256()
+    with open(os.path.realpath(path), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    try:
+        run = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+        version = " | ".join(line.strip() for line in (run.stdout + run.stderr).splitlines() if line.strip())
+        version = version or f"(no output, exit {run.returncode})"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        version = f"(cannot run: {e})"
+    return {
+        "ascend.bishengir.name": os.path.basename(path),
+        "ascend.bishengir.version": version,
+        "ascend.bishengir.sha256": digest.hexdigest(),
+    }
+
+
+def _ascend_device_soc() -> str:
+    """The SoC of NPU 0 as torch_npu reports it; UNKNOWN without torch_npu or a device (never imports torch_npu
+    where it is not installed: without CANN it breaks ``import torch``)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return UNKNOWN
+    try:
+        import torch
+        import torch_npu  # noqa: F401
+
+        return torch.npu.get_device_name(0) if torch.npu.is_available() else UNKNOWN
+    except Exception:
+        return UNKNOWN
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ABSENT
+
+
+def ascend_factors() -> dict[str, str]:
+    """The Ascend toolchain factors (all blocking: prefix "ascend.")."""
+    factors = {
+        "ascend.cann.version": _cann_version(ascend_home()),
+        **_bishengir_factors(),
+        "ascend.soc": _ascend_device_soc(),
+        "ascend.torch_npu.version": _dist_version("torch_npu"),
+    }
+    for name in ASCEND_CODEGEN_ENV:
+        factors[f"ascend.env.{name}"] = os.environ.get(name, UNSET)
+    return factors
+
+
+# --- A node's cache dir belongs to one Ascend toolchain ---------------------------------------------------------
+# Triton's key cannot tell two CANN / bishengir-compile toolchains apart, so one cache dir must never hold entries
+# from two of them: the runtime would reuse the old binaries silently. The first install (or NPU build) into a
+# dir records the toolchain in <cache>/.prewarm/toolchain.json; a later one under another toolchain is refused.
+# A dir that already holds kernels but no record (filled by the runtime itself) has an unknown toolchain: refused.
+
+TOOLCHAIN_RECORD = Path(".prewarm") / "toolchain.json"
+
+
+def toolchain_factors(fp: dict[str, str]) -> dict[str, str]:
+    """The factors a cache dir must agree on: those Triton's own key misses (Ascend only; CUDA keys cover them)."""
+    return {k: v for k, v in fp.items() if k.startswith("ascend.")}
+
+
+def _kernel_entries(cache_dir: Path) -> list[str]:
+    """Key dirs holding a compiled kernel (a ``__grp__`` file). The driver's own npu_utils.so, written into the
+    cache dir when the process starts its NPU driver, is not one: it would make every fresh dir look used."""
+    if not cache_dir.is_dir():
+        return []
+    return sorted(d.name for d in cache_dir.iterdir() if d.is_dir() and any(d.glob("__grp__*.json")))
+
+
+def cache_dir_toolchain_conflict(cache_dir: str | os.PathLike, node_fp: dict[str, str]) -> list[Mismatch]:
+    """Why filling ``cache_dir`` on this node would mix toolchains; [] when it is safe (read-only check)."""
+    ours = toolchain_factors(node_fp)
+    if not ours:
+        return []
+    cache_dir = Path(cache_dir)
+    record = cache_dir / TOOLCHAIN_RECORD
+    if record.is_file():
+        try:
+            recorded = json.loads(record.read_text())["factors"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise IntegrityError(f"{record}: not a toolchain record ({e}); delete it only if the dir is empty") from e
+        return [m for m in compare(recorded, ours) if m.blocking and m.factor.startswith("ascend.")]
+    entries = _kernel_entries(cache_dir)
+    if entries:
+        return [Mismatch("ascend.cache_dir", f"{len(entries)} kernels, toolchain not recorded", "this node's toolchain",
+                         True, f"filled outside prewarm (no {TOOLCHAIN_RECORD}): its Ascend toolchain is unknown")]
+    return []
+
+
+def claim_cache_dir(cache_dir: str | os.PathLike, node_fp: dict[str, str]) -> None:
+    """Refuse a cache dir filled under another Ascend toolchain (FingerprintMismatch), else record ours in it."""
+    conflicts = cache_dir_toolchain_conflict(cache_dir, node_fp)
+    if conflicts:
+        lines = "; ".join(f"{m.factor}: the cache dir has {m.built!r}, this node has {m.node!r} ({m.why})"
+                          for m in conflicts)
+        raise FingerprintMismatch(
+            f"{cache_dir} holds Triton entries from another Ascend toolchain, which Triton's cache key cannot tell "
+            f"apart (they would be reused silently): {lines}. Use a fresh cache dir for this toolchain, or empty "
+            f"this one."
+        )
+    ours = toolchain_factors(node_fp)
+    if not ours:
+        return
+    record = Path(cache_dir) / TOOLCHAIN_RECORD
+    record.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=".toolchain.")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"factors": ours}, f, indent=2, sort_keys=True)
+    os.replace(tmp, record)

@@ -1,0 +1,73 @@
+# syntax=docker/dockerfile:1.7
+# A serving image with the Triton cache of a shipped manifest baked in (cache + its bundle), so no node compiles
+# on first use.
+#
+#   NVIDIA:          docker build -t kda-serving:cuda .
+#   Ascend:          docker build --build-arg TARGET=npu -t kda-serving:npu .
+#   signed bundle:   docker build --secret id=prewarm_key,src=prewarm-signing.key -t kda-serving:cuda .
+#                    (key pair from `prewarm keygen`; nodes then install with --trust prewarm-signing.pub)
+#   another manifest: --build-arg CUDA_MANIFEST=<file in manifests/> (or NPU_MANIFEST)
+#
+# Base images. Neither was pulled while writing this file (no Docker engine on that machine):
+#   CUDA:   nvidia/cuda:13.0.2-devel-ubuntu24.04: CUDA 13.0 for torch 2.11.0+cu130; Ubuntu 24.04's python3 is
+#           3.12.3 like the H200 nodes'. The Python minor matters: libtriton differs per Python minor and is part
+#           of every cache key, so a cache built under another Python would miss on the node.
+#   Ascend: quay.io/ascend/cann:8.5.0-a3-ubuntu22.04-py3.11: CANN for Atlas A3 with Python 3.11
+#           (triton-ascend 3.2.0 ships cp311 wheels only).
+#
+# tests/test_deploy.py parses this file and runs every RUN line that calls `prewarm` (ARG/ENV values from here,
+# /opt/prewarm mapped to a temp dir) against the CPU target, so these commands cannot rot.
+
+ARG TARGET=cuda
+ARG CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04
+ARG CANN_IMAGE=quay.io/ascend/cann:8.5.0-a3-ubuntu22.04-py3.11
+
+FROM ${CUDA_IMAGE} AS os-cuda
+# gcc: Triton 3.6 builds its per-signature launcher .so at first launch (not in an offline build, see below).
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
+    && rm -rf /var/lib/apt/lists/*
+ARG CUDA_MANIFEST=kimi-linear-h200.toml
+ENV PREWARM_EXTRA=cuda \
+    PREWARM_MANIFEST=/opt/prewarm/src/manifests/${CUDA_MANIFEST}
+
+FROM ${CANN_IMAGE} AS os-npu
+ARG NPU_MANIFEST=kimi-k3-ascend-a3.toml
+ENV PREWARM_EXTRA=npu \
+    PREWARM_MANIFEST=/opt/prewarm/src/manifests/${NPU_MANIFEST}
+
+FROM os-${TARGET} AS tool
+ENV PREWARM_CACHE=/opt/prewarm/cache \
+    PREWARM_BUNDLE=/opt/prewarm/bundle \
+    PATH=/opt/prewarm/venv/bin:${PATH}
+COPY . /opt/prewarm/src
+RUN python3 -m venv /opt/prewarm/venv \
+    && /opt/prewarm/venv/bin/pip install --no-cache-dir "/opt/prewarm/src[${PREWARM_EXTRA}]"
+
+# --- NVIDIA: build + pack at image build time -----------------------------------------------------------------
+FROM tool AS bake-cuda
+# `docker build` has no GPU: the offline target compiles every planned kernel (every autotune config) to cubin
+# through Triton's real JIT path. Autotune timings and launcher .so files need a GPU; for those, run
+# `prewarm build --mode device` on one GPU node, pack, push, and point the nodes' PREWARM_SOURCE at that store.
+RUN prewarm build "${PREWARM_MANIFEST}" --cache-dir "${PREWARM_CACHE}" --mode offline
+RUN --mount=type=secret,id=prewarm_key \
+    if [ -s /run/secrets/prewarm_key ]; then sign="--sign /run/secrets/prewarm_key"; else sign=""; fi \
+    && prewarm pack "${PREWARM_CACHE}" -o "${PREWARM_BUNDLE}" ${sign}
+# Fail the image build unless the baked cache matches its bundle and every planned kernel would be a hit.
+RUN prewarm verify --cache-dir "${PREWARM_CACHE}" --bundle "${PREWARM_BUNDLE}" --plan "${PREWARM_MANIFEST}"
+# The baked cache is usable in place (it was built at this path); the pre-launch job installs the bundle into
+# the node's own cache dir instead (deploy/prelaunch.sh, deploy/k8s-init-container.yaml).
+ENV TRITON_CACHE_DIR=/opt/prewarm/cache
+
+# --- Ascend: ship the tool, the manifest and the plan; the node builds ------------------------------------------
+FROM tool AS bake-npu
+# The last compile stage (bishengir-compile) asks the NPU for its SoC whatever TRITON_ASCEND_ARCH says, and the
+# launchers need torch_npu and a device: an Ascend cache can only be completed on a node with an NPU. The image
+# therefore carries the exact plan and proves every request gets through the compiler front end (TTIR ->
+# linalg, no device); the node's pre-launch job builds the cache (deploy/prelaunch.sh with
+# PREWARM_BUILD_ON_NODE=1), packs it and can push it so the other nodes install instead of compiling.
+RUN prewarm plan "${PREWARM_MANIFEST}" --json > /opt/prewarm/plan.json
+RUN prewarm lower "${PREWARM_MANIFEST}"
+ENV TRITON_CACHE_DIR=/var/cache/triton
+
+FROM bake-${TARGET}

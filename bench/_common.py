@@ -1,0 +1,278 @@
+"""Helpers shared by the benches: environment for child processes, prewarm CLI calls, and in-process probes.
+
+The benches run from a plain checkout (the project is not pip-installed on the GPU box), so every child process
+gets ``PYTHONPATH = <shim>:<repo>:...`` where ``<shim>/prewarm_kernels`` is a symlink to ``kernels/``: that makes
+``prewarm`` and ``prewarm_kernels`` importable in the child *and* in the spawned build workers it starts, which an
+in-process import hook would not reach.
+
+Probes (installed inside a measuring child):
+- compiles: ``triton.knobs.compilation.listener``; ``cache_hit=False`` is a real compile, ``True`` a disk hit.
+- autotune seconds: time spent inside ``Autotuner._bench`` (compiling and benchmarking each candidate config).
+- launcher builds: ``triton.runtime.build._build`` (the gcc build of a per-signature launcher / cuda_utils).
+- per-launch latency: ``prewarm_kernels.launch.launch`` is the single launch point; it is wrapped before any
+  kernel module imports it, and each launch is timed between two device synchronizations.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_WORK = Path(os.environ.get("PREWARM_BENCH_WORK", "/tmp/prewarm-bench"))
+DEFAULT_MANIFEST = REPO / "manifests" / "kimi-linear-h200.toml"
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def write_json(path: str | Path, obj) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def fresh_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+# --- child processes -----------------------------------------------------------------------------------------
+
+
+def child_env(work: Path, **extra: str) -> dict[str, str]:
+    """Environment for any child: repo + kernels shim on PYTHONPATH, no inherited Triton cache dir."""
+    shim = work / "shim"
+    link = shim / "prewarm_kernels"
+    if not link.exists():
+        shim.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(REPO / "kernels", target_is_directory=True)
+    env = dict(os.environ)
+    env.pop("TRITON_CACHE_DIR", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout: float) -> float:
+    """Run ``prewarm ARGS`` (as ``python -m prewarm.cli``) with live output; returns its wall seconds."""
+    cmd = [sys.executable, "-m", "prewarm.cli", *args]
+    log("$ prewarm " + " ".join(args))
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout).returncode
+    dt = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"`prewarm {' '.join(args)}` exited {rc} after {dt:.1f}s")
+    return dt
+
+
+def run_child(script: Path, args: list[str], env: dict[str, str], result: Path, timeout: float) -> dict:
+    """Run ``python SCRIPT ARGS`` in a fresh process; it writes its measurement to ``result`` (JSON)."""
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(script), *args, "--result", str(result)]
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout).returncode
+    if not result.exists():
+        raise RuntimeError(f"child {script.name} {' '.join(args)} exited {rc} without writing {result}")
+    data = json.loads(result.read_text())
+    data["process_wall_s"] = time.perf_counter() - t0
+    if rc != 0 or data.get("error"):
+        raise RuntimeError(f"child {script.name} {' '.join(args)} failed (rc {rc}): {data.get('error')}")
+    return data
+
+
+def prepare_bundle(manifest: Path, work: Path, timeout: float = 420) -> dict:
+    """Build the manifest's cache on this GPU (device mode: compile, autotune, launchers) in a scratch dir, pack
+    it into ``work/bundle``, and delete the scratch dir so nothing can be read from the build path later."""
+    env = child_env(work)
+    build_dir = fresh_dir(work / "build-cache")
+    bundle = work / "bundle"
+    shutil.rmtree(bundle, ignore_errors=True)
+    t_build = run_cli(["build", str(manifest), "--cache-dir", str(build_dir), "--mode", "device"], env, timeout)
+    t_pack = run_cli(["pack", str(build_dir), "-o", str(bundle)], env, 120)
+    shutil.rmtree(build_dir)
+    index = json.loads((bundle / "index.json").read_text())
+    return {
+        "bundle": str(bundle),
+        "build_s": t_build,
+        "pack_s": t_pack,
+        "entries": len(index["entries"]),
+        "files": sum(len(e["files"]) for e in index["entries"]),
+        "bytes": sum(f["size"] for e in index["entries"] for f in e["files"]),
+        "build_dir_deleted": not build_dir.exists(),
+    }
+
+
+def bundle_ready(bundle: Path) -> bool:
+    return (bundle / "index.json").is_file()
+
+
+def install_bundle(bundle: Path, cache_dir: Path, work: Path) -> float:
+    """Install into a fresh dir through the real pre-launch path (verify hashes + fingerprint, relocate)."""
+    fresh_dir(cache_dir)
+    return run_cli(["install", str(bundle), "--cache-dir", str(cache_dir)], child_env(work), 120)
+
+
+def load_spec(manifest: Path, layers: int | None = None) -> dict:
+    from prewarm.manifest import load
+
+    spec = load(manifest).spec()
+    if layers is not None:
+        spec["layers"] = layers
+    return spec
+
+
+# --- in-process probes (used inside a measuring child, after torch/CUDA init) ----------------------------------
+
+
+class Probes:
+    """Counts compiles, disk hits, autotune seconds, launcher builds and per-launch latency in this process."""
+
+    def __init__(self):
+        import triton
+        from triton import knobs
+        from triton.runtime import build
+        from triton.runtime.autotuner import Autotuner
+
+        self.compiles: dict[str, int] = defaultdict(int)
+        self.compile_s: dict[str, float] = defaultdict(float)
+        self.hits: dict[str, int] = defaultdict(int)
+        self.autotune_s: dict[str, float] = defaultdict(float)
+        self.launcher_builds = 0
+        self.launcher_build_s = 0.0
+        self.launches: dict[str, dict] = {}
+        self.triton_version = triton.__version__
+        self.cache_dir = knobs.cache.dir
+
+        def listener(*, src, metadata, metadata_group, times, cache_hit):
+            name = getattr(src, "name", "?")
+            if cache_hit:
+                self.hits[name] += 1
+            else:
+                self.compiles[name] += 1
+                self.compile_s[name] += times.total / 1e6
+
+        knobs.compilation.listener = listener
+
+        orig_bench = Autotuner._bench
+
+        def timed_bench(tuner, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return orig_bench(tuner, *args, **kwargs)
+            finally:
+                self.autotune_s[tuner.base_fn.__name__] += time.perf_counter() - t0
+
+        Autotuner._bench = timed_bench
+
+        orig_build = build._build
+
+        def timed_build(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return orig_build(*args, **kwargs)
+            finally:
+                self.launcher_builds += 1
+                self.launcher_build_s += time.perf_counter() - t0
+
+        build._build = timed_build
+
+    def wrap_launch(self, sync) -> None:
+        """Time every launch through ``prewarm_kernels.launch.launch``; must run before kernel modules import it."""
+        import prewarm_kernels.launch as lm
+
+        if any(m.startswith("prewarm_kernels.") and m != "prewarm_kernels.launch" for m in sys.modules):
+            raise RuntimeError("wrap_launch must run before any kernel module is imported")
+        orig = lm.launch
+
+        def timed_launch(kernel, grid, *args, **kwargs):
+            if lm._sink.get() is not None:  # planning capture: nothing runs
+                return orig(kernel, grid, *args, **kwargs)
+            name = kernel_name(kernel)
+            sync()
+            t0 = time.perf_counter()
+            orig(kernel, grid, *args, **kwargs)
+            sync()
+            dt = time.perf_counter() - t0
+            rec = self.launches.setdefault(name, {"calls": 0, "first_call_s": dt, "max_call_s": 0.0, "total_s": 0.0})
+            rec["calls"] += 1
+            rec["max_call_s"] = max(rec["max_call_s"], dt)
+            rec["total_s"] += dt
+
+        lm.launch = timed_launch
+
+    def snapshot(self) -> dict:
+        return {
+            "compiles": sum(self.compiles.values()),
+            "compile_s": round(sum(self.compile_s.values()), 4),
+            "cache_hits": sum(self.hits.values()),
+            "autotune_s": round(sum(self.autotune_s.values()), 4),
+            "launcher_builds": self.launcher_builds,
+            "launcher_build_s": round(self.launcher_build_s, 4),
+        }
+
+    def details(self) -> dict:
+        return {
+            "compiles_by_kernel": dict(self.compiles),
+            "compile_s_by_kernel": {k: round(v, 4) for k, v in self.compile_s.items()},
+            "cache_hits_by_kernel": dict(self.hits),
+            "autotune_s_by_kernel": {k: round(v, 4) for k, v in self.autotune_s.items()},
+            "launches_by_kernel": {k: {f: round(x, 6) if isinstance(x, float) else x for f, x in v.items()}
+                                   for k, v in self.launches.items()},
+        }
+
+
+def diff(after: dict, before: dict) -> dict:
+    return {k: round(after[k] - before[k], 4) if isinstance(after[k], float) else after[k] - before[k] for k in after}
+
+
+def kernel_name(kernel) -> str:
+    """The Python name of the function under any Autotuner / Heuristics wrappers."""
+    from triton.runtime.jit import JITFunction
+
+    seen = kernel
+    while not isinstance(seen, JITFunction) and hasattr(seen, "fn"):
+        seen = seen.fn
+    return getattr(getattr(seen, "fn", seen), "__name__", repr(kernel))
+
+
+def init_device():
+    """torch + CUDA context + triton import: done before any timer starts (not what a cache can change)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device visible: these benches measure a GPU run")
+    torch.cuda.init()
+    torch.empty(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    import triton  # noqa: F401
+
+    return torch
+
+
+def child_main(fn, args) -> int:
+    """Run a child's measurement; always leave a JSON result (with ``error`` on failure)."""
+    try:
+        data = fn(args)
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - the parent needs the reason, whatever it is
+        traceback.print_exc()
+        data = {"error": f"{type(e).__name__}: {e}"}
+        code = 1
+    write_json(args.result, data)
+    return code

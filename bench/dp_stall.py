@@ -1,0 +1,273 @@
+"""Data-parallel stall: how long warm ranks wait in a collective for one rank that compiles.
+
+    python3 bench/dp_stall.py [--manifest manifests/kimi-linear-h200.toml] [--out bench/results/dp_stall.json]
+
+Four ranks (processes) share the one GPU; they join a gloo group and all-reduce a CPU tensor (NCCL cannot run 4
+ranks on 1 GPU). Each step is what a data-parallel attention rank does: its own KDA kernels (the provider's
+serving mix restricted to prefill + one decode bucket, ``--layers`` times) then the collective. A rank's *wait* is the
+time from entering ``all_reduce`` (after its kernels finished and the device synchronized) to leaving it, so the
+slowest rank waits ~0 and the others wait for it.
+
+Scenarios (each with fresh processes and fresh cache dirs):
+- A: rank 0 starts with an empty TRITON_CACHE_DIR; ranks 1.. each installed the bundle into their own dir.
+- B: every rank installed the bundle into its own dir (the pre-launch job ran everywhere).
+- A_variant: like B, but at ``--variant-step`` rank 0 meets a decode bucket the manifest does not list (a new
+  input-shape variant: the stall the `record` loop exists to close).
+
+The bundle comes from ``--bundle``, else ``WORK/bundle`` if ``bench/cold_start.py`` left one there, else it is
+built here (``prewarm build --mode device`` + pack, the scratch build dir deleted before any rank starts).
+``--layers`` (default 1) sets each step's GPU work only: every layer launches the same compiled variants, and
+four ranks time-slicing one GPU is an artefact of this box, not of a DP deployment.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_ready, child_env, child_main, diff, fresh_dir,
+    init_device, install_bundle, load_spec, log, prepare_bundle, write_json,
+)
+
+B_LIMIT_S = 0.050
+SCENARIOS = ("A", "B", "A_variant")
+
+
+def rank_main(args) -> dict:
+    """Child: one rank. Import kernels, join the group, then steps of (kernels, all_reduce)."""
+    torch = init_device()
+    import torch.distributed as dist
+
+    probes = Probes()
+    step_spec = json.loads(Path(args.spec).read_text())
+    variant_spec = json.loads(Path(args.variant_spec).read_text()) if args.variant_spec else None
+    serving = importlib.import_module("prewarm_kernels.kda.serving")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world, timeout=datetime.timedelta(seconds=args.collective_timeout))
+    token = torch.zeros(1)
+    dist.all_reduce(token)  # connect before measuring
+    dist.barrier()
+    steps = []
+    for step in range(args.steps):
+        spec = variant_spec if variant_spec is not None and step == args.variant_step else step_spec
+        before = probes.snapshot()
+        t0 = time.perf_counter()
+        for _ in range(spec["layers"]):
+            serving.run(spec, device="cuda")
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        arrive = time.time()
+        dist.all_reduce(token)
+        t2 = time.perf_counter()
+        rec = {"step": step, "compute_s": round(t1 - t0, 6), "wait_s": round(t2 - t1, 6), "arrive_wall": arrive,
+               "variant": spec is variant_spec, **diff(probes.snapshot(), before)}
+        steps.append(rec)
+        log(f"rank {args.rank} step {step}: kernels {rec['compute_s']:.3f}s ({rec['compiles']} compiles, autotune "
+            f"{rec['autotune_s']:.2f}s), waited {rec['wait_s']:.3f}s in all_reduce")
+    dist.destroy_process_group()
+    return {"rank": args.rank, "cache_dir": probes.cache_dir, "steps": steps, **probes.details()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_scenario(name: str, args, work: Path, bundle: Path, spec_file: Path, variant_file: Path) -> dict:
+    world = args.ranks
+    root = fresh_dir(work / f"dp-{name}")
+    dirs, installs = [], []
+    for r in range(world):
+        d = root / f"rank{r}-cache"
+        if name == "A" and r == 0:
+            fresh_dir(d)
+        else:
+            installs.append(round(install_bundle(bundle, d, work), 3))
+        dirs.append(d)
+    port = free_port()
+    me = Path(__file__).resolve()
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, str(me), "--child", "--rank", str(r), "--world", str(world), "--port", str(port),
+               "--spec", str(spec_file), "--steps", str(args.steps), "--result", str(root / f"rank{r}.json"),
+               "--collective-timeout", str(args.timeout)]
+        if name == "A_variant" and r == 0:
+            cmd += ["--variant-spec", str(variant_file), "--variant-step", str(args.variant_step)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=child_env(work, TRITON_CACHE_DIR=str(dirs[r]))))
+    codes = wait_all(procs, deadline=time.monotonic() + args.timeout + 60)
+    ranks = []
+    for r in range(world):
+        f = root / f"rank{r}.json"
+        data = json.loads(f.read_text()) if f.exists() else {"error": "no result written"}
+        if data.get("error") or codes[r] != 0:
+            raise RuntimeError(f"scenario {name}: rank {r} exited {codes[r]}: {data.get('error')}")
+        ranks.append(data)
+    return summarize(name, ranks, installs)
+
+
+def wait_all(procs: list[subprocess.Popen], deadline: float) -> list[int]:
+    """Wait for every rank; once one fails (or time is up) the others would block in the collective: stop them."""
+    while any(p.poll() is None for p in procs):
+        failed = any(p.returncode not in (None, 0) for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    return [p.wait() for p in procs]
+
+
+def summarize(name: str, ranks: list[dict], installs: list[float]) -> dict:
+    n_steps = len(ranks[0]["steps"])
+    steps = []
+    for s in range(n_steps):
+        rows = [r["steps"][s] for r in ranks]
+        first = min(row["arrive_wall"] for row in rows)
+        steps.append({
+            "step": s,
+            "wait_s": [row["wait_s"] for row in rows],
+            "compute_s": [row["compute_s"] for row in rows],
+            "arrival_after_first_s": [round(row["arrive_wall"] - first, 6) for row in rows],
+            "compiles": [row["compiles"] for row in rows],
+            "compile_s": [row["compile_s"] for row in rows],
+            "autotune_s": [row["autotune_s"] for row in rows],
+            "launcher_builds": [row["launcher_builds"] for row in rows],
+            "max_wait_s": max(row["wait_s"] for row in rows),
+        })
+    out = {
+        "ranks": len(ranks),
+        "install_s": installs,
+        "steps": steps,
+        "max_wait_s": max(st["max_wait_s"] for st in steps),
+        "max_wait_s_by_rank": [max(st["wait_s"][r] for st in steps) for r in range(len(ranks))],
+        "compiles_by_rank": [sum(st["compiles"][r] for st in steps) for r in range(len(ranks))],
+        "compile_s_by_rank": [round(sum(st["compile_s"][r] for st in steps), 4) for r in range(len(ranks))],
+        "autotune_s_by_rank": [round(sum(st["autotune_s"][r] for st in steps), 4) for r in range(len(ranks))],
+        "rank0_compiles_by_kernel": ranks[0]["compiles_by_kernel"],
+    }
+    log(f"scenario {name}: max wait {out['max_wait_s']:.3f}s, per rank {out['max_wait_s_by_rank']}, "
+        f"compiles per rank {out['compiles_by_rank']}")
+    return out
+
+
+def judge(res: dict) -> dict:
+    sc, crit = res["scenarios"], {}
+    if "A" in sc:
+        a = sc["A"]
+        warm_wait = max(a["max_wait_s_by_rank"][1:])
+        a["warm_ranks_max_wait_s"] = warm_wait
+        a["cold_rank_compile_s"] = a["compile_s_by_rank"][0]
+        a["cold_rank_autotune_s"] = a["autotune_s_by_rank"][0]
+        crit["A: cold rank compiled"] = a["compiles_by_rank"][0] > 0
+        crit["A: warm ranks compiled nothing"] = not any(a["compiles_by_rank"][1:])
+        crit["A: warm ranks' max wait >= cold rank's compile time"] = warm_wait >= a["cold_rank_compile_s"]
+    if "B" in sc:
+        b = sc["B"]
+        crit["B: no rank compiled"] = not any(b["compiles_by_rank"])
+        crit["B: no autotune"] = not any(b["autotune_s_by_rank"])
+        crit[f"B: every rank's max wait per step <= {B_LIMIT_S * 1000:g} ms"] = b["max_wait_s"] <= B_LIMIT_S
+    if "A_variant" in sc:  # informational: shows what an unplanned shape costs, not a pass/fail goal
+        v, step = sc["A_variant"], res["variant_step"]
+        row = v["steps"][step]
+        v["variant_step_rank0_compiles"] = row["compiles"][0]
+        v["variant_step_rank0_compile_s"] = row["compile_s"][0]
+        v["variant_step_warm_ranks_max_wait_s"] = max(row["wait_s"][1:])
+    for k, ok in crit.items():
+        log(f"  {'PASS' if ok else 'FAIL'}  {k}")
+    return crit
+
+
+def orchestrate(args) -> dict:
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = Path(args.manifest).resolve()
+    res: dict = {"manifest": str(manifest.relative_to(REPO) if manifest.is_relative_to(REPO) else manifest),
+                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ok": False, "scenarios": {},
+                 "ranks": args.ranks, "steps": args.steps, "variant_step": args.variant_step,
+                 "wait_definition": "seconds inside dist.all_reduce (gloo, CPU tensor) after this rank's kernels "
+                                    "finished and the device synchronized"}
+    try:
+        bundle = Path(args.bundle).resolve() if args.bundle else work / "bundle"
+        if bundle_ready(bundle):
+            res["prepare"] = {"bundle": str(bundle), "reused": True}
+            log(f"using bundle {bundle}")
+        elif args.bundle:
+            raise RuntimeError(f"--bundle {bundle}: no index.json there")
+        else:
+            log("no bundle yet: device build + pack (the scratch build dir is deleted afterwards)")
+            res["prepare"] = prepare_bundle(manifest, work, timeout=args.timeout)
+
+        spec = load_spec(manifest, layers=args.layers)
+        buckets = spec["decode_batch_buckets"]
+        step_spec = dict(spec, decode_batch_buckets=buckets[:1], draft_widths=[])
+        variant = copy.deepcopy(step_spec)
+        new_bucket = 4 * (1 << (max(buckets or [1]) - 1).bit_length())
+        variant["decode_batch_buckets"] = [new_bucket]
+        spec_file, variant_file = work / "dp-step-spec.json", work / "dp-variant-spec.json"
+        write_json(spec_file, step_spec)
+        write_json(variant_file, variant)
+        res["step_spec"], res["variant_decode_bucket"] = step_spec, new_bucket
+
+        for name in args.scenarios.split(","):
+            if name not in SCENARIOS:
+                raise ValueError(f"--scenarios: unknown {name!r} (known: {', '.join(SCENARIOS)})")
+            log(f"scenario {name}: {args.ranks} ranks, {args.steps} steps")
+            try:
+                res["scenarios"][name] = run_scenario(name, args, work, bundle, spec_file, variant_file)
+            except Exception as e:  # noqa: BLE001 - record it, run the other scenarios
+                res["scenarios"][name] = {"error": f"{type(e).__name__}: {e}"}
+                log(f"scenario {name} FAILED: {e}")
+        done = {k: v for k, v in res["scenarios"].items() if "error" not in v}
+        crit = judge({**res, "scenarios": done})
+        res["criteria"] = crit
+        res["ok"] = bool(crit) and all(crit.values()) and len(done) == len(res["scenarios"])
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {e}"
+        log(f"FAILED: {res['error']}")
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "dp_stall.json"))
+    p.add_argument("--work-dir", default=str(DEFAULT_WORK))
+    p.add_argument("--bundle", help="bundle dir to install (default: WORK/bundle, built if missing)")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--layers", type=int, default=1, help="layers per step (same compiled variants for any value)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--variant-step", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=300, help="seconds allowed to a build or a scenario")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--variant-spec", help=argparse.SUPPRESS)
+    p.add_argument("--collective-timeout", type=float, default=300, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child_main(rank_main, args)
+    if not 0 <= args.variant_step < args.steps:
+        p.error("--variant-step must be a step index below --steps")
+    res = orchestrate(args)
+    log(f"wrote {write_json(args.out, res)}")
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""H200 accuracy of the KDA kernels (bf16, K = V = 128) against the fp32 token-by-token reference.
+
+Relative RMS error rms(out - ref) / rms(ref) of o and the final state must be < 0.005 for every case: chunked
+forward at H in {6, 32}, T in {1, 63, 64, 65, 4096, 16384} and a packed varlen batch with a state pool (fused gate
+and in-kernel q/k L2 norm, as served), plus the recurrent kernel for decode and verify (draft width 4).
+
+    python bench/kda_accuracy.py [--out bench/results/kda_accuracy.json] [--heads 6 32] [--seqlens ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+try:
+    import prewarm_kernels  # noqa: F401  (installed)
+except ImportError:  # run from a bare checkout: map kernels/ to prewarm_kernels
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "prewarm_kernels", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "__init__.py"),
+        submodule_search_locations=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels")])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["prewarm_kernels"] = mod
+    spec.loader.exec_module(mod)
+
+from prewarm_kernels.kda import chunk_kda_fwd, recurrent_kda  # noqa: E402
+from prewarm_kernels.kda.reference import gate_ref, l2norm_ref, recurrent_ref  # noqa: E402
+
+THRESHOLD = 0.005
+K = V = 128
+VARLEN = [1, 63, 64, 65, 1000, 4096]
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float(((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item())
+
+
+def inputs(T: int, H: int, seed: int, dev: str):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    bf = torch.bfloat16
+    q = torch.randn(1, T, H, K, generator=g).to(dev, bf)
+    k = torch.randn(1, T, H, K, generator=g).to(dev, bf)
+    v = torch.randn(1, T, H, V, generator=g).to(dev, bf)
+    raw = torch.randn(1, T, H, K, generator=g).to(dev, bf)
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=g)).to(dev)
+    A_log = (torch.rand(H, generator=g) * 2 - 1).to(dev)  # A in [0.37, 2.7]
+    dt_bias = (torch.randn(H * K, generator=g) * 0.5).to(dev)
+    return q, k, v, raw, beta, A_log, dt_bias
+
+
+def chunk_case(H: int, lens: list[int], varlen: bool, lower_bound, dev: str) -> dict:
+    T = sum(lens)
+    q, k, v, raw, beta, A_log, dt_bias = inputs(T, H, seed=H * 1000 + T, dev=dev)
+    N = len(lens) if varlen else 1
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor(lens), 0).tolist(), dtype=torch.int32) if varlen else None
+    pool = torch.randn(N + 3, H, K, V, generator=torch.Generator().manual_seed(T)).to(dev) * 0.1
+    idx = (torch.arange(N, dtype=torch.int32) + 2).to(dev)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    o, final = chunk_kda_fwd(q, k, v, raw, beta, initial_state=pool, initial_state_indices=idx,
+                             output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True, A_log=A_log,
+                             dt_bias=dt_bias, lower_bound=lower_bound)
+    torch.cuda.synchronize()
+    first_call_s = time.time() - t0
+    g = gate_ref(raw, A_log, dt_bias, lower_bound)
+    o_ref, final_ref = recurrent_ref(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx.cpu(),
+                                     cu_seqlens=cu, use_qk_l2norm=True)
+    return {"kind": "chunk", "H": H, "T": T, "varlen": varlen, "seqlens": lens if varlen else None,
+            "gate_lower_bound": lower_bound, "rel_rms_o": rel_rms(o, o_ref), "rel_rms_state": rel_rms(final, final_ref),
+            "finite": bool(torch.isfinite(o).all() and torch.isfinite(final).all()),
+            "first_call_s": round(first_call_s, 3)}
+
+
+def recurrent_case(H: int, bs: int, draft: int, lower_bound, dev: str) -> dict:
+    T = bs * draft
+    q, k, v, raw, beta, A_log, dt_bias = inputs(T, H, seed=7 * H + T, dev=dev)
+    pool = torch.randn(bs + 2, H, K, V, generator=torch.Generator().manual_seed(bs)).to(dev) * 0.1
+    idx = (torch.arange(bs, dtype=torch.int32).flip(0) + 1).to(dev)
+    before = pool.clone()
+    o, inter = recurrent_kda(q, k, v, raw, beta, pool, idx, draft_width=draft, use_qk_l2norm=True, A_log=A_log,
+                             dt_bias=dt_bias, lower_bound=lower_bound)
+    torch.cuda.synchronize()
+    g = gate_ref(raw, A_log, dt_bias, lower_bound)
+    cu = torch.arange(0, T + 1, draft, dtype=torch.int32)
+    o_ref, final_ref = recurrent_ref(q, k, v, g, beta, initial_state=before, initial_state_indices=idx.cpu(),
+                                     cu_seqlens=cu, use_qk_l2norm=True)
+    final = pool[idx.long()] if draft == 1 else inter[:, -1]
+    return {"kind": "decode" if draft == 1 else "verify", "H": H, "batch": bs, "draft": draft,
+            "gate_lower_bound": lower_bound, "rel_rms_o": rel_rms(o, o_ref), "rel_rms_state": rel_rms(final, final_ref),
+            "finite": bool(torch.isfinite(o).all())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/kda_accuracy.json")
+    ap.add_argument("--heads", type=int, nargs="+", default=[6, 32])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1, 63, 64, 65, 4096, 16384])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = "cuda"
+    t_start = time.time()
+    results, errors = [], []
+    plan = []
+    for H in args.heads:
+        lb = -5.0 if H == 6 else None  # K3-like (bounded sigmoid gate) at 6 heads, Kimi-Linear softplus at 32
+        plan += [("chunk", H, [T], False, lb) for T in args.seqlens]
+        plan.append(("chunk", H, VARLEN, True, lb))
+        plan += [("rec", H, bs, d, lb) for bs, d in [(1, 1), (16, 1), (1, 4), (16, 4)]]
+    with torch.inference_mode():
+        for i, case in enumerate(plan):
+            try:
+                if case[0] == "chunk":
+                    r = chunk_case(case[1], case[2], case[3], case[4], dev)
+                else:
+                    r = recurrent_case(case[1], case[2], case[3], case[4], dev)
+                r["pass"] = r["finite"] and r["rel_rms_o"] < THRESHOLD and r["rel_rms_state"] < THRESHOLD
+                results.append(r)
+                print(f"[{i + 1}/{len(plan)} {time.time() - t_start:6.1f}s] {r['kind']} H={r['H']} "
+                      f"{'T=' + str(r.get('T')) if r['kind'] == 'chunk' else 'bs=' + str(r['batch']) + ' draft=' + str(r['draft'])}"
+                      f"{' varlen' if r.get('varlen') else ''}: o {r['rel_rms_o']:.2e} state {r['rel_rms_state']:.2e} "
+                      f"{'PASS' if r['pass'] else 'FAIL'}", flush=True)
+            except Exception as e:  # keep going: one broken case must not hide the others
+                errors.append({"case": repr(case), "error": repr(e), "traceback": traceback.format_exc()})
+                print(f"[{i + 1}/{len(plan)}] {case}: ERROR {e!r}", flush=True)
+    ok = not errors and all(r["pass"] for r in results)
+    report = {"benchmark": "kda_accuracy", "threshold_rel_rms": THRESHOLD, "K": K, "V": V, "dtype": "bfloat16",
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "python": platform.python_version(),
+              "all_pass": ok, "results": results, "errors": errors, "wall_s": round(time.time() - t_start, 1)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    worst = max((max(r["rel_rms_o"], r["rel_rms_state"]) for r in results), default=float("nan"))
+    print(f"{'ALL PASS' if ok else 'FAILURES'}: {len(results)} cases, {len(errors)} errors, worst rel RMS {worst:.2e} "
+          f"(< {THRESHOLD}); wrote {args.out} in {report['wall_s']}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

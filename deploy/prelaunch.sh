@@ -1,0 +1,46 @@
+#!/bin/sh
+# Pre-launch job: make this node's Triton cache complete and verified, then (optionally) start the server.
+#
+#   deploy/prelaunch.sh                                   # as a job / systemd ExecStartPre=
+#   deploy/prelaunch.sh python3 -m sglang.launch_server ...   # the line before the server: exec'd on success
+#
+# The server starts only if verify is clean (integrity of every installed file, toolchain fingerprint, and
+# every planned kernel a hit); otherwise the exit code of the failing step says why (see `prewarm --help`).
+# Install takes a lock and is a no-op when already done, so all ranks of a node may run this at once.
+#
+# Settings (environment):
+#   TRITON_CACHE_DIR       the node's cache dir the server will use            (default /var/cache/triton)
+#   PREWARM_MANIFEST       the manifest the server is planned by               (default: the image's manifest)
+#   PREWARM_SOURCE         bundle to install: a dir, a bundle name in the default store, or any fsspec URL
+#                          (s3://..., sftp://...; credentials via FSSPEC_S3 / FSSPEC_SFTP) (default: the image's)
+#   PREWARM_TRUST          a public key: require the bundle to be signed by it  (default: none)
+#   PREWARM_BUILD_ON_NODE  1 = compile here instead of installing (Ascend: the cache can only be completed on a
+#                          node with an NPU). The result is packed into PREWARM_SOURCE and, if PREWARM_PUSH
+#                          names store URLs, pushed there so the other nodes install it. Run it once per node
+#                          (an init container or a systemd unit), not once per rank.
+set -eu
+
+TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/var/cache/triton}"
+PREWARM_MANIFEST="${PREWARM_MANIFEST:-/opt/prewarm/src/manifests/kimi-linear-h200.toml}"
+PREWARM_SOURCE="${PREWARM_SOURCE:-/opt/prewarm/bundle}"
+export TRITON_CACHE_DIR
+
+if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
+    prewarm build "$PREWARM_MANIFEST" --cache-dir "$TRITON_CACHE_DIR"
+    prewarm pack "$TRITON_CACHE_DIR" -o "$PREWARM_SOURCE"
+    if [ -n "${PREWARM_PUSH:-}" ]; then
+        # shellcheck disable=SC2086  # a space-separated list of URLs
+        prewarm push "$PREWARM_SOURCE" $PREWARM_PUSH
+    fi
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST"
+elif [ -n "${PREWARM_TRUST:-}" ]; then
+    prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR" --trust "$PREWARM_TRUST" --require-signature
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST"
+else
+    prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR"
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST"
+fi
+
+if [ "$#" -gt 0 ]; then
+    exec "$@"
+fi

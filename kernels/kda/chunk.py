@@ -1,0 +1,45 @@
+"""The chunked KDA forward (chunk 64, token-major): cumsum -> intra -> solve -> recompute -> state -> output."""
+from __future__ import annotations
+
+import torch
+
+from .common import check, layout
+from .cumsum import chunk_cumsum
+from .intra import chunk_intra
+from .l2norm import l2norm
+from .output import chunk_output
+from .recompute import chunk_recompute
+from .solve import chunk_solve
+from .state import check_initial_state, chunk_state
+
+
+def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  scale: float | None = None, initial_state: torch.Tensor | None = None,
+                  initial_state_indices: torch.Tensor | None = None, output_final_state: bool = False,
+                  cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+                  A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                  lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA forward over fixed-length [B, T, ...] or packed varlen (B == 1, ``cu_seqlens`` [N+1]) batches.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay, or the raw gate when ``A_log`` [H] and
+    ``dt_bias`` [H*K] are given (activated in the cumsum kernel; ``lower_bound`` selects the bounded sigmoid gate);
+    beta: [B, T, H]. ``initial_state`` is a pool [P, H, K, V] indexed per sequence by ``initial_state_indices``
+    [N] (or holds exactly N states). Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).
+    """
+    L = layout(k, v, cu_seqlens)
+    check("q", q, (L.B, L.T, L.H, L.K))
+    check("v", v, (L.B, L.T, L.H, L.V))
+    check("beta", beta, (L.B, L.T, L.H))
+    if q.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_initial_state(initial_state, initial_state_indices, L)
+    scale = L.K ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    G = chunk_cumsum(g, cu_seqlens, A_log, dt_bias, lower_bound, _layout=L)
+    Akk, Aqk = chunk_intra(q, k, G, beta, scale, _layout=L)
+    Ai = chunk_solve(Akk, _layout=L)
+    w, u, kg = chunk_recompute(k, v, beta, G, Ai, _layout=L)
+    h, v_new, final = chunk_state(kg, w, u, G, initial_state, initial_state_indices, output_final_state,
+                                  _layout=L)
+    return chunk_output(q, G, h, Aqk, v_new, scale, _layout=L), final

@@ -1,0 +1,69 @@
+"""Helpers shared by the chunked KDA kernels: chunk position for fixed/varlen batches and input checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..index import ChunkIndex, prepare_chunk_index
+
+BT = 64  # chunk size
+BC = 16  # sub-chunk size of the intra-chunk kernels
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN: tl.constexpr):
+    """(chunk index within its sequence, first token, sequence length) in int64."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_b * T
+    return i_t, bos, T
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shapes of one chunked call: B, T, H, K, V, number of chunks (grid) and the varlen index if any."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    NT: int
+    index: ChunkIndex | None
+    cu_seqlens: torch.Tensor | None  # on the tensors' device
+    chunk_indices: torch.Tensor | None  # on the tensors' device
+
+    @property
+    def num_seqs(self) -> int:
+        return self.B if self.index is None else len(self.index.offsets) - 1
+
+
+def layout(k: torch.Tensor, v: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> Layout:
+    if k.dim() != 4:
+        raise ValueError(f"k must be [B, T, H, K] (token-major), got shape {tuple(k.shape)}")
+    B, T, H, K = k.shape
+    V = v.shape[-1] if v is not None else K
+    if cu_seqlens is None:
+        return Layout(B, T, H, K, V, triton.cdiv(T, BT), None, None, None)
+    if B != 1:
+        raise ValueError(f"varlen (cu_seqlens given) needs B == 1 with sequences packed along T, got B={B}")
+    idx = prepare_chunk_index(cu_seqlens, BT, T)
+    return Layout(B, T, H, K, V, idx.num_chunks, idx, cu_seqlens.to(k.device, torch.int32),
+                  idx.indices.to(k.device))
+
+
+def check(name: str, t: torch.Tensor, shape: tuple, dtypes=FLOAT_DTYPES) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {t.dtype} not supported (expected one of {[str(d) for d in dtypes]})")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (token-major layout)")

@@ -1,0 +1,219 @@
+"""Intra-chunk matrices over 16-token sub-chunks, in fp32.
+
+Akk[i, j] = beta_i * sum_c k_ic k_jc exp(G_ic - G_jc) (i > j), Aqk[i, j] = scale * sum_c q_ic k_jc exp(G_ic - G_jc)
+(i >= j); both [B, T, H, 64], zero above the diagonal. The "inter" kernel fills the off-diagonal 16x16 blocks
+(and the zeros above), tiled over K with BK, using the first token of the row sub-chunk as the reference point so
+both factors are exponentials of non-positive numbers. The "intra" kernel fills the diagonal blocks the same way,
+recursively: halves, quarters, ... of the sub-chunk (4 small dots), masking every exponent before exp.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import Entry, dispatch, register
+from .common import BC, BT, check, chunk_bounds, layout
+
+INTER_CONFIGS = [
+    triton.Config({"BK": BK}, num_warps=num_warps, num_stages=num_stages)
+    for BK in [16, 32, 64]
+    for num_warps in [1, 2, 4, 8]
+    for num_stages in [2, 3]
+]
+INTER_PINNED = {"BK": 64, "num_warps": 4, "num_stages": 3}
+INTRA_CONFIGS = [triton.Config({}, num_warps=num_warps, num_stages=3) for num_warps in [1, 2, 4, 8]]
+INTRA_PINNED = {"num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _row_factor(G, o_c, m_c, o_k, m_k, i_r, HK):
+    """exp(G_row - G_ref) for the rows of one sub-chunk, ref = its first token; 0 on masked rows."""
+    b_g = tl.load(G + o_c[:, None] * HK + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0.0)
+    b_gn = tl.load(G + i_r * HK + o_k, mask=m_k, other=0.0)
+    return tl.exp(tl.where(m_c[:, None], b_g - b_gn[None, :], float("-inf"))), b_gn
+
+
+@triton.jit
+def _col_t(k, G, o_c, o_k, m_k, b_gn, HK):
+    """(k_col * exp(G_ref - G_col))^T for an earlier sub-chunk (always complete): [BK, BC]."""
+    m = m_k[None, :] & (o_c[:, None] >= 0)
+    b_k = tl.load(k + o_c[:, None] * HK + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(G + o_c[:, None] * HK + o_k[None, :], mask=m, other=0.0)
+    return tl.trans(b_k * tl.exp(b_gn[None, :] - b_g))
+
+
+@triton.jit
+def _store_row(Aqk, Akk, beta, o_c, m_c, o_i, HBT, H, b_q0, b_k0, b_q1, b_k1, b_q2, b_k2, scale,
+               BC: tl.constexpr, R: tl.constexpr):
+    """Store the off-diagonal blocks of row sub-chunk R (R blocks) and zero its blocks above the diagonal."""
+    b_b = tl.load(beta + o_c * H, mask=m_c, other=0.0).to(tl.float32)
+    m = m_c[:, None] & (o_i[None, :] >= 0)
+    p = o_c[:, None] * HBT + o_i[None, :]
+    if R >= 1:
+        tl.store(Aqk + p, b_q0 * scale, mask=m)
+        tl.store(Akk + p, b_k0 * b_b[:, None], mask=m)
+    if R >= 2:
+        tl.store(Aqk + p + BC, b_q1 * scale, mask=m)
+        tl.store(Akk + p + BC, b_k1 * b_b[:, None], mask=m)
+    if R >= 3:
+        tl.store(Aqk + p + 2 * BC, b_q2 * scale, mask=m)
+        tl.store(Akk + p + 2 * BC, b_k2 * b_b[:, None], mask=m)
+    b_z = tl.zeros([BC, BC], dtype=tl.float32)
+    for c in tl.static_range(R + 1, 4):
+        tl.store(Aqk + p + c * BC, b_z, mask=m)
+        tl.store(Akk + p + c * BC, b_z, mask=m)
+
+
+@triton.autotune(configs=INTER_CONFIGS, key=["H", "K"], cache_results=True)
+@triton.jit(do_not_specialize=["T"])
+def kda_intra_inter_kernel(q, k, G, beta, Aqk, Akk, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
+                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                           IS_VARLEN: tl.constexpr):
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    base = (bos * H + i_h)
+    q += base * K
+    k += base * K
+    G += base * K
+    beta += base
+    Aqk += base * BT
+    Akk += base * BT
+    HK = H * K
+    o_i = tl.arange(0, BC)
+    i_r0 = i_t * BT
+    i_r1 = i_r0 + BC
+    i_r2 = i_r0 + 2 * BC
+    i_r3 = i_r0 + 3 * BC
+    o_c0, o_c1, o_c2, o_c3 = i_r0 + o_i, i_r1 + o_i, i_r2 + o_i, i_r3 + o_i
+    m_c0, m_c1, m_c2, m_c3 = o_c0 < T, o_c1 < T, o_c2 < T, o_c3 < T
+
+    b_q10 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_k10 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_q20 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_k20 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_q21 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_k21 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_q30 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_k30 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_q31 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_k31 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_q32 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_k32 = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        if i_r1 < T:
+            b_e1, b_gn1 = _row_factor(G, o_c1, m_c1, o_k, m_k, i_r1, HK)
+            m1 = m_c1[:, None] & m_k[None, :]
+            b_qg1 = tl.load(q + o_c1[:, None] * HK + o_k[None, :], mask=m1, other=0.0).to(tl.float32) * b_e1
+            b_kg1 = tl.load(k + o_c1[:, None] * HK + o_k[None, :], mask=m1, other=0.0).to(tl.float32) * b_e1
+            b_ct = _col_t(k, G, o_c0, o_k, m_k, b_gn1, HK)
+            b_q10 = tl.dot(b_qg1, b_ct, b_q10)
+            b_k10 = tl.dot(b_kg1, b_ct, b_k10)
+        if i_r2 < T:
+            b_e2, b_gn2 = _row_factor(G, o_c2, m_c2, o_k, m_k, i_r2, HK)
+            m2 = m_c2[:, None] & m_k[None, :]
+            b_qg2 = tl.load(q + o_c2[:, None] * HK + o_k[None, :], mask=m2, other=0.0).to(tl.float32) * b_e2
+            b_kg2 = tl.load(k + o_c2[:, None] * HK + o_k[None, :], mask=m2, other=0.0).to(tl.float32) * b_e2
+            b_ct = _col_t(k, G, o_c0, o_k, m_k, b_gn2, HK)
+            b_q20 = tl.dot(b_qg2, b_ct, b_q20)
+            b_k20 = tl.dot(b_kg2, b_ct, b_k20)
+            b_ct = _col_t(k, G, o_c1, o_k, m_k, b_gn2, HK)
+            b_q21 = tl.dot(b_qg2, b_ct, b_q21)
+            b_k21 = tl.dot(b_kg2, b_ct, b_k21)
+        if i_r3 < T:
+            b_e3, b_gn3 = _row_factor(G, o_c3, m_c3, o_k, m_k, i_r3, HK)
+            m3 = m_c3[:, None] & m_k[None, :]
+            b_qg3 = tl.load(q + o_c3[:, None] * HK + o_k[None, :], mask=m3, other=0.0).to(tl.float32) * b_e3
+            b_kg3 = tl.load(k + o_c3[:, None] * HK + o_k[None, :], mask=m3, other=0.0).to(tl.float32) * b_e3
+            b_ct = _col_t(k, G, o_c0, o_k, m_k, b_gn3, HK)
+            b_q30 = tl.dot(b_qg3, b_ct, b_q30)
+            b_k30 = tl.dot(b_kg3, b_ct, b_k30)
+            b_ct = _col_t(k, G, o_c1, o_k, m_k, b_gn3, HK)
+            b_q31 = tl.dot(b_qg3, b_ct, b_q31)
+            b_k31 = tl.dot(b_kg3, b_ct, b_k31)
+            b_ct = _col_t(k, G, o_c2, o_k, m_k, b_gn3, HK)
+            b_q32 = tl.dot(b_qg3, b_ct, b_q32)
+            b_k32 = tl.dot(b_kg3, b_ct, b_k32)
+    HBT = H * BT
+    b_z = tl.zeros([BC, BC], dtype=tl.float32)
+    _store_row(Aqk, Akk, beta, o_c0, m_c0, o_i, HBT, H, b_z, b_z, b_z, b_z, b_z, b_z, scale, BC, 0)
+    _store_row(Aqk, Akk, beta, o_c1, m_c1, o_i, HBT, H, b_q10, b_k10, b_z, b_z, b_z, b_z, scale, BC, 1)
+    _store_row(Aqk, Akk, beta, o_c2, m_c2, o_i, HBT, H, b_q20, b_k20, b_q21, b_k21, b_z, b_z, scale, BC, 2)
+    _store_row(Aqk, Akk, beta, o_c3, m_c3, o_i, HBT, H, b_q30, b_k30, b_q31, b_k31, b_q32, b_k32, scale, BC, 3)
+
+
+@triton.autotune(configs=INTRA_CONFIGS, key=["H", "K"], cache_results=True)
+@triton.jit(do_not_specialize=["T"])
+def kda_intra_diag_kernel(q, k, G, beta, Aqk, Akk, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
+                          K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                          IS_VARLEN: tl.constexpr):
+    i_tc, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_t, i_c = i_tc // (BT // BC), i_tc % (BT // BC)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    i_r = i_t * BT + i_c * BC
+    if i_r >= T:
+        return
+    base = (bos * H + i_h)
+    HK = H * K
+    o_i = tl.arange(0, BC)
+    o_c = i_r + o_i
+    m_c = o_c < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m = m_c[:, None] & m_k[None, :]
+    p = (base * K) + o_c[:, None] * HK + o_k[None, :]
+    b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(G + p, mask=m, other=0.0)
+    b_aqk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_akk = tl.zeros([BC, BC], dtype=tl.float32)
+    # Pairs i > j are split by the highest bit where i and j differ: at block size s, row i sits in an odd
+    # s-block and column j in the even block just before it; with r = start of the odd block (j < r <= i),
+    # exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both exponents <= 0, and the sum over channels is a dot.
+    for lvl in tl.static_range(4):
+        s: tl.constexpr = BC // (2 << lvl)
+        r_row = (o_i // s) * s  # start of row i's block (its reference when that block is odd)
+        r_col = r_row + s  # start of the block after column j's (its reference when j's block is even)
+        m_row = ((o_i // s) % 2 == 1) & m_c
+        m_col = ((o_i // s) % 2 == 0) & (i_r + r_col < T)
+        b_gr = tl.load(G + (base * K) + (i_r + r_row)[:, None] * HK + o_k[None, :],
+                       mask=m_row[:, None] & m_k[None, :], other=0.0)
+        b_gc = tl.load(G + (base * K) + (i_r + r_col)[:, None] * HK + o_k[None, :],
+                       mask=m_col[:, None] & m_k[None, :], other=0.0)
+        b_er = tl.exp(tl.where(m_row[:, None], b_g - b_gr, float("-inf")))
+        b_ec = tl.exp(tl.where(m_col[:, None], b_gc - b_g, float("-inf")))
+        b_kct = tl.trans(b_k * b_ec)
+        m_sib = (o_i[:, None] // s) == (o_i[None, :] // s + 1)
+        b_aqk += tl.where(m_sib & m_row[:, None], tl.dot(b_q * b_er, b_kct), 0.0)
+        b_akk += tl.where(m_sib & m_row[:, None], tl.dot(b_k * b_er, b_kct), 0.0)
+    b_aqk += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+    b_b = tl.load(beta + base + o_c * H, mask=m_c, other=0.0).to(tl.float32)
+    p_A = base * BT + o_c[:, None] * (H * BT) + (i_c * BC + o_i)[None, :]
+    m_A = m_c[:, None] & (o_i[None, :] >= 0)
+    tl.store(Aqk + p_A, b_aqk * scale, mask=m_A)
+    tl.store(Akk + p_A, b_akk * b_b[:, None], mask=m_A)
+
+
+register("intra_inter", Entry(kda_intra_inter_kernel, INTER_PINNED))
+register("intra_diag", Entry(kda_intra_diag_kernel, INTRA_PINNED))
+
+
+def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, scale: float,
+                cu_seqlens: torch.Tensor | None = None, *, _layout=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Akk, Aqk), each [B, T, H, 64] fp32, from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H]."""
+    L = _layout or layout(k, None, cu_seqlens)
+    check("q", q, (L.B, L.T, L.H, L.K))
+    check("k", k, (L.B, L.T, L.H, L.K))
+    check("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
+    check("beta", beta, (L.B, L.T, L.H))
+    Akk = torch.empty(L.B, L.T, L.H, BT, dtype=torch.float32, device=k.device)
+    Aqk = torch.empty_like(Akk)
+    args = (q, k, G, beta, Aqk, Akk, L.cu_seqlens, L.chunk_indices, float(scale), L.T)
+    kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, IS_VARLEN=L.index is not None)
+    dispatch("intra_inter", lambda meta: (L.NT, L.B * L.H), *args, **kw)
+    dispatch("intra_diag", lambda meta: (L.NT * (BT // BC), L.B * L.H), *args, BK=triton.next_power_of_2(L.K), **kw)
+    return Akk, Aqk

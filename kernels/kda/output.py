@@ -1,0 +1,73 @@
+"""Output per chunk: o = scale * (q * exp(G)) h_c + Aqk v_new (Aqk already holds scale and the causal mask)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import Entry, dispatch, register
+from .common import BT, check, chunk_bounds, layout
+
+CONFIGS = [
+    triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=num_stages)
+    for BK, BV in [(32, 32), (64, 64), (64, 32)]
+    for num_warps in [2, 4]
+    for num_stages in [2]
+]
+PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
+
+
+@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], cache_results=True)
+@triton.jit(do_not_specialize=["T", "NT"])
+def kda_output_kernel(q, G, h, Aqk, v_new, o, cu_seqlens, chunk_indices, scale, T, NT,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_v, i_tg, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    i_b, i_h = i_bh // H, i_bh % H
+    if IS_VARLEN:
+        i_ch = i_tg  # chunks are numbered globally in h
+    else:
+        i_ch = i_b * NT + i_tg
+    i_t, bos, T = chunk_bounds(i_tg, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    base = bos * H + i_h
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m = m_t[:, None] & m_k[None, :]
+        p = base * K + o_t[:, None] * (H * K) + o_k[None, :]
+        b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
+        b_g = tl.load(G + p, mask=m, other=0.0)
+        b_h = tl.load(h + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o = tl.dot((b_q * tl.exp(b_g)).to(b_h.dtype), b_h, b_o)
+    b_A = tl.load(Aqk + base * BT + o_t[:, None] * (H * BT) + tl.arange(0, BT)[None, :],
+                  mask=m_t[:, None], other=0.0)
+    p_v = base * V + o_t[:, None] * (H * V) + o_v[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0)
+    b_o = b_o * scale + tl.dot(b_A.to(b_vn.dtype), b_vn)
+    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+register("output", Entry(kda_output_kernel, PINNED))
+
+
+def chunk_output(q: torch.Tensor, G: torch.Tensor, h: torch.Tensor, Aqk: torch.Tensor, v_new: torch.Tensor,
+                 scale: float, cu_seqlens: torch.Tensor | None = None, *, _layout=None) -> torch.Tensor:
+    """o [B, T, H, V] in v_new's dtype."""
+    L = _layout or layout(q, v_new, cu_seqlens)
+    check("q", q, (L.B, L.T, L.H, L.K))
+    check("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
+    check("Aqk", Aqk, (L.B, L.T, L.H, BT), (torch.float32,))
+    NT_seq = triton.cdiv(L.T, BT)
+    check("h", h, (L.B, L.NT if L.index is not None else NT_seq, L.H, L.K, L.V))
+    o = torch.empty_like(v_new)
+    dispatch("output", lambda meta: (triton.cdiv(L.V, meta["BV"]), L.NT, L.B * L.H), q, G, h, Aqk, v_new, o,
+             L.cu_seqlens, L.chunk_indices, float(scale), L.T, NT_seq,
+             H=L.H, K=L.K, V=L.V, BT=BT, IS_VARLEN=L.index is not None)
+    return o

@@ -1,0 +1,227 @@
+"""Build: a manifest's plan into a Triton cache dir, in parallel worker processes, idempotently.
+
+The parent plans, expands every request into Triton's own compile requests under the target, and probes the
+cache (the will-hit probe: no compile); only the missing ones go to a spawned process pool, where each worker
+replays them with ``JITFunction.preload`` into the cache dir. A second build of the same manifest therefore
+spawns nothing. ``<cache_dir>/.prewarm/build.json`` records what was built (the packer reads it).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import json
+import multiprocessing
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
+from triton.runtime.cache import FileCacheManager
+
+from . import __version__, fingerprint, tritoncompat
+from .errors import EnvironmentProblem
+from .manifest import Manifest, load
+from .plan import Compile, expand_all, plan, resolve
+from .targets import Target, get_target
+from .willhit import probe_all
+
+META_DIR = ".prewarm"  # prewarm's own metadata inside a cache dir (never packed as a cache entry)
+RECORD = "build.json"
+
+
+@dataclass
+class CompileResult:
+    label: str
+    kernel: str
+    request: str  # Request.ident
+    key: str | None  # the cache key dir
+    status: str  # "compiled" | "present" | "failed"
+    seconds: float = 0.0
+    message: str = ""  # the compiler's message for a failure
+
+
+@dataclass
+class BuildReport:
+    manifest: str
+    digest: str
+    cache_dir: str
+    target: str
+    workers: int
+    requests: int  # planned requests (before autotune expansion)
+    results: list[CompileResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def failed(self) -> list[CompileResult]:
+        return [r for r in self.results if r.status == "failed"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def to_json(self) -> dict:
+        return {
+            "manifest": self.manifest,
+            "digest": self.digest,
+            "cache_dir": self.cache_dir,
+            "target": self.target,
+            "workers": self.workers,
+            "requests": self.requests,
+            "compiles": len(self.results),
+            "compiled": self.count("compiled"),
+            "present": self.count("present"),
+            "failed": self.count("failed"),
+            "seconds": round(self.seconds, 3),
+            "notes": self.notes,
+            "results": [asdict(r) for r in self.results],
+        }
+
+
+class CountingCacheManager(FileCacheManager):
+    """Triton's FileCacheManager that notes, per key, whether compile() found the kernel (a hit) or not."""
+
+    lookups: list[tuple[str, bool]] = []
+
+    def get_group(self, filename):
+        group = super().get_group(filename)
+        if filename.endswith(".json") and not filename.endswith(".autotune.json"):
+            CountingCacheManager.lookups.append((self.key, bool(group and filename in group)))
+        return group
+
+
+# --- worker side ------------------------------------------------------------------------------------------------
+
+
+_WORKER_TARGET: Target | None = None
+
+
+def _init(cache_dir: str, target: Target) -> None:
+    """Once per worker: the cache dir, the counting cache manager, the target's driver."""
+    global _WORKER_TARGET
+    _WORKER_TARGET = target
+    tritoncompat.set_cache_dir(cache_dir)
+    tritoncompat.set_cache_manager(CountingCacheManager)
+    target.activate()
+
+
+def _compile(target: Target, kernel: str, specialization: str) -> tuple[str, str | None, float, str]:
+    """(status, key, seconds, message) for one compile in this worker."""
+    CountingCacheManager.lookups.clear()
+    start = time.perf_counter()
+    try:
+        target.compile(resolve(kernel), specialization)
+    except Exception as e:
+        key = CountingCacheManager.lookups[0][0] if CountingCacheManager.lookups else None
+        return "failed", key, time.perf_counter() - start, f"{type(e).__name__}: {e}"[-4000:]
+    seconds = time.perf_counter() - start
+    if not CountingCacheManager.lookups:
+        return "failed", None, seconds, "Triton did not look the kernel up (nothing was compiled)"
+    key, hit = CountingCacheManager.lookups[0]
+    return ("present" if hit else "compiled"), key, seconds, ""
+
+
+def _worker_task(args: tuple) -> tuple[str, str | None, float, str]:
+    return _compile(_WORKER_TARGET, *args)
+
+
+# --- parent side ------------------------------------------------------------------------------------------------
+
+
+Progress = Callable[[CompileResult, int, int], None]
+
+
+def build(
+    manifest: Manifest | str | os.PathLike,
+    cache_dir: str | os.PathLike,
+    workers: int | None = None,
+    mode: str = "auto",
+    progress: Progress | None = None,
+) -> BuildReport:
+    """Compile every planned request that ``cache_dir`` lacks; ``progress(result, done, total)`` after each."""
+    start = time.perf_counter()
+    m = manifest if isinstance(manifest, Manifest) else load(manifest)
+    cache = os.path.abspath(cache_dir)
+    meta = Path(cache, META_DIR)
+    try:
+        meta.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EnvironmentProblem(f"--cache-dir {cache}: cannot create it: {e.strerror}") from e
+    workers = max(1, workers or os.cpu_count() or 1)
+    target = get_target(m.backend, m.arch, mode)
+    with FileLock(str(meta / "build.lock")):
+        target.activate()
+        planned = plan(m)
+        compiles = expand_all(planned.requests)
+        report = BuildReport(m.name, m.digest, cache, target.describe(), workers, len(planned.requests))
+        report.notes = target.notes()
+        results: list[CompileResult | None] = [None] * len(compiles)
+        done = 0
+
+        def finish(i: int, result: CompileResult) -> None:
+            nonlocal done
+            results[i], done = result, done + 1
+            if progress:
+                progress(result, done, len(compiles))
+
+        missing = []
+        for i, (c, probe) in enumerate(zip(compiles, probe_all(compiles, cache))):
+            if probe.hit:
+                finish(i, CompileResult(c.label, c.kernel, c.request, probe.key, "present"))
+            else:
+                missing.append(i)
+        if missing:
+            compile_into([compiles[i] for i in missing], cache, target, min(workers, len(missing)),
+                         lambda j, result: finish(missing[j], result))
+        report.results = [r for r in results if r is not None]
+        providers = [importlib.import_module(k.ref) for k in m.kernels if k.kind == "provider"]
+        if report.ok:
+            report.notes += target.after_build(providers, m.spec(), cache)
+        report.seconds = time.perf_counter() - start
+        _write_record(meta / RECORD, m, target, report)
+    return report
+
+
+def compile_into(compiles: list[Compile], cache: str, target: Target, workers: int,
+                 finish: Callable[[int, CompileResult], None]) -> None:
+    """Compile each of ``compiles`` into ``cache`` in a pool of ``workers`` spawned processes (no presence check);
+    ``finish(index, result)`` as each completes."""
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(cache, target)) as pool:
+        futures = {pool.submit(_worker_task, (c.kernel, c.specialization)): i for i, c in enumerate(compiles)}
+        for fut in cf.as_completed(futures):
+            i = futures[fut]
+            c = compiles[i]
+            try:
+                status, key, seconds, message = fut.result()
+            except Exception as e:  # a worker died (out of memory, a crash in the compiler)
+                status, key, seconds, message = "failed", None, 0.0, f"worker process failed: {type(e).__name__}: {e}"
+            finish(i, CompileResult(c.label, c.kernel, c.request, key, status, round(seconds, 4), message))
+
+
+def _write_record(path: Path, m: Manifest, target: Target, report: BuildReport) -> None:
+    """What this cache dir holds and was built under: manifest, fingerprint, every request's key."""
+    record = {
+        "prewarm_version": __version__,
+        "manifest": {"name": m.name, "path": str(m.path), "digest": m.digest},
+        "target": {"backend": target.backend, "arch": target.arch, "mode": target.mode},
+        "fingerprint": fingerprint.current(m.backend, m.arch),
+        "requests": [
+            {"label": r.label, "kernel": r.kernel, "request": r.request, "key": r.key, "status": r.status}
+            for r in report.results
+        ],
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_record(cache_dir: str | os.PathLike) -> dict | None:
+    """The build record of a cache dir, or None where none was written."""
+    path = Path(cache_dir, META_DIR, RECORD)
+    return json.loads(path.read_text()) if path.is_file() else None

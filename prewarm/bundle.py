@@ -1,0 +1,441 @@
+"""Pack a Triton cache dir into a content-addressed bundle, and read a bundle back without trusting it.
+
+Bundle layout (a directory, or the same names under any fsspec URL)::
+
+    objects/<sha256>.tar.zst   one per cache entry (key dir); the name is the sha256 of the object's bytes
+    index.json.sig             optional Ed25519 signature over the exact bytes of index.json (written first)
+    index.json                 written last: a reader never sees an index whose objects or signature are missing
+
+An object is a deterministic tar of one key dir's files (sorted names, mtime 0, uid/gid 0, no user names, mode
+0644 or 0755) compressed with zstd (level 3, content size in the frame). Group files (``__grp__*.json``) are
+stored with child paths *relative to their entry* (``{"child_paths": {"k.cubin": "k.cubin"}}``): no path of the
+build box survives, and install rewrites them to the real absolute location.
+
+``index.json`` (canonical JSON: sorted keys, no timestamps, so the same cache packs to the same bytes)::
+
+    {"checksum", "format": 1, "tool": "prewarm 0.1.0", "fingerprint": {factor: value}, "manifest": {name, digest} | null,
+     "entries": [{"key", "object", "object_size", "tar_size",
+                  "files": [{"path", "sha256", "size"}]}]}          # entries sorted by key, files by path
+
+``checksum`` is the sha256 of the canonical JSON without it, and the bytes must be exactly that canonical form:
+a flipped byte anywhere in an unsigned index is caught (a signature, when used, covers tampering).
+``tar_size`` is the exact uncompressed size of the object: decompression stops there, so an object cannot expand
+beyond what the (signed) index declares. ``files[].sha256`` of a group file is that of its relative form.
+Nothing here executes bundle content: members are parsed as data and written with O_EXCL|O_NOFOLLOW.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import io
+import json
+import os
+import re
+import stat
+import tarfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import zstandard
+
+from . import __version__
+from .errors import IntegrityError, UnsafeBundleError
+
+FORMAT = 1
+INDEX = "index.json"
+SIGNATURE = "index.json.sig"
+OBJECTS = "objects"
+META_DIR = ".prewarm"  # prewarm's own dir inside a cache dir: never a cache entry
+GROUP_PREFIX = "__grp__"
+ZSTD_LEVEL = 3
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_=-]{0,127}$")
+_OBJECT_RE = re.compile(r"^[0-9a-f]{64}\.tar\.zst$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    path: str  # relative to the entry dir, "/"-separated
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    object: str  # "<sha256>.tar.zst"
+    object_size: int
+    tar_size: int
+    files: tuple[FileRecord, ...]
+
+
+@dataclass(frozen=True)
+class Index:
+    fingerprint: dict[str, str]
+    manifest: dict | None
+    entries: tuple[Entry, ...]
+    tool: str = f"prewarm {__version__}"
+    format: int = FORMAT
+
+    def to_bytes(self) -> bytes:
+        return _with_checksum(asdict(self))
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for e in self.entries for f in e.files)
+
+
+@dataclass
+class PackResult:
+    bundle_dir: Path
+    index: Index
+    objects_written: int
+    bytes_in: int
+    bytes_out: int
+    skipped: list[str] = field(default_factory=list)  # top-level paths that are not cache entries
+
+
+def _canonical(doc: dict) -> bytes:
+    return (json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
+
+
+def _with_checksum(doc: dict) -> bytes:
+    """Canonical JSON carrying the sha256 of its own canonical form without that field: any flipped byte shows."""
+    doc = {k: v for k, v in doc.items() if k != "checksum"}
+    return _canonical({**doc, "checksum": hashlib.sha256(_canonical(doc)).hexdigest()})
+
+
+# --- paths and group files -----------------------------------------------------------------------------------
+
+
+def check_rel_path(path: str, where: str) -> str:
+    """A bundle path must be relative, normalized and stay inside its entry: refuse anything else."""
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise UnsafeBundleError(f"{where}: unsafe path {path!r} (must be relative, without '..' or empty parts)")
+    return path
+
+
+def is_group(path: str) -> bool:
+    return path.rsplit("/", 1)[-1].startswith(GROUP_PREFIX) and path.endswith(".json")
+
+
+def relative_group(data: bytes, key: str, names: set[str], where: str) -> tuple[bytes, list[str]]:
+    """A group file in canonical relative form, and the children that point outside its entry.
+
+    A child counts as inside when its path ends in ``<key>/<name>`` with ``name`` a file of the entry, whatever
+    the directory above: a cache copied from elsewhere is still recognised as its own.
+    """
+    try:
+        doc = json.loads(data)
+        children = doc["child_paths"]
+        assert isinstance(children, dict)
+    except Exception as e:
+        raise IntegrityError(f"{where}: not a Triton group file ({e.__class__.__name__}: {e})") from None
+    rel, outside = {}, []
+    for child, p in children.items():
+        p = str(p)
+        head, _, name = p.replace("\\", "/").rpartition("/")
+        if name in names and (head.rpartition("/")[2] == key or head == "" and not os.path.isabs(p)):
+            rel[child] = name
+        else:
+            outside.append(p)
+            rel[child] = p
+    doc["child_paths"] = rel
+    return json.dumps(doc, sort_keys=True).encode(), outside
+
+
+def absolute_group(data: bytes, entry_dir: str) -> bytes:
+    """The installed form of a (relative, already validated) group file: children at their real location."""
+    doc = json.loads(data)
+    doc["child_paths"] = {c: os.path.join(entry_dir, n) for c, n in doc["child_paths"].items()}
+    return json.dumps(doc).encode()
+
+
+def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+# --- pack ----------------------------------------------------------------------------------------------------
+
+
+def read_build_record(cache_dir: Path) -> dict:
+    """`prewarm build`'s record (``.prewarm/build.json``), or {} when absent or unreadable."""
+    try:
+        doc = json.loads((cache_dir / META_DIR / "build.json").read_text())
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def list_entries(cache_dir: Path) -> tuple[list[Path], list[str]]:
+    """Key dirs of a cache dir, and the top-level names skipped (prewarm's dir, stray files)."""
+    entries, skipped = [], []
+    for p in sorted(cache_dir.iterdir()):
+        if p.name == META_DIR:
+            continue
+        if p.is_symlink() or not p.is_dir() or not _KEY_RE.match(p.name):
+            skipped.append(p.name)
+            continue
+        entries.append(p)
+    return entries, skipped
+
+
+def _entry_files(entry_dir: Path) -> list[str]:
+    """Files of one entry, relative; Triton's in-flight ``tmp.pid_*`` dirs are skipped; links are refused."""
+    out = []
+    for root, dirs, files in os.walk(entry_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("tmp.pid_"))
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            full = os.path.join(root, name)
+            st = os.lstat(full)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafeBundleError(f"{full}: not a regular file (links and devices are never packed)")
+            out.append(os.path.relpath(full, entry_dir).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _tarinfo(path: str, size: int, executable: bool) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(path)
+    ti.size, ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0, 0, "", ""
+    ti.mode = 0o755 if executable else 0o644
+    return ti
+
+
+def pack_entry(entry_dir: Path) -> tuple[Entry, bytes]:
+    """One key dir -> (its index entry, its object bytes). Deterministic for the same files."""
+    key = entry_dir.name
+    names = _entry_files(entry_dir)
+    nameset = set(names)
+    buf = io.BytesIO()
+    records = []
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in names:
+            full = entry_dir / name
+            data = full.read_bytes()
+            if is_group(name):
+                data, outside = relative_group(data, key, nameset, str(full))
+                if outside:
+                    raise IntegrityError(f"{full}: group points outside its entry: {', '.join(outside)}")
+            executable = bool(os.stat(full).st_mode & 0o111)
+            tar.addfile(_tarinfo(name, len(data), executable), io.BytesIO(data))
+            records.append(FileRecord(name, hashlib.sha256(data).hexdigest(), len(data)))
+    raw = buf.getvalue()
+    obj = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(raw)
+    name = hashlib.sha256(obj).hexdigest() + ".tar.zst"
+    return Entry(key, name, len(obj), len(raw), tuple(records)), obj
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def pack(
+    cache_dir: str | os.PathLike,
+    bundle_dir: str | os.PathLike,
+    *,
+    signing_key: str | os.PathLike | None = None,
+    workers: int | None = None,
+) -> PackResult:
+    """Cache dir -> bundle dir. Objects already in ``bundle_dir`` are reused; the index is written last."""
+    from . import fingerprint, signing
+
+    cache_dir, bundle_dir = Path(cache_dir), Path(bundle_dir)
+    if not cache_dir.is_dir():
+        raise IntegrityError(f"{cache_dir}: not a directory (expected a Triton cache dir)")
+    record = read_build_record(cache_dir)
+    fp = record.get("fingerprint")
+    fp = {str(k): str(v) for k, v in fp.items()} if isinstance(fp, dict) else fingerprint.current()
+    manifest = record.get("manifest") if isinstance(record.get("manifest"), dict) else None
+    if manifest is not None:
+        manifest = {"name": str(manifest.get("name", "")), "digest": str(manifest.get("digest", ""))}
+    entry_dirs, skipped = list_entries(cache_dir)
+    (bundle_dir / OBJECTS).mkdir(parents=True, exist_ok=True)
+
+    def one(entry_dir: Path) -> tuple[Entry, bool]:
+        entry, obj = pack_entry(entry_dir)
+        dest = bundle_dir / OBJECTS / entry.object
+        if dest.exists() and dest.stat().st_size == len(obj):
+            return entry, False
+        _write_atomic(dest, obj)
+        return entry, True
+
+    with cf.ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 1) + 1)) as pool:
+        results = list(pool.map(one, entry_dirs))
+    index = Index(fp, manifest, tuple(e for e, _ in results))
+    data = index.to_bytes()
+    sig = bundle_dir / SIGNATURE
+    if signing_key:
+        _write_atomic(sig, signing.sign(data, signing_key))
+    elif sig.exists():
+        sig.unlink()  # a stale signature over another index would only ever fail
+    _write_atomic(bundle_dir / INDEX, data)
+    return PackResult(
+        bundle_dir,
+        index,
+        sum(w for _, w in results),
+        index.total_size,
+        sum(e.object_size for e in index.entries),
+        skipped,
+    )
+
+
+# --- reading a bundle without trusting it --------------------------------------------------------------------
+
+
+def _expect(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise UnsafeBundleError(f"{where}: malformed index: {what}")
+
+
+def parse_index(data: bytes, where: str) -> Index:
+    """Validate and load index bytes. Every path, key and object name is checked before anything uses it."""
+    try:
+        doc = json.loads(data)
+        assert isinstance(doc, dict)
+    except (ValueError, AssertionError) as e:
+        raise IntegrityError(f"{where}: index is not a JSON object ({e}): corrupted") from None
+    if _with_checksum(doc) != data:
+        raise IntegrityError(f"{where}: index checksum does not match its content: corrupted or edited")
+    _expect(doc.get("format") == FORMAT, where, f"format {doc.get('format')!r}, this prewarm reads {FORMAT}")
+    fp = doc.get("fingerprint")
+    _expect(isinstance(fp, dict) and all(isinstance(v, str) for v in fp.values()), where, "fingerprint")
+    manifest = doc.get("manifest")
+    _expect(manifest is None or isinstance(manifest, dict), where, "manifest")
+    entries, keys = [], set()
+    for i, e in enumerate(doc.get("entries") or []):
+        at = f"entries[{i}]"
+        _expect(isinstance(e, dict), where, at)
+        key, obj = e.get("key"), e.get("object")
+        _expect(isinstance(key, str) and bool(_KEY_RE.match(key)), where, f"{at}.key {key!r}")
+        _expect(key not in keys and key != META_DIR, where, f"{at}.key {key!r} repeated or reserved")
+        keys.add(key)
+        _expect(isinstance(obj, str) and bool(_OBJECT_RE.match(obj)), where, f"{at}.object {obj!r}")
+        for n in ("object_size", "tar_size"):
+            _expect(isinstance(e.get(n), int) and e[n] >= 0, where, f"{at}.{n}")
+        files, paths = [], set()
+        for j, f in enumerate(e.get("files") or []):
+            _expect(isinstance(f, dict), where, f"{at}.files[{j}]")
+            path = check_rel_path(str(f.get("path", "")), f"{where}: {key}")
+            _expect(path not in paths, where, f"{key}/{path} listed twice")
+            paths.add(path)
+            _expect(isinstance(f.get("sha256"), str) and bool(_SHA_RE.match(f["sha256"])), where, f"{key}/{path}")
+            _expect(isinstance(f.get("size"), int) and f["size"] >= 0, where, f"{key}/{path} size")
+            files.append(FileRecord(path, f["sha256"], f["size"]))
+        # a tar of these files can never be smaller than their data: a lie here is caught on unpack anyway
+        _expect(e["tar_size"] >= sum(f.size for f in files), where, f"{key}: tar_size below its files' sizes")
+        entries.append(Entry(key, obj, e["object_size"], e["tar_size"], tuple(files)))
+    index = Index(dict(fp), manifest, tuple(entries), str(doc.get("tool", "")), FORMAT)
+    _expect(index.to_bytes() == data, where, "fields this prewarm does not know (or of the wrong type)")
+    return index
+
+
+def _decompress_bounded(obj: bytes, limit: int, where: str) -> bytes:
+    """Decompress at most ``limit`` bytes: an object that expands beyond its declared size is refused."""
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(obj))
+    out = reader.read(limit + 1)
+    while len(out) <= limit:
+        more = reader.read(limit + 1 - len(out))
+        if not more:
+            break
+        out += more
+    if len(out) != limit:
+        got = f"more than {limit}" if len(out) > limit else str(len(out))
+        raise UnsafeBundleError(f"{where}: decompresses to {got} bytes, the index declares {limit}")
+    return out
+
+
+def open_object(obj: bytes, entry: Entry, where: str) -> dict[str, bytes]:
+    """Check one object against its entry and return {path: bytes}; refuse anything but plain files.
+
+    Checks: the object's sha256 is its name, it decompresses to exactly ``tar_size``, every member is a
+    regular file without setuid/setgid/sticky bits at a safe path, the members are exactly the listed files,
+    and each has the listed size and sha256.
+    """
+    where = f"{where} (entry {entry.key})"
+    digest = hashlib.sha256(obj).hexdigest()
+    if digest + ".tar.zst" != entry.object:
+        raise IntegrityError(f"{where}: object {entry.object} has sha256 {digest}: corrupted or tampered")
+    try:
+        raw = _decompress_bounded(obj, entry.tar_size, f"{where}: object {entry.object}")
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{where}: object {entry.object} is not valid zstd ({e})") from None
+    expected = {f.path: f for f in entry.files}
+    out: dict[str, bytes] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
+            for m in tar:
+                path = check_rel_path(m.name, f"{where}: member")
+                if not m.isreg():
+                    kind = "symlink" if m.issym() else "hardlink" if m.islnk() else "device/fifo/dir"
+                    raise UnsafeBundleError(f"{where}: member {path!r} is a {kind}, only regular files are allowed")
+                if m.mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX):
+                    raise UnsafeBundleError(f"{where}: member {path!r} has setuid/setgid/sticky mode {m.mode:o}")
+                if path not in expected or path in out:
+                    raise UnsafeBundleError(f"{where}: member {path!r} is not listed in the index (or repeated)")
+                f = tar.extractfile(m)
+                data = f.read() if f else b""
+                rec = expected[path]
+                if len(data) != rec.size or hashlib.sha256(data).hexdigest() != rec.sha256:
+                    raise IntegrityError(f"{where}: {path} does not match its sha256/size in the index")
+                out[path] = data
+    except tarfile.TarError as e:
+        raise IntegrityError(f"{where}: object {entry.object} is not a valid tar ({e})") from None
+    if missing := sorted(set(expected) - set(out)):
+        raise IntegrityError(f"{where}: object {entry.object} lacks {', '.join(missing)}")
+    names = {p.rsplit("/", 1)[-1] for p in out}
+    for path, data in out.items():
+        if is_group(path):
+            rel, outside = relative_group(data, entry.key, names, f"{where}: {path}")
+            if outside or rel != data:
+                why = f"points outside its entry: {', '.join(outside)}" if outside else "is not in relative form"
+                raise UnsafeBundleError(f"{where}: group {path} {why}")
+    return out
+
+
+def write_entry(files: dict[str, bytes], dest: str, final_dir: str, *, durable: bool = True) -> None:
+    """Write a checked entry into a fresh ``dest`` dir; group files point at ``final_dir`` (where it will live)."""
+    os.mkdir(dest, 0o755)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for path, data in sorted(files.items()):
+        if "/" in path:
+            os.makedirs(os.path.join(dest, os.path.dirname(path)), 0o755, exist_ok=True)
+        if is_group(path):
+            data = absolute_group(data, final_dir)
+        fd = os.open(os.path.join(dest, path), flags, 0o644)
+        try:
+            with memoryview(data) as view:
+                while view:
+                    view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    if durable:
+        fd = os.open(dest, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

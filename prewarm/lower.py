@@ -1,0 +1,148 @@
+"""Lower: take every planned compile through triton-ascend's real front end, on a machine without an NPU.
+
+Ascend is the primary target and CI has neither NPU nor CANN. What can run here does: each compile the plan
+makes (bound and specialized by Triton's own JIT, through a target-only driver) goes through the same stages
+``triton.compiler.compile`` runs, in order, until the first one that needs CANN:
+
+    ast (ast_to_ttir) -> ttir (make_ttir) -> ttadapter (ttir_to_linalg, the bundled triton-adapter-opt)
+
+The next stage (``npubin``: CANN's bishengir-compile, and the device's SoC) is the NPU build's job. A failure
+names the kernel, the variant and the stage's own message. Each compile also reports the cache key dir the
+runtime on an ``arch`` node would look up (same computation as ``compile``).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+
+from . import npu, plan as planning, tritoncompat
+from .errors import EnvironmentProblem
+from .manifest import Manifest
+
+STAGES = ("ast", "ttir", "ttadapter")  # what runs without CANN, in compile()'s order
+
+
+@dataclass
+class LoweredCompile:
+    """One compile request taken through the front end."""
+
+    kernel: str
+    label: str
+    request: str  # Request.ident
+    cache_key: str = ""  # the key dir under TRITON_CACHE_DIR the runtime would use on the target
+    stage_ms: dict[str, float] = field(default_factory=dict)  # stages that completed, in order
+    failed_stage: str | None = None  # "bind" (plan/JIT binding) or one of STAGES
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failed_stage is None
+
+    def failure(self) -> str:
+        return f"{self.kernel} variant {self.label!r}: stage {self.failed_stage} failed: {self.error}"
+
+
+@dataclass
+class LowerReport:
+    manifest: str
+    arch: str
+    triton: str  # "triton-ascend 3.2.0"
+    compiles: list[LoweredCompile]
+    requests: int
+
+    @property
+    def lowered(self) -> int:
+        return sum(c.ok for c in self.compiles)
+
+    @property
+    def failed(self) -> list[LoweredCompile]:
+        return [c for c in self.compiles if not c.ok]
+
+    def to_json(self) -> dict:
+        return {
+            "manifest": self.manifest, "arch": self.arch, "triton": self.triton, "requests": self.requests,
+            "lowered": self.lowered, "failed": len(self.failed), "stages": list(STAGES),
+            "compiles": [{**asdict(c), "ok": c.ok} for c in self.compiles],
+        }  # fmt: skip
+
+
+def _message(e: BaseException) -> str:
+    """The stage's own words: triton-adapter-opt's stderr, or the front end's error."""
+    if isinstance(e, subprocess.CalledProcessError):
+        text = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return text.strip() or f"{e.cmd[0]} exited with {e.returncode}"
+    return f"{type(e).__name__}: {e}".strip()
+
+
+def lower_compile(fn, specialization_data: str, arch: str, out: LoweredCompile) -> LoweredCompile:
+    """Run ``compile()``'s stages up to ``ttadapter`` on exactly what ``preload(specialization_data)`` compiles."""
+    import triton.language as tl
+    from triton._C.libtriton import get_cache_invalidating_env_vars, ir
+    from triton.backends.ascend.compiler import AscendAttrsDescriptor
+    from triton.compiler.compiler import ASTSource, make_backend, triton_key
+    from triton.runtime.cache import _base64
+
+    data = json.loads(specialization_data)
+    jit = tritoncompat.jit_function(fn)
+    # As JITFunction.preload (3.2) rebuilds the request ...
+    constants = {k: tl.dtype(v) if tl.dtype.is_dtype(v) else v for k, v in data["constants"].items()}
+    src = ASTSource(jit, dict(data["signature"]), constants, AscendAttrsDescriptor.from_dict(data["attrs"]))
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    # ... and compile() keys and stages it.
+    target = npu.NpuOfflineDriver(arch).target
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    env_vars = get_cache_invalidating_env_vars()
+    key = f"{triton_key()}-{src.hash()}-{backend.hash()}-{opts.hash()}-{str(sorted(env_vars.items()))}"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    out.cache_key = _base64(digest)
+    metadata = {"hash": digest, "target": target, **opts.__dict__, **env_vars}
+    stages: dict = {}
+    backend.add_stages(stages, opts)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    steps = [("ast", lambda _: src.make_ir(opts, backend.get_codegen_implementation(), backend.get_module_map(),
+                                           context))]
+    # (compile_mode="simt_only" kernels have no ttadapter stage: ttir goes straight to bishengir-compile)
+    steps += [(name, lambda m, f=stages[name]: f(m, metadata)) for name in STAGES[1:] if name in stages]
+    module = None
+    try:
+        for name, step in steps:
+            start = time.perf_counter()
+            try:
+                module = step(module)
+            except Exception as e:
+                out.failed_stage, out.error = name, _message(e)
+                return out
+            out.stage_ms[name] = round((time.perf_counter() - start) * 1000, 2)
+    finally:
+        context.disable_multithreading()  # as compile(): a later fork must not inherit a live thread pool
+    return out
+
+
+def lower(m: Manifest) -> LowerReport:
+    """Plan ``m`` and take every compile of every request through the front end (none stops the others)."""
+    if m.backend != "npu":
+        raise EnvironmentProblem(f"{m.path}: target.backend is {m.backend!r}: lower checks the Ascend (npu) "
+                                 f"front end only")
+    npu.activate_offline(m.arch)  # before planning: triton 3.2 needs a driver to import @autotune kernels
+    the_plan = planning.plan(m)
+    dist, version = tritoncompat.triton_distribution()
+    compiles: list[LoweredCompile] = []
+    for req in the_plan.requests:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # triton-ascend prints advice on every bind
+                planned = planning.expand(req)
+            fn = planning.resolve(req.kernel)
+        except Exception as e:
+            compiles.append(LoweredCompile(req.kernel, req.label, req.ident, failed_stage="bind", error=_message(e)))
+            continue
+        for c in planned:
+            compiles.append(lower_compile(fn, c.specialization, m.arch, LoweredCompile(c.kernel, c.label, c.request)))
+    return LowerReport(str(m.path), m.arch, f"{dist} {version}", compiles, len(the_plan.requests))

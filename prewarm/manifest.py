@@ -1,0 +1,240 @@
+"""Manifests: what will run where (TOML). Loading validates every key, so a typo is an error, not a silent miss.
+
+Every error names the file, the key, the bad value and what was expected (ManifestError, exit code 3).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ManifestError
+
+BACKENDS = ("cuda", "npu")
+DTYPES = ("bfloat16", "float16", "float32")
+TENSOR_DTYPES = (
+    "bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2",
+)  # fmt: skip
+_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One ``[[kernels]]`` entry: a provider module, a record file, or a single third-party function.
+
+    ``function`` entries: ``args`` maps parameter name -> value; a value is ``{tensor = "dtype"}`` (a tensor of
+    that dtype), an int / float / bool / string, or a list of those (one request per combination, in order).
+    ``options`` holds ``num_warps`` / ``num_stages`` (int or list) and other compile options.
+    """
+
+    kind: str  # "provider" | "record" | "function"
+    ref: str  # module name, record path (resolved), or "module:function"
+    where: str  # "kernels[2]" for messages
+    args: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    name: str
+    digest: str  # sha256 over the manifest bytes and every record file it includes
+    backend: str
+    arch: str
+    heads: int  # model KDA heads (all ranks)
+    attention_tp: int
+    head_k_dim: int
+    head_v_dim: int
+    layers: int
+    dtype: str
+    gate_lower_bound: float | None
+    prefill: bool
+    decode_batch_buckets: tuple[int, ...]
+    draft_widths: tuple[int, ...]
+    kernels: tuple[KernelSource, ...]
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.heads // self.attention_tp
+
+    def spec(self) -> dict[str, Any]:
+        """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives."""
+        return {
+            "backend": self.backend,
+            "arch": self.arch,
+            "heads": self.heads_per_rank,
+            "head_k_dim": self.head_k_dim,
+            "head_v_dim": self.head_v_dim,
+            "dtype": self.dtype,
+            "gate_lower_bound": self.gate_lower_bound,
+            "prefill": self.prefill,
+            "decode_batch_buckets": list(self.decode_batch_buckets),
+            "draft_widths": list(self.draft_widths),
+            "layers": self.layers,
+        }
+
+
+class _Reader:
+    """Typed access to one TOML table with errors that say file, key, value and expectation."""
+
+    def __init__(self, path: Path, table: dict, prefix: str):
+        self.path, self.table, self.prefix = path, table, prefix
+        self.used: set[str] = set()
+
+    def fail(self, key: str, value: Any, expected: str) -> ManifestError:
+        return ManifestError(f"{self.path}: {self.prefix}{key} = {value!r}: expected {expected}")
+
+    def get(self, key: str, types: type | tuple, expected: str, default: Any = ..., check=None) -> Any:
+        self.used.add(key)
+        if key not in self.table:
+            if default is ...:
+                raise ManifestError(f"{self.path}: {self.prefix}{key} is missing: expected {expected}")
+            return default
+        value = self.table[key]
+        bad_bool = isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
+        if not isinstance(value, types) or bad_bool or (check is not None and not check(value)):
+            raise self.fail(key, value, expected)
+        return value
+
+    def ints(self, key: str, default: list[int]) -> tuple[int, ...]:
+        expected = "a list of distinct positive integers"
+        values = self.get(key, list, expected, default)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) or len(set(values)) != len(
+            values
+        ):
+            raise self.fail(key, values, expected)
+        return tuple(values)
+
+    def table_of(self, key: str) -> "_Reader":
+        return _Reader(self.path, self.get(key, dict, "a table", {}), f"{self.prefix}{key}.")
+
+    def done(self) -> None:
+        extra = sorted(set(self.table) - self.used)
+        if extra:
+            raise self.fail(extra[0], self.table[extra[0]], f"no such key here (known: {', '.join(sorted(self.used))})")
+
+
+def load(path: str | Path) -> Manifest:
+    """Parse and validate a manifest file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read manifest: {e.strerror}") from e
+    try:
+        doc = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: not valid TOML: {e}") from e
+
+    top = _Reader(path, doc, "")
+    name = top.get("name", str, "a string", path.stem)
+
+    t = top.table_of("target")
+    backend = t.get("backend", str, f"one of {', '.join(BACKENDS)}", check=lambda v: v in BACKENDS)
+    if backend == "cuda":
+        arch = t.get("arch", str, "a CUDA arch like 'sm_90'", check=lambda v: re.fullmatch(r"sm_?\d{2,3}a?", v))
+    else:
+        arch = t.get("arch", str, "an Ascend SoC name like 'Ascend910_9391'", check=lambda v: bool(v.strip()))
+    t.done()
+
+    m = top.table_of("model")
+    positive = "a positive integer"
+    heads = m.get("kda_heads", int, positive, check=lambda v: v > 0)
+    head_k_dim = m.get("head_k_dim", int, positive, check=lambda v: v > 0)
+    head_v_dim = m.get("head_v_dim", int, positive, check=lambda v: v > 0)
+    layers = m.get("layers", int, positive, 1, check=lambda v: v > 0)
+    glb = m.get("gate_lower_bound", (int, float), "a number in [-20, 0) or absent", None, check=lambda v: -20 <= v < 0)
+    m.done()
+
+    p = top.table_of("parallel")
+    tp = p.get("tensor_parallel", int, positive, 1, check=lambda v: v > 0)
+    dp = p.get("attention_dp", int, positive, 1, check=lambda v: v > 0)
+    if tp % dp:
+        raise p.fail("attention_dp", dp, f"a divisor of parallel.tensor_parallel = {tp} (attention-TP = TP / DP)")
+    attention_tp = tp // dp
+    if heads % attention_tp:
+        raise ManifestError(
+            f"{path}: model.kda_heads = {heads} does not divide over attention-TP {attention_tp} "
+            f"(parallel.tensor_parallel {tp} / parallel.attention_dp {dp}): expected heads to be a multiple of "
+            f"{attention_tp}"
+        )
+    p.done()
+
+    d = top.table_of("dtypes")
+    dtype = d.get("activation", str, f"one of {', '.join(DTYPES)}", "bfloat16", check=lambda v: v in DTYPES)
+    d.done()
+
+    s = top.table_of("serving")
+    prefill = s.get("prefill", bool, "true or false", True)
+    buckets = s.ints("decode_batch_buckets", [])
+    drafts = s.ints("draft_widths", [])
+    s.done()
+
+    kernels_raw = top.get("kernels", list, "an array of [[kernels]] tables", [])
+    kernels = tuple(_kernel(path, i, entry) for i, entry in enumerate(kernels_raw))
+    if not kernels:
+        raise ManifestError(f"{path}: kernels is empty: expected at least one [[kernels]] entry")
+    top.done()
+
+    digest = hashlib.sha256(raw)
+    for k in kernels:
+        if k.kind == "record":
+            digest.update(Path(k.ref).read_bytes())
+    return Manifest(
+        path=path, name=name, digest=digest.hexdigest(), backend=backend, arch=arch, heads=heads,
+        attention_tp=attention_tp, head_k_dim=head_k_dim, head_v_dim=head_v_dim, layers=layers, dtype=dtype,
+        gate_lower_bound=None if glb is None else float(glb), prefill=prefill, decode_batch_buckets=buckets,
+        draft_widths=drafts, kernels=kernels,
+    )  # fmt: skip
+
+
+def _kernel(path: Path, i: int, entry: Any) -> KernelSource:
+    where = f"kernels[{i}]"
+    if not isinstance(entry, dict):
+        raise ManifestError(f"{path}: {where} = {entry!r}: expected a table")
+    r = _Reader(path, entry, f"{where}.")
+    kinds = [k for k in ("provider", "record", "function") if k in entry]
+    if len(kinds) != 1:
+        raise ManifestError(
+            f"{path}: {where} has {kinds or 'none'} of provider / record / function: expected exactly one"
+        )
+    kind = kinds[0]
+    label = r.get("label", str, "a string", "")
+    if kind == "provider":
+        ref = r.get("provider", str, "an importable module name", check=lambda v: re.fullmatch(r"[A-Za-z_][\w.]*", v))
+        r.done()
+        return KernelSource("provider", ref, where, label=label)
+    if kind == "record":
+        rel = r.get("record", str, "a path to a `prewarm record` file (relative to the manifest)")
+        rec = (path.parent / rel).resolve()
+        if not rec.is_file():
+            raise r.fail("record", rel, f"an existing file (looked for {rec})")
+        r.done()
+        return KernelSource("record", str(rec), where, label=label)
+    ref = r.get("function", str, "'module:function'", check=lambda v: _REF.match(v))
+    args = r.get("args", dict, "a table of parameter name -> value", {})
+    for name, value in args.items():
+        for v in value if isinstance(value, list) else [value]:
+            _check_arg(path, f"{where}.args.{name}", v)
+    options = r.get("options", dict, "a table of compile options (num_warps, num_stages, ...)", {})
+    for name, value in options.items():
+        for v in value if isinstance(value, list) else [value]:
+            if not isinstance(v, (int, float, bool, str)):
+                raise ManifestError(f"{path}: {where}.options.{name} = {v!r}: expected an int, float, bool or string")
+    r.done()
+    return KernelSource("function", ref, where, args=args, options=options, label=label)
+
+
+def _check_arg(path: Path, key: str, v: Any) -> None:
+    if isinstance(v, dict):
+        if set(v) - {"tensor", "shape"} or v.get("tensor") not in TENSOR_DTYPES:
+            raise ManifestError(
+                f"{path}: {key} = {v!r}: expected {{tensor = DTYPE}} with DTYPE one of {', '.join(TENSOR_DTYPES)}"
+            )
+    elif not isinstance(v, (int, float, bool, str)):
+        raise ManifestError(f"{path}: {key} = {v!r}: expected {{tensor = DTYPE}}, an int, float, bool or string")

@@ -1,0 +1,209 @@
+"""Ascend (triton-ascend 3.2) build targets. Imported by ``targets.get_target`` for backend "npu".
+
+- :class:`NpuOfflineDriver`: the smallest driver triton-ascend's JIT needs to bind and specialize a call (target,
+  device 0, stream 0) on a machine without an NPU. ``plan`` and ``lower`` run through it.
+- :class:`NpuTarget` (mode "device"): on a node with torch_npu, CANN and an NPU, one compile-only launch
+  (TRITON_COMPILE_ONLY=1) per planned compile, on minimal tensors. Unlike ``preload``, a launch also builds the
+  per-signature launcher ``.so``, ``npu_utils.so`` and the precompiled header into the cache dir, so the first
+  real launch on a node compiles nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from . import fingerprint, tritoncompat
+from .errors import BuildError, EnvironmentProblem
+from .targets import Target, register
+
+# Files triton-ascend writes into TRITON_CACHE_DIR besides the kernels, at the first launch of each signature.
+LAUNCHER_GLOB = "launcher_cxx11abi*"
+RUNTIME_FILES = ("npu_utils.so", "precompiled.h")
+TENSOR_DEVICE = "npu"  # where minimal launch tensors live (torch_npu's device)
+_CLAIMED: set[str] = set()  # cache dirs this process checked against its toolchain
+
+
+class NpuOfflineDriver:
+    """Target-only driver: lets ``warmup``/``preload`` bind, specialize and run the front end without an NPU."""
+
+    def __init__(self, arch: str):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("npu", arch, 0)  # warp_size 0, as triton-ascend's NPUDriver says
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_benchmarker(self):
+        """triton 3.2's Autotuner asks for it when decorating (at import), so a module with @autotune kernels
+        imports only under an active driver; benchmarking itself needs the device."""
+
+        def no_device(*args, **kwargs):
+            raise EnvironmentProblem("autotune benchmarking needs an NPU: on Ascend, launch raw kernels with pinned "
+                                     "configs (or build on a node)")
+
+        return no_device
+
+    def is_active(self):
+        return True
+
+
+def activate_offline(arch: str) -> None:
+    """Make this process's Triton bind and specialize for ``npu``/``arch`` (no device needed). Idempotent."""
+    if tritoncompat.triton_distribution()[0] != "triton-ascend":
+        raise EnvironmentProblem(
+            f"backend npu needs triton-ascend (this environment's `triton` comes from "
+            f"{tritoncompat.triton_distribution()[0]!r}); run it in the Ascend env (.ci/ascend-env)"
+        )
+    from triton.runtime.driver import driver
+
+    current = driver.active
+    if not (isinstance(current, NpuOfflineDriver) and current.target.arch == arch):
+        driver.set_active(NpuOfflineDriver(arch))
+
+
+# --- compile-only launches ---------------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {
+    "fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i1": "bool", "i8": "int8",
+    "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "fp8e5": "float8_e5m2",
+    "fp8e4nv": "float8_e4m3fn",
+}  # fmt: skip
+# Scalar values that reproduce each specialization ('D': multiple of 16, '1': equal to 1, 'N': neither).
+_INTS = {"i32": {"D": 16, "1": 1, "N": 3}, "i64": {"D": 2**32, "N": 2**32 + 3}, "u64": {"D": 2**63, "N": 2**63 + 3}}
+_FLOATS = ("fp16", "bf16", "fp32", "fp64")
+# Fields of the specialization data that make up the on-disk cache key (besides the kernel's source).
+KEY_FIELDS = ("signature", "constants", "attrs", "options")
+
+
+def launch_arguments(fn, data: dict, device: str) -> tuple[list, dict]:
+    """Minimal positional args + keyword args whose launch makes exactly the compile ``data`` describes."""
+    import torch
+    import triton.language as tl
+
+    sig, constants = data["signature"], data["constants"]
+    props = data["attrs"]["arg_properties"]
+    divisible = set(props.get("tt.divisibility", []))
+    ones = set(props.get("tt.equal_to", []))
+    args, kwargs = [], {}
+    for p in fn.params:
+        name = p.name
+        if p.is_constexpr:
+            value = constants[name]
+            kwargs[name] = tl.dtype(value) if isinstance(value, str) and tl.dtype.is_dtype(value) else value
+            continue
+        ty = "*" + sig[name][2:] if sig[name].startswith("*k") else sig[name]  # "*k": const pointer
+        if name in constants and constants[name] is None:
+            args.append(None)
+        elif ty.startswith("*"):
+            dtype = getattr(torch, _TORCH_DTYPES[ty[1:]])
+            base = torch.empty(32, dtype=dtype, device=device)  # device allocations are 512-byte aligned
+            args.append(base if p.num in divisible else base[1:])  # one element in: not 16-byte aligned
+        elif ty == "i1":
+            args.append(False if p.num in divisible else True)
+        elif ty in _INTS:
+            spec = "D" if p.num in divisible else "1" if p.num in ones else "N"
+            args.append(_INTS[ty][spec])
+        elif ty in _FLOATS:
+            args.append(0.5)
+        else:
+            raise BuildError(f"{data['name']}: argument {name} has type {sig[name]!r}, which a compile-only launch "
+                             f"cannot stand in for")
+    return args, kwargs
+
+
+def option_kwargs(options: dict) -> dict:
+    """The launch keywords that reproduce ``options``: every field that differs from triton-ascend's default."""
+    from triton.backends.ascend.compiler import NPUOptions
+
+    defaults = json.loads(json.dumps(NPUOptions().__dict__))
+    out = {}
+    for key, value in options.items():
+        if key in ("debug", "stream") or defaults.get(key) == value:
+            continue
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+@dataclass
+class NpuTarget(Target):
+    """An Ascend node: TRITON_COMPILE_ONLY launches through triton-ascend's own driver (launchers included)."""
+
+    mode: ClassVar[str] = "device"
+
+    def activate(self) -> None:
+        if os.environ.get("TRITON_STORE_BINARY_ONLY"):
+            raise EnvironmentProblem("TRITON_STORE_BINARY_ONLY is set: on Ascend it drops the .npubin; unset it")
+        if fingerprint.bishengir_path() is None:
+            raise EnvironmentProblem(
+                "bishengir-compile not found (PATH, then $TRITON_NPU_COMPILER_PATH/npuc): source the CANN "
+                "toolkit's set_env.sh first"
+            )
+        from triton.runtime.driver import driver
+
+        try:
+            arch = driver.active.get_current_target().arch
+        except Exception as e:
+            raise EnvironmentProblem(f"build --mode device: no usable NPU driver ({type(e).__name__}: {e})") from e
+        if arch != self.arch:
+            raise EnvironmentProblem(f"build --mode device: the manifest targets {self.arch} but this node's NPU "
+                                     f"compiles for {arch} (device SoC or TRITON_ASCEND_ARCH)")
+        os.environ["TRITON_COMPILE_ONLY"] = "1"
+
+    def compile(self, fn: Any, specialization_data: str) -> Any:
+        """One compile-only launch that must reproduce ``specialization_data`` exactly (checked via the hook)."""
+        cache_dir = tritoncompat.cache_dir()
+        if cache_dir not in _CLAIMED:  # before compiling: never add to a dir of another toolchain
+            fingerprint.claim_cache_dir(cache_dir, fingerprint.current("npu", self.arch))
+            _CLAIMED.add(cache_dir)
+        jit = tritoncompat.jit_function(fn)
+        wanted = json.loads(specialization_data)
+        args, kwargs = launch_arguments(jit, wanted, TENSOR_DEVICE)
+        seen: list[str] = []
+        previous = tritoncompat.get_jit_cache_hook()
+
+        def hook(*, compile, **_):
+            seen.append(compile["specialization_data"])
+            return False
+
+        tritoncompat.set_jit_cache_hook(hook)
+        try:
+            kernel = jit[(1, 1, 1)](*args, **kwargs, **option_kwargs(wanted["options"]))
+        finally:
+            tritoncompat.set_jit_cache_hook(previous)
+        got = json.loads(seen[-1]) if seen else None
+        differs = [f for f in KEY_FIELDS if got is None or got[f] != wanted[f]]
+        if differs:
+            raise BuildError(f"{wanted['name']}: the compile-only launch made a different request than planned "
+                             f"({', '.join(differs)} differ): planned {wanted}, launched {got}")
+        return kernel
+
+    def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
+        """Check the runtime files the first real launch would otherwise build are in the cache dir; record the
+        toolchain the dir now belongs to."""
+        fingerprint.claim_cache_dir(cache_dir, fingerprint.current("npu", self.arch))
+        root = Path(cache_dir)
+        launchers = sorted(root.glob(f"*/{LAUNCHER_GLOB}"))
+        missing = [name for name in RUNTIME_FILES if not any(root.glob(f"*/{name}"))]
+        if not launchers:
+            missing.append(LAUNCHER_GLOB)
+        if missing:
+            raise BuildError(f"{cache_dir}: compile-only launches left no {', '.join(missing)}: the first real "
+                             f"launch on a node would build them (needs a C++ compiler and CANN headers there)")
+        return [f"compile-only launches: {len(launchers)} launcher(s), npu_utils.so and precompiled.h cached"]
+
+    def notes(self) -> list[str]:
+        return ["Ascend device build: kernels, launchers, npu_utils.so and the precompiled header are compiled on "
+                "this node; the bundle only fits nodes with the same CANN, bishengir-compile and torch_npu"]
+
+
+register("npu", "device", NpuTarget)

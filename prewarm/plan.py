@@ -1,0 +1,320 @@
+"""Plan: a manifest -> the exact, deterministic list of compile requests the runtime will make.
+
+A :class:`Request` is one kernel call as the serving code makes it (kernel, arguments as dtype+shape tensors and
+scalars, options), or one recorded specialization from ``prewarm record``. Providers are called on ``meta``
+tensors and their launches captured; nothing compiles. :func:`expand` then turns each request into the compiles
+Triton itself would do (one per autotune config), by driving the real JIT entry point (``warmup``) with a
+``jit_cache_hook`` that records the specialization data and skips the compile. Build and will-hit both replay
+those with ``preload``, so plan, build and check share one definition of "the request".
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from . import tritoncompat
+from .errors import ManifestError
+from .manifest import KernelSource, Manifest
+
+
+@dataclass(frozen=True)
+class Request:
+    """One planned kernel call (``args``/``kwargs`` encoded) or one recorded compile (``specialization``)."""
+
+    kernel: str  # "module:qualname", with ".fn" suffixes for a raw JITFunction under a wrapper
+    label: str
+    source: str  # the manifest entry it came from, e.g. "kernels[0] prewarm_kernels.kda.serving"
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    specialization: str | None = None
+
+    @property
+    def ident(self) -> str:
+        """Content id: same kernel + arguments + options = same request, whatever its label."""
+        body = json.dumps([self.kernel, list(self.args), self.kwargs, self.specialization], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        if self.specialization is not None:
+            return describe_specialization(self.specialization)
+        parts = [_short(a) for a in self.args] + [f"{k}={_short(v)}" for k, v in self.kwargs.items()]
+        return ", ".join(parts)
+
+    def to_json(self) -> dict:
+        out = {"id": self.ident, "kernel": self.kernel, "label": self.label, "source": self.source}
+        if self.specialization is None:
+            out.update(args=list(self.args), kwargs=self.kwargs)
+        else:
+            out["specialization_data"] = self.specialization
+        return out
+
+
+@dataclass(frozen=True)
+class Compile:
+    """One compile Triton would do for a request: replayed with ``JITFunction.preload(specialization)``."""
+
+    request: str  # Request.ident
+    kernel: str
+    label: str
+    specialization: str
+
+    def to_json(self) -> dict:
+        return {"request": self.request, "kernel": self.kernel, "label": self.label}
+
+
+@dataclass
+class Plan:
+    manifest: Manifest
+    requests: list[Request]
+
+    def to_json(self) -> dict:
+        m = self.manifest
+        return {
+            "manifest": {"name": m.name, "path": str(m.path), "digest": m.digest},
+            "target": {"backend": m.backend, "arch": m.arch},
+            "spec": m.spec(),
+            "requests": [r.to_json() for r in self.requests],
+        }
+
+
+# --- building the plan -----------------------------------------------------------------------------------------
+
+
+def plan(manifest: Manifest) -> Plan:
+    """Every request of every ``[[kernels]]`` entry, in manifest order, duplicates dropped (first label kept)."""
+    requests: dict[str, Request] = {}
+    for source in manifest.kernels:
+        for req in _from_source(manifest, source):
+            requests.setdefault(req.ident, req)
+    return Plan(manifest, list(requests.values()))
+
+
+def _from_source(manifest: Manifest, src: KernelSource) -> list[Request]:
+    if src.kind == "provider":
+        return _from_provider(manifest, src)
+    if src.kind == "record":
+        return load_record(src.ref, source=f"{src.where} {src.ref}")
+    return _from_function(manifest, src)
+
+
+def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request]:
+    where = f"{manifest.path}: {src.where}.provider = {src.ref!r}"
+    try:
+        module = importlib.import_module(src.ref)
+    except ImportError as e:
+        raise ManifestError(f"{where}: cannot import it ({e}): expected an installed provider module") from e
+    if not callable(getattr(module, "launches", None)):
+        raise ManifestError(f"{where}: the module has no launches(spec) function: expected a kernel provider")
+    try:
+        launches = list(module.launches(manifest.spec()))
+    except Exception as e:
+        raise ManifestError(f"{where}: launches(spec) failed: {type(e).__name__}: {e}") from e
+    out = []
+    for n, launch in enumerate(launches):
+        label = getattr(launch, "label", "") or f"{src.ref}#{n}"
+        ref = _ref_for(launch.kernel, f"{where}, launch {label!r}")
+        args = tuple(_encode(a, f"{where}, launch {label!r}, argument {i}") for i, a in enumerate(launch.args))
+        kwargs = {k: _encode(v, f"{where}, launch {label!r}, argument {k}") for k, v in launch.kwargs.items()}
+        out.append(Request(ref, label, f"{src.where} {src.ref}", args, kwargs))
+    return out
+
+
+def _from_function(manifest: Manifest, src: KernelSource) -> list[Request]:
+    where = f"{manifest.path}: {src.where}.function = {src.ref!r}"
+    try:
+        kernel = resolve(src.ref)
+        params = tritoncompat.jit_function(kernel).arg_names
+    except (ImportError, AttributeError, TypeError) as e:
+        raise ManifestError(f"{where}: {e}: expected 'module:function' naming a @triton.jit kernel") from e
+    unknown = [a for a in src.args if a not in params]
+    if unknown:
+        raise ManifestError(
+            f"{manifest.path}: {src.where}.args.{unknown[0]}: the kernel has no such parameter: expected one of "
+            f"{', '.join(params)}"
+        )
+    ref = _ref_for(kernel, where)
+    table = {**src.args, **src.options}
+    names = list(table)
+    choices = [v if isinstance(v, list) else [v] for v in table.values()]
+    out = []
+    for combo in itertools.product(*choices):
+        kwargs = {n: ({"tensor": v["tensor"], "shape": v.get("shape", [1])} if isinstance(v, dict) else v)
+                  for n, v in zip(names, combo)}  # fmt: skip
+        label = src.label or src.ref.split(":")[1]
+        varying = [f"{n}={_short(kwargs[n])}" for n, c in zip(names, choices) if len(c) > 1]
+        out.append(Request(ref, f"{label} {' '.join(varying)}".strip(), f"{src.where} {src.ref}", (), kwargs))
+    return out
+
+
+def load_record(path: str, source: str | None = None) -> list[Request]:
+    """Requests from a ``prewarm record`` file (JSON lines), deduplicated, in first-seen order."""
+    out: dict[str, Request] = {}
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read record file: {e.strerror}") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            kernel, data = entry["kernel"], entry["specialization_data"]
+            name = json.loads(data)["name"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(
+                f"{path}:{n}: {line[:80]!r}: expected a JSON object with 'kernel' and 'specialization_data' "
+                f"(a line written by `prewarm record`) ({e})"
+            ) from e
+        if kernel.startswith("__main__:"):
+            raise ManifestError(
+                f"{path}:{n}: kernel {kernel} was defined in a script run as __main__: expected kernels in an "
+                f"importable module (a build process must import it by name)"
+            )
+        label = entry.get("label") or f"{name.rsplit('.', 1)[-1]} [{describe_specialization(data)}]"
+        req = Request(kernel, label, source or path, specialization=data)
+        out.setdefault(req.ident, req)
+    return list(out.values())
+
+
+# --- references and argument encoding ---------------------------------------------------------------------------
+
+
+def resolve(ref: str) -> Any:
+    """The kernel object a "module:qualname[.fn...]" reference names (imports the module)."""
+    module_name, _, attrs = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for attr in attrs.split("."):
+        obj = getattr(obj, attr)
+    tritoncompat.jit_function(obj)  # TypeError if this is not a Triton kernel
+    return obj
+
+
+def _ref_for(kernel: Any, where: str) -> str:
+    """A reference that resolves back to this very object, or a clear error (kernels made in closures...)."""
+    try:
+        ref = tritoncompat.kernel_ref(kernel)
+    except TypeError as e:
+        raise ManifestError(f"{where}: {e}") from e
+    try:
+        obj = resolve(ref)
+    except (ImportError, AttributeError, TypeError):
+        obj = None
+    suffix = ""
+    while obj is not None and obj is not kernel:
+        obj, suffix = getattr(obj, "fn", None), suffix + ".fn"
+    if obj is None:
+        raise ManifestError(
+            f"{where}: kernel {ref} is not reachable as a module attribute: expected a kernel defined at module "
+            f"level (a build process must import it by name)"
+        )
+    return ref + suffix
+
+
+def _encode(value: Any, where: str) -> Any:
+    """A launch argument -> JSON: tensors keep dtype and shape only (what specialization and heuristics see)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    cls = f"{type(value).__module__}.{type(value).__qualname__}"
+    if cls == "torch.dtype":
+        return {"tensor": str(value).removeprefix("torch."), "shape": [1]}
+    if hasattr(value, "data_ptr") and hasattr(value, "dtype") and hasattr(value, "shape"):
+        return {"tensor": str(value.dtype).removeprefix("torch."), "shape": [int(s) for s in value.shape]}
+    if cls == "triton.language.core.constexpr":
+        return _encode(value.value, where)
+    if cls == "triton.language.core.dtype":
+        return {"tl_dtype": str(value)}
+    if isinstance(value, (tuple, list)):
+        return {"tuple": [_encode(v, where) for v in value]}
+    raise ManifestError(f"{where}: {value!r} ({cls}): expected a tensor, a scalar, a dtype or a tuple of those")
+
+
+def decode(value: Any) -> Any:
+    """JSON -> an argument for the real JIT path (tensors become ``meta`` tensors: no memory, aligned)."""
+    if isinstance(value, dict):
+        if "tensor" in value:
+            import torch
+
+            return torch.empty(value["shape"], dtype=getattr(torch, value["tensor"]), device="meta")
+        if "tl_dtype" in value:
+            import triton.language as tl
+
+            return tl.dtype(value["tl_dtype"])
+        if "tuple" in value:
+            return tuple(decode(v) for v in value["tuple"])
+    return value
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, dict) and "tensor" in v:
+        return f"{v['tensor']}{list(v['shape'])}"
+    if isinstance(v, dict) and "tuple" in v:
+        return "(" + ", ".join(_short(x) for x in v["tuple"]) + ")"
+    if isinstance(v, dict) and "tl_dtype" in v:
+        return v["tl_dtype"]
+    return repr(v)
+
+
+def describe_specialization(data: str) -> str:
+    """"BT=64 BK=32 warps=4 stages=3": the constexprs and options that tell one compile of a kernel from another."""
+    obj = json.loads(data)
+    names = list(obj["signature"])
+    parts = []
+    for key, val in zip(obj["constant_keys"], obj["constant_vals"]):
+        name = names[key[0]] if key and key[0] < len(names) else str(key)
+        val = val.get("constexpr", val) if isinstance(val, dict) else val
+        parts.append(f"{name}={val}")
+    opts = obj["options"]
+    parts.append(f"warps={opts.get('num_warps')} stages={opts.get('num_stages')}")
+    return " ".join(parts)
+
+
+# --- expansion into compiles (needs an active target) -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _capturing() -> Iterator[list[str]]:
+    """Record every compile request's specialization data and skip the compile (the hook returns True)."""
+    captured: list[str] = []
+    previous = tritoncompat.get_jit_cache_hook()
+
+    def hook(*, compile, **_):
+        captured.append(compile["specialization_data"])
+        return True
+
+    tritoncompat.set_jit_cache_hook(hook)
+    try:
+        yield captured
+    finally:
+        tritoncompat.set_jit_cache_hook(previous)
+
+
+def expand_all(requests: list[Request]) -> list[Compile]:
+    """Every request's compiles, each distinct compile once (two calls can make the same request of Triton)."""
+    out: dict[str, Compile] = {}
+    for r in requests:
+        for c in expand(r):
+            out.setdefault(c.specialization, c)
+    return list(out.values())
+
+
+def expand(request: Request) -> list[Compile]:
+    """The compiles Triton makes for ``request`` under the active target: one per autotune config, in order."""
+    if request.specialization is not None:
+        return [Compile(request.ident, request.kernel, request.label, request.specialization)]
+    kernel = resolve(request.kernel)
+    args = tuple(decode(a) for a in request.args)
+    kwargs = {k: decode(v) for k, v in request.kwargs.items()}
+    with _capturing() as captured:
+        tritoncompat.warmup(kernel, args, kwargs, grid=(1,))
+    unique = list(dict.fromkeys(captured))
+    many = len(unique) > 1
+    return [
+        Compile(request.ident, request.kernel,
+                f"{request.label} [{describe_specialization(d)}]" if many else request.label, d)
+        for d in unique
+    ]  # fmt: skip

@@ -1,0 +1,137 @@
+"""Record: run any command and log every Triton compile request it makes, child processes included.
+
+The command runs with a ``sitecustomize.py`` first on PYTHONPATH, so every Python process it starts installs
+the JIT cache hook (3.4+: ``knobs.runtime.jit_cache_hook``; 3.2: ``JITFunction.cache_hook``) the moment it
+imports triton. The hook appends one JSON line per request (kernel "module:qualname" + the specialization data
+``JITFunction.preload`` takes) to the output file under a file lock, and never changes what Triton does. A
+manifest includes the file with ``record = "FILE"``; build replays it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import EnvironmentProblem, ManifestError
+
+ENV = "PREWARM_RECORD_FILE"
+
+_SITECUSTOMIZE = '''\
+"""Installed by `prewarm record`: log Triton compile requests, then run the sitecustomize this one shadows."""
+import importlib.machinery, importlib.util, os, sys
+
+try:
+    import prewarm.record
+    prewarm.record.install_from_env()
+except ImportError as e:
+    print(f"prewarm record: {sys.executable} cannot import prewarm ({e}); its compiles are not recorded",
+          file=sys.stderr)
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here])
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+'''
+
+
+@dataclass
+class RecordResult:
+    output: str
+    returncode: int
+    lines: int  # compile requests logged (every process, repeats included)
+    unique: int  # distinct requests (what a build replays)
+
+    def to_json(self) -> dict:
+        return {"output": self.output, "returncode": self.returncode, "lines": self.lines, "unique": self.unique}
+
+
+def record(output: str | os.PathLike, command: list[str]) -> RecordResult:
+    """Run ``command`` with the hook on; ``output`` is truncated first."""
+    if not command:
+        raise ManifestError("record: no command given: expected `prewarm record -o FILE -- COMMAND ...`")
+    out = Path(output).resolve()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("")
+    except OSError as e:
+        raise EnvironmentProblem(f"record -o {output}: cannot write it: {e.strerror}") from e
+    with tempfile.TemporaryDirectory(prefix="prewarm-record-") as site:
+        Path(site, "sitecustomize.py").write_text(_SITECUSTOMIZE)
+        pythonpath = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, ENV: str(out), "PYTHONPATH": pythonpath}
+        try:
+            returncode = subprocess.call(command, env=env)
+        except OSError as e:
+            raise EnvironmentProblem(f"record: cannot run {command[0]!r}: {e.strerror}") from e
+    from .plan import load_record
+
+    lines = sum(1 for line in out.read_text().splitlines() if line.strip())
+    return RecordResult(str(out), returncode, lines, len(load_record(str(out))) if lines else 0)
+
+
+def make_hook(path: str, previous=None):
+    """A jit_cache_hook appending each request to ``path``; chains to an existing hook."""
+    from filelock import FileLock
+
+    lock = FileLock(path + ".lock")
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        entry = {"kernel": f"{fn.module}:{fn.name}", "specialization_data": compile["specialization_data"],
+                 "pid": os.getpid()}  # fmt: skip
+        with lock, open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry, sort_keys=True) + "\n")
+        if previous is not None:
+            return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                            already_compiled=already_compiled)  # fmt: skip
+        return False
+
+    return hook
+
+
+def install(path: str) -> None:
+    """Install the hook in this process (triton must be importable)."""
+    from . import tritoncompat
+
+    tritoncompat.set_jit_cache_hook(make_hook(path, tritoncompat.get_jit_cache_hook()))
+
+
+class _AfterTritonImport:
+    """A meta path finder that installs the hook right after ``import triton`` completes (not before: importing
+    triton in every Python process the command starts would slow down and could break the ones that never use it)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def find_spec(self, name, import_path=None, target=None):
+        if name != "triton":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, path = spec.loader.exec_module, self.path
+
+        def exec_then_install(module):
+            exec_module(module)
+            install(path)
+
+        spec.loader.exec_module = exec_then_install
+        return spec
+
+
+def install_from_env() -> None:
+    """Called from the injected sitecustomize: hook now if triton is loaded, else when it gets imported."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    if "triton" in sys.modules:
+        install(path)
+    else:
+        sys.meta_path.insert(0, _AfterTritonImport(path))

@@ -1,0 +1,249 @@
+"""Where bundles live: a small ``Store`` interface over fsspec, and push to many stores at once.
+
+A store URL is the bundle's own location (it holds ``index.json`` and ``objects/``): ``file:///srv/b``,
+``s3://bucket/kda``, ``sftp://user@host:2222/srv/kda``, or any other fsspec URL. Credentials and endpoints come
+from fsspec's own configuration (``FSSPEC_S3='{"endpoint_url": ...}'``, ``FSSPEC_SFTP='{"client_keys": [...]}'``,
+or files in ``FSSPEC_CONFIG_DIR``) or the ``storage_options`` argument, so nothing here is protocol-specific
+beyond how a file is made to appear atomically.
+
+Without a URL, bundles go to the default store: ``$PREWARM_STORE`` (a path or URL), else
+``~/.cache/prewarm/store``, under the bundle's name (the manifest name from the build record, else the bundle
+dir's name).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import fsspec
+
+from .bundle import INDEX, OBJECTS, SIGNATURE, parse_index
+from .errors import PrewarmError, StoreError
+
+# Protocols whose PUT is atomic by itself (no partial object is ever visible): written directly.
+OBJECT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"}
+NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, PrewarmError)
+
+
+def default_store_root() -> str:
+    return os.environ.get("PREWARM_STORE") or str(Path.home() / ".cache" / "prewarm" / "store")
+
+
+def join(url: str, *names: str) -> str:
+    return "/".join([url.rstrip("/"), *names])
+
+
+def bundle_name(bundle_dir: str | os.PathLike) -> str:
+    """The manifest's name from the bundle's index, else the bundle dir's own name."""
+    index = parse_index(Path(bundle_dir, INDEX).read_bytes(), str(bundle_dir))
+    name = (index.manifest or {}).get("name") or Path(bundle_dir).resolve().name
+    return name.replace("/", "_")
+
+
+def retry(fn: Callable, what: str, *, attempts: int = 4, backoff: float = 0.25, on_retry: Callable | None = None):
+    """Run ``fn``; retry transient errors with exponential backoff; StoreError naming ``what`` at the end."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except NOT_TRANSIENT:
+            raise
+        except Exception as e:
+            if i == attempts - 1:
+                raise StoreError(f"{what}: failed after {attempts} attempts: {type(e).__name__}: {e}") from e
+            if on_retry:
+                on_retry(e)
+            time.sleep(backoff * 2**i)
+
+
+class Store(ABC):
+    """A bundle location: named blobs (``index.json``, ``index.json.sig``, ``objects/<sha>.tar.zst``)."""
+
+    url: str
+
+    @abstractmethod
+    def read(self, name: str) -> bytes:
+        """The blob's bytes; FileNotFoundError when absent."""
+
+    @abstractmethod
+    def write(self, name: str, data: bytes) -> None:
+        """Store a blob so that readers see either nothing or all of it."""
+
+    @abstractmethod
+    def list_objects(self) -> set[str]:
+        """Names of the objects present (an empty set for a new store)."""
+
+    def read_optional(self, name: str) -> bytes | None:
+        try:
+            return self.read(name)
+        except FileNotFoundError:
+            return None
+
+
+class LocalStore(Store):
+    """A local directory: writes go through a temp file, fsync and rename."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.root = Path(path)
+        self.url = str(self.root)
+
+    def read(self, name: str) -> bytes:
+        return (self.root / name).read_bytes()
+
+    def write(self, name: str, data: bytes) -> None:
+        dest = self.root / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+
+    def list_objects(self) -> set[str]:
+        try:
+            return {n for n in os.listdir(self.root / OBJECTS) if not n.startswith(".")}
+        except FileNotFoundError:
+            return set()
+
+
+class FsspecStore(Store):
+    """Any fsspec filesystem: a write lands under a temp name and is moved into place (sftp, ftp, hdfs...)."""
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url = url
+        self._options = storage_options or {}
+        self.fs, self.path = fsspec.core.url_to_fs(url, **self._options)
+
+    def reconnect(self) -> None:
+        """A fresh filesystem instance: after a dropped connection the cached one stays broken (sftp)."""
+        self.fs, self.path = fsspec.core.url_to_fs(url=self.url, skip_instance_cache=True, **self._options)
+
+    def read(self, name: str) -> bytes:
+        return self.fs.cat_file(join(self.path, name))
+
+    def write(self, name: str, data: bytes) -> None:
+        dest = join(self.path, name)
+        self.fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+        tmp = f"{dest}.{uuid.uuid4().hex}.tmp"
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, dest)
+
+    def list_objects(self) -> set[str]:
+        path = join(self.path, OBJECTS)
+        self.fs.invalidate_cache(path)
+        try:
+            names = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return set()
+        return {n.rstrip("/").rsplit("/", 1)[-1] for n in names} - {""}
+
+
+class ObjectStore(FsspecStore):
+    """Object stores (S3, GCS, Azure): a PUT is atomic, so objects are written directly."""
+
+    def write(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(join(self.path, name), data)
+
+
+def open_store(url: str, storage_options: dict | None = None) -> Store:
+    protocol, _, rest = url.partition("://")
+    if not rest:
+        return LocalStore(url)
+    if protocol == "file":
+        return LocalStore(fsspec.core.strip_protocol(url))
+    cls = ObjectStore if protocol in OBJECT_PROTOCOLS else FsspecStore
+    return retry(lambda: cls(url, storage_options), f"{url}: connect")
+
+
+# --- push ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PushResult:
+    url: str
+    ok: bool = False
+    sent: int = 0
+    present: int = 0  # objects the target already had
+    bytes_sent: int = 0
+    retries: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    errors: list[str] = field(default_factory=list)  # each transient error that was retried
+
+
+def _push_one(
+    bundle_dir: Path, url: str, storage_options: dict | None, attempts: int, backoff: float, on_object, workers: int
+) -> PushResult:
+    res = PushResult(url)
+    t0 = time.monotonic()
+
+    def note(e: Exception) -> None:
+        res.retries += 1
+        res.errors.append(f"{type(e).__name__}: {e}")
+        if isinstance(store, FsspecStore):
+            try:
+                store.reconnect()
+            except Exception:
+                pass  # the next attempt reports it
+
+    def attempt(fn, what):
+        return retry(fn, f"{url}: {what}", attempts=attempts, backoff=backoff, on_retry=note)
+
+    store = None
+    try:
+        store = open_store(url, storage_options)
+        index_bytes = (bundle_dir / INDEX).read_bytes()
+        index = parse_index(index_bytes, str(bundle_dir / INDEX))
+        have = attempt(store.list_objects, "list objects")
+        todo = [e.object for e in index.entries if e.object not in have]
+        res.present = len(index.entries) - len(todo)
+
+        def send(name: str) -> None:
+            data = (bundle_dir / OBJECTS / name).read_bytes()
+            attempt(lambda: store.write(f"{OBJECTS}/{name}", data), f"write {OBJECTS}/{name}")
+            res.sent += 1
+            res.bytes_sent += len(data)
+            if on_object:
+                on_object(url, name)
+
+        with cf.ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(send, n) for n in sorted(set(todo))]:
+                f.result()
+        sig = bundle_dir / SIGNATURE
+        if sig.exists():
+            attempt(lambda: store.write(SIGNATURE, sig.read_bytes()), f"write {SIGNATURE}")
+        attempt(lambda: store.write(INDEX, index_bytes), f"write {INDEX}")
+        res.ok = True
+    except Exception as e:  # one target's failure never stops the others: it is reported in its row
+        res.error = str(e) if isinstance(e, PrewarmError) else f"{type(e).__name__}: {e}"
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def push(
+    bundle_dir: str | os.PathLike,
+    urls: list[str],
+    *,
+    storage_options: dict | None = None,
+    attempts: int = 4,
+    backoff: float = 0.25,
+    workers: int = 4,
+    on_object: Callable[[str, str], None] | None = None,
+) -> list[PushResult]:
+    """Push one bundle to every URL concurrently; a result per URL, in the order given."""
+    bundle_dir = Path(bundle_dir)
+    if not (bundle_dir / INDEX).is_file():
+        raise StoreError(f"{bundle_dir}: not a bundle dir (no {INDEX}; make one with `prewarm pack`)")
+    if not urls:
+        urls = [join(default_store_root(), bundle_name(bundle_dir))]
+    with cf.ThreadPoolExecutor(len(urls)) as pool:
+        futures = [
+            pool.submit(_push_one, bundle_dir, u, storage_options, attempts, backoff, on_object, workers) for u in urls
+        ]
+        return [f.result() for f in futures]

@@ -1,0 +1,100 @@
+"""`prewarm lower`: every planned compile through triton-ascend's real front end (ast -> ttir -> ttadapter)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from conftest import ARCH, REPO, TOY_COMPILES, run_prewarm, write_manifest
+
+from prewarm import lower, manifest, plan, tritoncompat
+from prewarm.errors import BuildError
+
+
+def test_every_compile_of_the_toy_manifest_is_lowered_with_stage_timings(toy_manifest):
+    r = lower.lower(manifest.load(toy_manifest))
+    assert r.requests == TOY_COMPILES and len(r.compiles) == TOY_COMPILES
+    assert r.lowered == TOY_COMPILES and not r.failed
+    assert r.triton == "triton-ascend 3.2.0" and r.arch == ARCH
+    for c in r.compiles:
+        assert list(c.stage_ms) == list(lower.STAGES) and all(ms > 0 for ms in c.stage_ms.values())
+        assert len(c.cache_key) == 43  # triton 3.2's key dir: urlsafe base64 of a sha256
+    assert len({c.cache_key for c in r.compiles}) == TOY_COMPILES  # n = 4096 / 4095 / 1 specialize apart
+
+
+def test_lowering_is_what_compile_would_key_and_stage(toy_manifest, tmp_path, monkeypatch):
+    """The real triton.compiler.compile on the same request: it writes the same key dir, with the ttir and
+    ttadapter stages done, and stops at the first stage that needs CANN."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.errors import MLIRCompilationError
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    m = manifest.load(toy_manifest)
+    r = lower.lower(m)
+    req = plan.plan(m).requests[0]
+    (compile_,) = plan.expand(req)
+    fn = tritoncompat.jit_function(plan.resolve(req.kernel))
+    data = json.loads(compile_.specialization)
+    from triton.backends.ascend.compiler import AscendAttrsDescriptor
+    from triton.compiler.compiler import ASTSource, compile
+
+    src = ASTSource(fn, data["signature"], data["constants"], AscendAttrsDescriptor.from_dict(data["attrs"]))
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    with pytest.raises(MLIRCompilationError, match="ConvertLinalgRToBinary"):
+        compile(src, target=GPUTarget("npu", ARCH, 0), options=options)
+    entry = tmp_path / "cache" / r.compiles[0].cache_key
+    assert sorted(p.suffix for p in entry.iterdir()) == [".ttadapter", ".ttir"]
+
+
+def test_a_front_end_failure_names_kernel_variant_stage_and_message(tmp_path):
+    m = write_manifest(tmp_path / "bad.toml", """
+        [[kernels]]
+        function = "ascend_toy_kernels:undefined_name_kernel"
+        label = "broken"
+        args = { x = {tensor = "float32"}, BS = [64, 128] }
+
+        [[kernels]]
+        function = "ascend_toy_kernels:add_kernel"
+        args = { x = {tensor = "float32"}, y = {tensor = "float32"}, o = {tensor = "float32"}, T = 1, n = 16, BS = 64 }
+    """)
+    r = lower.lower(manifest.load(m))
+    assert r.lowered == 1 and len(r.failed) == 2  # one failure does not stop the others
+    for f, bs in zip(r.failed, (64, 128)):
+        assert (f.kernel, f.label, f.failed_stage) == ("ascend_toy_kernels:undefined_name_kernel", f"broken BS={bs}",
+                                                        "ast")
+        assert "not_defined_anywhere" in f.error
+    p = run_prewarm("lower", m)
+    assert p.returncode == BuildError.exit_code, p.stderr
+    said = " ".join(p.stderr.split())  # rich wraps long lines
+    assert "ascend_toy_kernels:undefined_name_kernel variant 'broken BS=64': stage ast failed" in said
+    assert "ascend_toy_kernels:undefined_name_kernel variant 'broken BS=128': stage ast failed" in said
+    assert "not_defined_anywhere" in said
+
+
+def test_cli_reports_counts_and_timings(toy_manifest):
+    p = run_prewarm("lower", "--json", toy_manifest)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert (doc["requests"], doc["lowered"], doc["failed"]) == (TOY_COMPILES, TOY_COMPILES, 0)
+    assert all(set(c["stage_ms"]) == {"ast", "ttir", "ttadapter"} for c in doc["compiles"])
+    p = run_prewarm("lower", toy_manifest)
+    assert p.returncode == 0, p.stderr
+    assert f"{TOY_COMPILES} of {TOY_COMPILES} compiles ({TOY_COMPILES} requests) lowered to linalg" in p.stdout
+
+
+def test_lower_refuses_a_cuda_manifest():
+    p = run_prewarm("lower", REPO / "manifests" / "kimi-linear-h200.toml")
+    assert p.returncode == 11 and "lower checks the Ascend (npu) front end only" in p.stderr
+
+
+def test_kimi_k3_ascend_manifest_lowers_every_request():
+    """The CI check: every compile the Ascend manifest plans (pinned configs, every variant) reaches linalg."""
+    m = REPO / "manifests" / "kimi-k3-ascend-a3.toml"
+    p = run_prewarm("lower", "--json", m)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    assert doc["failed"] == 0 and doc["lowered"] == len(doc["compiles"]) >= doc["requests"] > 0
+    p = run_prewarm("plan", "--json", m)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(json.loads(p.stdout)["requests"]) == doc["requests"]

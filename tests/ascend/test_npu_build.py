@@ -1,0 +1,88 @@
+"""`prewarm build --mode device` on an Ascend node, with triton-ascend's device boundary replaced (no NPU, CANN or
+torch_npu here: tests/fixtures/cann/npu_boundary.py). Everything above that boundary is real: the CLI, the build's
+spawned workers, triton-ascend's NPUDriver / NPULauncher, every compile stage (npubin via a stand-in
+bishengir-compile) and the cache dir."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import standin
+from conftest import ARCH, REPO, TOY_COMPILES, run_prewarm
+
+from prewarm import fingerprint
+from prewarm.errors import EnvironmentProblem, FingerprintMismatch
+
+BOUNDARY = REPO / "tests" / "fixtures" / "cann"
+
+
+@pytest.fixture
+def node(tmp_path) -> dict:
+    """Environment of an Ascend node: stand-in CANN 8.3.RC1 (toolkit, bishengir-compile, bisheng), NPU boundary."""
+    bindir = tmp_path / "cann-bin"
+    standin.make_bishengir(bindir)
+    standin.make_bisheng(bindir)
+    env = {k: v for k, v in os.environ.items() if k not in (*fingerprint.ASCEND_CODEGEN_ENV, "TRITON_ASCEND_ARCH",
+                                                             "TRITON_NPU_COMPILER_PATH", "TRITON_COMPILE_ONLY")}
+    env.update(
+        ASCEND_HOME_PATH=str(standin.make_toolkit(tmp_path / "ascend-toolkit")),
+        PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}",
+        PYTHONPATH=os.pathsep.join([str(BOUNDARY / "boundary_site"), str(BOUNDARY)]),
+        PREWARM_TEST_NPU_SOC=ARCH,
+        HOME=str(tmp_path / "home"),  # the parent's driver start writes npu_utils.so to Triton's default cache
+    )
+    return env
+
+
+def build(manifest: Path, cache: Path, env: dict):
+    return run_prewarm("build", "--json", manifest, "--cache-dir", cache, "--mode", "device", "--workers", "2", env=env)
+
+
+def test_device_build_makes_the_planned_compiles_with_compile_only_launches(toy_manifest, tmp_path, node):
+    cache = tmp_path / "cache"
+    p = build(toy_manifest, cache, node)
+    assert p.returncode == 0, p.stderr[-3000:]
+    record = json.loads((cache / ".prewarm" / "build.json").read_text())
+    assert [r["status"] for r in record["requests"]] == ["compiled"] * TOY_COMPILES
+    # exactly the compiles the plan makes: the key dirs `prewarm lower` predicts for this target
+    lowered = json.loads(run_prewarm("lower", "--json", toy_manifest).stdout)
+    assert sorted(r["key"] for r in record["requests"]) == sorted(c["cache_key"] for c in lowered["compiles"])
+    for r in record["requests"]:
+        (npubin,) = (cache / r["key"]).glob("*.npubin")
+        assert npubin.read_bytes().startswith(f"NPUBIN 8.3.RC1 --target={ARCH} ".encode())
+    # every launch was compile-only: the stand-in launcher refuses to run, and triton-ascend says it skipped
+    assert p.stdout.count("[INFO]: skip running kernel") == TOY_COMPILES
+    # what the first real launch would otherwise build on the node is in the cache dir too
+    assert list(cache.glob("*/npu_utils.so")) and list(cache.glob("*/precompiled.h"))
+    assert list(cache.glob("*/launcher_cxx11abi*.so"))
+    # the toolchain the dir now belongs to, and the one the bundle will carry
+    assert json.loads((cache / fingerprint.TOOLCHAIN_RECORD).read_text())["factors"]["ascend.cann.version"].startswith(
+        "8.3.RC1")
+    assert "8.3.RC1" in record["fingerprint"]["ascend.bishengir.version"]
+
+    again = build(toy_manifest, cache, node)
+    assert again.returncode == 0, again.stderr[-3000:]
+    record = json.loads((cache / ".prewarm" / "build.json").read_text())
+    assert [r["status"] for r in record["requests"]] == ["present"] * TOY_COMPILES
+
+    # CANN upgraded on the node: Triton's key would hit every old binary; the build refuses the dir instead
+    standin.make_bishengir(Path(node["PATH"].split(os.pathsep)[0]), version="8.5.0")
+    upgraded = build(toy_manifest, cache, node)
+    assert upgraded.returncode == FingerprintMismatch.exit_code, upgraded.stderr[-3000:]
+    assert "ascend.bishengir.version" in upgraded.stderr
+    fresh = build(toy_manifest, tmp_path / "cache-8.5.0", node)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"TRITON_ASCEND_ARCH": "Ascend910B3"}, "the manifest targets Ascend910_9391 but this node's NPU compiles for "
+                                            "Ascend910B3"),
+    ({"TRITON_STORE_BINARY_ONLY": "1"}, "TRITON_STORE_BINARY_ONLY is set"),
+    ({"PATH": "/usr/bin:/bin"}, "bishengir-compile not found"),
+])  # fmt: skip
+def test_device_build_refuses_a_node_that_cannot_build_it(toy_manifest, tmp_path, node, change, message):
+    p = build(toy_manifest, tmp_path / "cache", {**node, **change})
+    assert p.returncode == EnvironmentProblem.exit_code, p.stderr[-3000:]
+    assert message in " ".join(p.stderr.split())

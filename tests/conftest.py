@@ -1,0 +1,237 @@
+"""Shared fixtures: a small REAL Triton cache, and real servers on loopback (moto's S3 server, OpenSSH sshd).
+
+Nothing is skipped: a missing ``sshd`` (apt package ``openssh-server``) or ``moto_server`` fails the tests
+that need them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Compiles through Triton's real JIT path with a target-only driver (no GPU): real key dirs, real group files.
+_BUILD_TOY_CACHE = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
+    import torch, triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+
+    class TargetOnlyDriver:
+        def get_current_target(self): return GPUTarget("cuda", 90, 32)
+        def get_current_device(self): return 0
+        def get_current_stream(self, device=None): return 0
+
+    triton.runtime.driver.set_active(TargetOnlyDriver())
+
+    @triton.jit
+    def add(x, y, o, n, BS: tl.constexpr):
+        i = tl.program_id(0) * BS + tl.arange(0, BS)
+        m = i < n
+        tl.store(o + i, tl.load(x + i, mask=m) + tl.load(y + i, mask=m), mask=m)
+
+    @triton.jit
+    def scale(x, o, n, s, BS: tl.constexpr):
+        i = tl.program_id(0) * BS + tl.arange(0, BS)
+        tl.store(o + i, tl.load(x + i, mask=i < n) * s, mask=i < n)
+
+    for bs in (64, 128, 256):
+        add.warmup(torch.float32, torch.float32, torch.float32, 1000, BS=bs, grid=(1,))
+    for n in (1000, 1024):
+        scale.warmup(torch.float16, torch.float16, n, 2.0, BS=128, grid=(1,))
+    """
+)
+
+
+def build_toy_cache(cache_dir: Path) -> Path:
+    """Compile 5 small kernels (2 functions) into ``cache_dir`` in a fresh process; returns it."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    script = cache_dir.parent / f"toy_kernels_{uuid.uuid4().hex[:8]}.py"  # @triton.jit needs a source file
+    script.write_text(_BUILD_TOY_CACHE)
+    p = subprocess.run([sys.executable, str(script), str(cache_dir)], capture_output=True, text=True)
+    script.unlink()
+    if p.returncode:
+        raise RuntimeError(f"compiling the toy kernels failed:\n{p.stderr[-3000:]}")
+    return cache_dir
+
+
+def copy_cache(src: Path, dest: Path) -> Path:
+    """A copy of a cache as if it had been built at ``dest``: group files point into the copy."""
+    shutil.copytree(src, dest, symlinks=True)
+    for grp in dest.glob("*/__grp__*.json"):
+        doc = json.loads(grp.read_text())
+        doc["child_paths"] = {c: str(grp.parent / Path(p).name) for c, p in doc["child_paths"].items()}
+        grp.write_text(json.dumps(doc))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def toy_cache_master(tmp_path_factory) -> Path:
+    """A real Triton 3.6 cache (5 entries) compiled once per session. Read-only: use ``triton_cache``."""
+    return build_toy_cache(tmp_path_factory.mktemp("toy") / "cache")
+
+
+@pytest.fixture
+def triton_cache(toy_cache_master, tmp_path) -> Path:
+    """A private copy of the real toy cache (group files consistent with its location)."""
+    return copy_cache(toy_cache_master, tmp_path / "triton-cache")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class S3Server:
+    proc: subprocess.Popen
+    endpoint: str
+
+    @property
+    def options(self) -> dict:
+        """fsspec storage options for this server (also what FSSPEC_S3 carries for the CLI)."""
+        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+
+    def new_bucket(self) -> str:
+        import s3fs
+
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        s3fs.S3FileSystem(skip_instance_cache=True, **self.options).mkdir(name)
+        return name
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def start_moto() -> S3Server:
+    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or shutil.which("moto_server")
+    if exe is None:
+        raise RuntimeError("moto_server not found: pip install 'moto[server]'")
+    port = free_port()
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_port(port, proc, "moto_server")
+    return S3Server(proc, f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server, a separate process on loopback, for the whole session."""
+    server = start_moto()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_s3_server():
+    """A private moto server a test may stop (fault injection)."""
+    server = start_moto()
+    yield server
+    server.stop()
+
+
+@dataclass
+class SSHServer:
+    proc: subprocess.Popen
+    port: int
+    client_key: str
+    user: str
+
+    @property
+    def options(self) -> dict:
+        return {"client_keys": [self.client_key], "known_hosts": None}
+
+    def url(self, path: str | os.PathLike) -> str:
+        return f"sftp://{self.user}@127.0.0.1:{self.port}{path}"
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """OpenSSH's sshd on a high loopback port: temp host key, temp authorized key for the current user."""
+    exe = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/usr/local/sbin/sshd") if os.path.exists(p)), None)
+    if exe is None:
+        raise RuntimeError("sshd not found: install the apt package openssh-server")
+    d = tmp_path_factory.mktemp("sshd")
+    for name in ("host", "client"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    shutil.copy(d / "client.pub", d / "authorized_keys")
+    port = free_port()
+    (d / "sshd_config").write_text(
+        textwrap.dedent(
+            f"""
+            Port {port}
+            ListenAddress 127.0.0.1
+            HostKey {d / "host"}
+            AuthorizedKeysFile {d / "authorized_keys"}
+            PidFile {d / "sshd.pid"}
+            PasswordAuthentication no
+            KbdInteractiveAuthentication no
+            PubkeyAuthentication yes
+            PermitRootLogin prohibit-password
+            UsePAM no
+            StrictModes no
+            MaxStartups 100
+            MaxSessions 100
+            Subsystem sftp internal-sftp
+            """
+        )
+    )
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation dir
+    proc = subprocess.Popen([exe, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.PIPE)
+    wait_port(port, proc, "sshd")
+    import getpass
+
+    yield SSHServer(proc, port, str(d / "client"), getpass.getuser())
+    _stop(proc)
+
+
+@pytest.fixture
+def cli_env(s3_server, sshd) -> dict:
+    """Environment for `prewarm` subprocesses: fsspec's own config carries the servers' options."""
+    env = dict(os.environ)
+    env["FSSPEC_S3"] = json.dumps(s3_server.options)
+    env["FSSPEC_SFTP"] = json.dumps(sshd.options)
+    return env
+
+
+def run_cli(*args: str, env: dict | None = None, check: int | None = 0) -> subprocess.CompletedProcess:
+    """Run the real `prewarm` command line in a fresh process."""
+    p = subprocess.run([sys.executable, "-m", "prewarm.cli", *map(str, args)], capture_output=True, text=True, env=env)
+    if check is not None and p.returncode != check:
+        raise AssertionError(f"prewarm {' '.join(map(str, args))} exited {p.returncode}, expected {check}:\n{p.stdout}\n{p.stderr}")
+    return p

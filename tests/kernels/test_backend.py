@@ -1,0 +1,108 @@
+"""Backend selection (Ascend and non-Ascend branches, without an NPU) and the serving launch contract."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+SPEC = {"backend": "cuda", "arch": "sm_90", "heads": 6, "head_k_dim": 128, "head_v_dim": 128, "dtype": "bfloat16",
+        "gate_lower_bound": -5.0, "prefill": True, "decode_batch_buckets": [1, 16], "draft_widths": [4],
+        "layers": 69}
+PREFILL = ["l2norm", "l2norm", "cumsum", "intra_inter", "intra_diag", "solve", "recompute", "state", "output"]
+
+
+def test_detect_without_torch_npu_is_default(pk, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # not importable
+    assert pk.backend.detect() == "default"
+    with pk.backend.use("npu"):
+        assert pk.backend.detect() == "npu"
+    assert pk.backend.detect() == "default"
+
+
+@pytest.mark.parametrize("available,expected", [(True, "npu"), (False, "default")])
+def test_detect_with_torch_npu(pk, monkeypatch, available, expected):
+    """torch_npu importable: "npu" only when an NPU is present."""
+    fake = types.ModuleType("torch_npu")
+    fake.__spec__ = types.SimpleNamespace(name="torch_npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(pk.backend.importlib.util, "find_spec", lambda name: object() if name == "torch_npu" else None)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: available), raising=False)
+    assert pk.backend.detect() == expected
+
+
+def test_select_npu_pins_configs_on_raw_jit(pk):
+    sel = {name: pk.backend.select(name, "npu") for name in ("cumsum", "intra_inter", "intra_diag")}
+    assert sel["cumsum"].launch_kwargs == {"BS": 64, "num_warps": 4, "num_stages": 3}
+    assert sel["intra_inter"].launch_kwargs == {"BK": 64, "num_warps": 4, "num_stages": 3}
+    assert sel["intra_diag"].launch_kwargs == {"num_warps": 4, "num_stages": 3}
+    for s in sel.values():
+        assert not s.autotuned and s.kernel is pk.backend.REGISTRY[s.name].kernel.fn
+    assert sel["cumsum"].constexprs == {"BS": 64}
+
+
+def test_select_default_keeps_autotune_lists(pk):
+    counts = {name: len(pk.backend.select(name, "cuda").configs) for name in ("cumsum", "intra_inter", "intra_diag")}
+    assert counts == {"cumsum": 18, "intra_inter": 24, "intra_diag": 4}
+    for name in pk.backend.REGISTRY:
+        sel = pk.backend.select(name, "default")
+        assert sel.autotuned == (name != "recurrent")
+        assert sel.configs, name
+    with pytest.raises(ValueError, match="unknown backend"):
+        pk.backend.select("cumsum", "tpu")
+    with pytest.raises(KeyError, match="unknown kernel"):
+        pk.backend.select("nope", "npu")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "npu"])
+def test_serving_launches_follow_selection(pk, backend):
+    launches = pk.serving.launches({**SPEC, "backend": backend})
+    labels = [rec.label for rec in launches]
+    assert labels == [f"prefill/{n}" for n in PREFILL] + [
+        "decode[bs=1]/recurrent", "decode[bs=16]/recurrent",
+        "verify[bs=1,draft=4]/recurrent", "verify[bs=16,draft=4]/recurrent"]
+    for rec in launches:
+        name = rec.label.split("/")[1]
+        sel = pk.backend.select(name, backend)
+        assert rec.kernel is sel.kernel
+        # what the prewarmer resolves: a module-level object reachable by the JIT function's name
+        jit = getattr(rec.kernel, "fn", rec.kernel) if sel.autotuned else rec.kernel
+        module = sys.modules[jit.fn.__module__]
+        assert getattr(module, jit.fn.__name__) in (rec.kernel, getattr(rec.kernel, "fn", None),
+                                                     pk.backend.REGISTRY[name].kernel)
+        for key, value in sel.launch_kwargs.items():
+            assert rec.kwargs[key] == value
+    verify = [r for r in launches if r.label.startswith("verify")]
+    assert [(r.kwargs["T_BUCKET"], r.kwargs["DRAFT"]) for r in verify] == [(4, 4), (64, 4)]
+    assert launches[2].kwargs["GATE"] == 2 and launches[2].kwargs["IS_VARLEN"]
+    again = pk.serving.launches({**SPEC, "backend": backend})
+    assert [(r.label, r.kernel, r.kwargs, r.grid if not callable(r.grid) else None) for r in again] == \
+           [(r.label, r.kernel, r.kwargs, r.grid if not callable(r.grid) else None) for r in launches]
+
+
+def test_serving_run_makes_the_captured_calls(pk, monkeypatch):
+    """run() on real tensors issues exactly the launches that launches() captured on meta tensors."""
+    spec = {**SPEC, "heads": 1, "head_k_dim": 16, "head_v_dim": 16, "dtype": "float32", "gate_lower_bound": None,
+            "decode_batch_buckets": [2], "draft_widths": [1, 2], "backend": "npu"}
+    planned = pk.serving.launches(spec)
+    ran = []
+    real_launch = pk.backend.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        ran.append((kernel, tuple(grid), tuple(a if isinstance(a, (int, float)) or a is None else type(a) for a in args),
+                    kwargs))
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(pk.backend, "launch", spy)
+    pk.serving.run(spec, device="cpu")
+    assert [(r.kernel, r.grid, r.kwargs) for r in planned] == [(k, g, kw) for k, g, _, kw in ran]
+    for rec, (_, _, args, _) in zip(planned, ran):
+        assert [a if isinstance(a, (int, float)) or a is None else type(a) for a in rec.args] == list(args)
+
+
+def test_serving_spec_errors(pk):
+    with pytest.raises(ValueError, match="missing"):
+        pk.serving.launches({"backend": "cuda"})
+    with pytest.raises(ValueError, match="dtype"):
+        pk.serving.launches({**SPEC, "dtype": "int8"})

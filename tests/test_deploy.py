@@ -1,0 +1,373 @@
+"""The deployment files run: every `prewarm` command of the Dockerfile, the Kubernetes init containers and the
+pre-launch script, parsed from those files (not copied), against the CPU target.
+
+No Docker engine or cluster is needed: the Dockerfile's stages are resolved for a TARGET build arg, ARG/ENV
+values are computed from the file, and each RUN line that calls `prewarm` is run with ``/bin/sh -c`` (as
+Docker does); the init containers' command/args get Kubernetes' ``$(VAR)`` expansion from their env; the
+script runs as is. Image paths (``/opt/prewarm``, ``/run/secrets``, mount paths) map to temp dirs, and the
+manifest is a copy of the shipped one with fewer serving shapes (the same target, model and kernels), so the
+builds take seconds. ``prewarm`` on PATH is a wrapper that logs each verb before running the real command, so
+each test checks that exactly the commands found in the file ran.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+K8S = REPO / "deploy" / "k8s-init-container.yaml"
+PRELAUNCH = REPO / "deploy" / "prelaunch.sh"
+VENV_BIN = Path(sys.executable).parent
+ASCEND_PREWARM = REPO / ".venv-ascend" / "bin" / "prewarm"
+VERBS = ("plan", "build", "record", "pack", "push", "install", "verify", "keygen", "fingerprint", "lower")
+
+
+# --- a small Dockerfile reader ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    name: str
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)  # (KEYWORD, rest of the line)
+
+
+def read_dockerfile(path: Path) -> tuple[dict[str, str], list[Stage]]:
+    """Global ARG defaults and the stages, with continuation lines joined and comment lines dropped (as Docker)."""
+    logical, buf = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#") or (buf and not line.strip()):
+            continue
+        if line.rstrip().endswith("\\"):
+            buf += line.rstrip()[:-1] + " "
+            continue
+        buf += line
+        if buf.strip():
+            logical.append(buf.strip())
+        buf = ""
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for text in logical:
+        keyword, _, rest = text.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            words = rest.split()
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else f"stage{len(stages)}"
+            stages.append(Stage(name, words[0]))
+        elif not stages:
+            assert keyword == "ARG", f"{path}: only ARG may precede the first FROM, found {keyword}"
+            key, _, default = rest.partition("=")
+            global_args[key.strip()] = default.strip()
+        else:
+            stages[-1].instructions.append((keyword, rest))
+    return global_args, stages
+
+
+_VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+
+
+def expand(text: str, values: dict[str, str]) -> str:
+    """Docker's ${VAR}, ${VAR:-default} and $VAR substitution (unknown names expand to '')."""
+    return _VAR.sub(lambda m: values.get(m.group(1) or m.group(3)) or (m.group(2) or ""), text)
+
+
+def stage_chain(global_args: dict[str, str], stages: list[Stage], build_args: dict[str, str]) -> list[Stage]:
+    """The stages the final image is built from, root first (FROM names resolved with the build args)."""
+    args = {**global_args, **build_args}
+    by_name = {s.name: s for s in stages}
+    chain, stage = [], stages[-1]
+    while True:
+        chain.append(stage)
+        base = expand(stage.base, args)
+        if base not in by_name:
+            return chain[::-1]
+        stage = by_name[base]
+
+
+def walk(global_args: dict[str, str], chain: list[Stage], build_args: dict[str, str], base_path: str):
+    """Each instruction of the chain with the ARG+ENV values visible to it (as Docker scopes them), and the
+    image's final ENV."""
+    env = {"PATH": base_path}
+    steps = []
+    for stage in chain:
+        scope = dict(env)
+        for keyword, rest in stage.instructions:
+            if keyword == "ARG":
+                key, eq, default = rest.partition("=")
+                key = key.strip()
+                scope[key] = build_args.get(key, expand(default.strip(), scope) if eq else global_args.get(key, ""))
+            elif keyword == "ENV":
+                for pair in shlex.split(rest):
+                    key, _, value = pair.partition("=")
+                    env[key] = scope[key] = expand(value, scope)
+            steps.append((keyword, rest, dict(scope)))
+    return steps, env
+
+
+def prewarm_verbs_in_shell(text: str) -> list[str]:
+    """The `prewarm` commands of a shell text, in order (the verb of each)."""
+    verbs = []
+    for segment in re.split(r"&&|\|\||;|\n|\bthen\b|\belse\b|\bdo\b", text):
+        words = segment.split()
+        if words[:1] == ["prewarm"] and len(words) > 1:
+            verbs.append(words[1])
+    return verbs
+
+
+# --- the environment the commands run in -----------------------------------------------------------------------
+
+
+@dataclass
+class Image:
+    """A temp dir standing in for the image's filesystem paths, and the logging ``prewarm`` wrapper."""
+
+    root: Path
+    log: Path
+
+    def path(self, value: str) -> str:
+        """Map image paths to this test's dirs (/opt/prewarm/src is the checkout itself: COPY . /opt/prewarm/src)."""
+        value = value.replace("/opt/prewarm/src", str(REPO))
+        value = value.replace("/opt/prewarm", str(self.root / "opt-prewarm"))
+        return value.replace("/run/secrets", str(self.root / "secrets"))
+
+    def install_tool(self, real_prewarm: Path) -> None:
+        """What the image's `pip install` into /opt/prewarm/venv provides: `prewarm` on PATH (here: logged)."""
+        bin_dir = Path(self.path("/opt/prewarm/venv/bin"))
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        wrapper = bin_dir / "prewarm"
+        wrapper.write_text(f'#!/bin/sh\necho "$1" >> {shlex.quote(str(self.log))}\nexec {shlex.quote(str(real_prewarm))} "$@"\n')
+        wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+
+    def verbs_run(self) -> list[str]:
+        verbs = self.log.read_text().split() if self.log.exists() else []
+        self.log.unlink(missing_ok=True)
+        return verbs
+
+
+def clean_env(**values: str) -> dict[str, str]:
+    """The host environment without any Triton / prewarm setting of the outer test run, plus ``values``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "PREWARM_", "FSSPEC_"))}
+    env.update(values)
+    return env
+
+
+def run(cmd: list[str], env: dict[str, str], what: str) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"{what} exited {p.returncode}:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return p
+
+
+def assert_clean(p: subprocess.CompletedProcess, what: str) -> None:
+    assert re.search(r"^clean$", p.stdout, re.M), f"{what}: verify did not report clean:\n{p.stdout[-3000:]}"
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML here")
+
+
+def small_manifest(shipped: Path, dest: Path, buckets: tuple[int, ...] = (1,)) -> Path:
+    """The shipped manifest with decode buckets only (no prefill, no drafts): same target, model and kernels."""
+    doc = tomllib.loads(shipped.read_text())
+    doc["name"] = doc.get("name", shipped.stem) + "-deploy-test"
+    doc["serving"] = {"prefill": False, "decode_batch_buckets": list(buckets), "draft_widths": []}
+    lines = [f"{k} = {_toml(v)}" for k, v in doc.items() if not isinstance(v, (dict, list))]
+    for k, v in doc.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{k}]"] + [f"{kk} = {_toml(vv)}" for kk, vv in v.items()]
+    for k, v in doc.items():
+        if isinstance(v, list):
+            for item in v:
+                lines += ["", f"[[{k}]]"] + [f"{kk} = {_toml(vv)}" for kk, vv in item.items()]
+    dest.write_text("\n".join(lines) + "\n")
+    return dest
+
+
+def bake(image: Image, target: str, manifest_override: Path) -> tuple[dict, list[str]]:
+    """Run the Dockerfile's `prewarm` RUN lines for TARGET; returns the final ENV and the verbs found in them."""
+    global_args, stages = read_dockerfile(DOCKERFILE)
+    chain = stage_chain(global_args, stages, {"TARGET": target})
+    steps, final_env = walk(global_args, chain, {"TARGET": target}, os.environ["PATH"])
+    shipped = Path(image.path(final_env["PREWARM_MANIFEST"]))
+    assert shipped.is_file(), f"the Dockerfile's default manifest for {target} is missing: {shipped}"
+    found = []
+    for keyword, text, scope in steps:
+        if keyword != "RUN" or not prewarm_verbs_in_shell(text):
+            continue
+        while text.startswith("--"):  # RUN flags (--mount=type=secret,...)
+            text = text.split(None, 1)[1]
+        found += prewarm_verbs_in_shell(text)
+        env = clean_env(**{k: image.path(v) for k, v in scope.items()})
+        env["PREWARM_MANIFEST"] = str(manifest_override)
+        run(["/bin/sh", "-c", image.path(text)], env, f"Dockerfile RUN {text[:80]}")
+    return final_env, found
+
+
+# --- the image build step -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def baked(tmp_path_factory) -> dict:
+    """The CUDA image's build step, run once: a signed bundle and the baked cache (in temp dirs)."""
+    root = tmp_path_factory.mktemp("image")
+    image = Image(root, root / "prewarm-calls.log")
+    image.install_tool(VENV_BIN / "prewarm")
+    secrets = Path(image.path("/run/secrets"))
+    secrets.mkdir()
+    keys = root / "keys" / "prewarm"
+    keys.parent.mkdir()
+    run([str(VENV_BIN / "prewarm"), "keygen", "-o", str(keys)], clean_env(), "prewarm keygen")
+    (secrets / "prewarm_key").write_bytes(Path(f"{keys}.key").read_bytes())  # what --secret id=prewarm_key mounts
+    manifest = small_manifest(REPO / "manifests" / "kimi-linear-h200.toml", root / "kimi-linear-h200-small.toml")
+    final_env, found = bake(image, "cuda", manifest)
+    return {"image": image, "env": final_env, "found": found, "ran": image.verbs_run(), "manifest": manifest,
+            "public_key": Path(f"{keys}.pub")}
+
+
+def test_dockerfile_cuda_build_step_builds_packs_signs_and_verifies(baked):
+    image: Image = baked["image"]
+    assert baked["found"] == ["build", "pack", "verify"]
+    assert baked["ran"] == baked["found"]
+    bundle = Path(image.path(baked["env"]["PREWARM_BUNDLE"]))
+    index = json.loads((bundle / "index.json").read_text())
+    assert index["entries"], "the baked bundle is empty"
+    assert (bundle / "index.json.sig").is_file(), "the build secret was given but the bundle is not signed"
+    cache = Path(image.path(baked["env"]["TRITON_CACHE_DIR"]))
+    assert {e["key"] for e in index["entries"]} <= {p.name for p in cache.iterdir()}, "the image's cache lacks entries"
+
+
+def test_dockerfile_installs_extras_that_exist():
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    global_args, stages = read_dockerfile(DOCKERFILE)
+    for target in ("cuda", "npu"):
+        chain = stage_chain(global_args, stages, {"TARGET": target})
+        steps, _ = walk(global_args, chain, {"TARGET": target}, "/usr/bin")
+        installs = [expand(text, scope) for kw, text, scope in steps if kw == "RUN" and "pip install" in text]
+        assert installs, f"TARGET={target}: no pip install of the project"
+        asked = re.findall(r"/opt/prewarm/src\[(\w+)\]", " ".join(installs))
+        assert asked == [target], f"TARGET={target}: installs extras {asked}"
+        assert target in extras, f"pyproject.toml has no [{target}] extra"
+
+
+def test_dockerfile_ascend_build_step_plans_and_lowers(tmp_path):
+    assert ASCEND_PREWARM.exists(), f"{ASCEND_PREWARM} missing: the Ascend environment is made by .ci/setup"
+    image = Image(tmp_path, tmp_path / "prewarm-calls.log")
+    image.install_tool(ASCEND_PREWARM)
+    manifest = small_manifest(REPO / "manifests" / "kimi-k3-ascend-a3.toml", tmp_path / "k3-small.toml")
+    _, found = bake(image, "npu", manifest)
+    assert found == ["plan", "lower"]
+    assert image.verbs_run() == found
+    plan = json.loads(Path(image.path("/opt/prewarm/plan.json")).read_text())
+    assert plan, "the image's plan.json is empty"
+
+
+# --- the pre-launch job as Kubernetes init containers ----------------------------------------------------------
+
+
+def k8s_expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command/args ($$ escapes; unknown references stay as written)."""
+    return re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def test_k8s_init_containers_install_then_verify_before_the_server(baked, tmp_path):
+    image: Image = baked["image"]
+    pod = yaml.safe_load(K8S.read_text())["spec"]
+    volumes = {v["name"]: tmp_path / "node" / v["name"] for v in pod["volumes"]}
+    server = pod["containers"][0]
+    server_env = {e["name"]: e["value"] for e in server["env"]}
+    found = []
+    for attempt in ("first start", "pod restart"):
+        for c in pod["initContainers"]:
+            env = {}
+            for e in c.get("env", []):
+                assert "value" in e, f"{c['name']}: env {e['name']} must be a plain value in this example"
+                env[e["name"]] = e["value"]
+            argv = [k8s_expand(a, env) for a in c.get("command", []) + c.get("args", [])]
+            assert not any("$(" in a for a in argv), f"{c['name']}: unresolved reference in {argv}"
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", [])}
+            cache_path = server_env["TRITON_CACHE_DIR"]
+            assert env.get("TRITON_CACHE_DIR") == cache_path, f"{c['name']} must use the server's TRITON_CACHE_DIR"
+            assert [m["name"] for m in c["volumeMounts"] if m["mountPath"] == cache_path] == [
+                m["name"] for m in server["volumeMounts"] if m["mountPath"] == cache_path
+            ], f"{c['name']} must mount the server's cache volume at {cache_path}"
+
+            def local(value: str) -> str:
+                for mount_path, host_dir in mounts.items():
+                    value = value.replace(mount_path, str(host_dir))
+                return image.path(value)
+
+            argv = [local(a) for a in argv]
+            if argv[:2] == ["prewarm", "verify"]:
+                argv[argv.index("--plan") + 1] = str(baked["manifest"])
+            if attempt == "first start":
+                found.append(argv[1])
+            p = run(argv, clean_env(PATH=f"{image.path('/opt/prewarm/venv/bin')}:{os.environ['PATH']}",
+                                    **{k: local(v) for k, v in env.items()}), f"{attempt}: init container {c['name']}")
+            if argv[1] == "verify":
+                assert_clean(p, f"{attempt}: {c['name']}")
+            if attempt == "pod restart" and argv[1] == "install":
+                assert "nothing to do" in p.stdout, f"a repeated install should be a no-op:\n{p.stdout}"
+    assert found == ["install", "verify"]
+    assert image.verbs_run() == found * 2
+
+
+# --- the pre-launch script -----------------------------------------------------------------------------------------
+
+
+def prelaunch(image: Image, env: dict[str, str]) -> subprocess.CompletedProcess:
+    env = clean_env(PATH=f"{image.path('/opt/prewarm/venv/bin')}:{os.environ['PATH']}", **env)
+    return subprocess.run(["/bin/sh", str(PRELAUNCH), "sh", "-c", "echo server-started"], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_prelaunch_script_every_branch_runs_and_starts_the_server(baked, tmp_path):
+    image: Image = baked["image"]
+    found = prewarm_verbs_in_shell(PRELAUNCH.read_text())
+    bundle = image.path(baked["env"]["PREWARM_BUNDLE"])
+    branches = {
+        "signed install": {"PREWARM_SOURCE": bundle, "PREWARM_TRUST": str(baked["public_key"])},
+        "install": {"PREWARM_SOURCE": f"file://{bundle}"},
+        "build on node": {"PREWARM_BUILD_ON_NODE": "1", "PREWARM_SOURCE": str(tmp_path / "node-bundle"),
+                          "PREWARM_PUSH": f"file://{tmp_path / 'store-a'} file://{tmp_path / 'store-b'}"},
+    }
+    ran = []
+    for name, extra in branches.items():
+        cache = tmp_path / name.replace(" ", "-") / "triton-cache"
+        p = prelaunch(image, {"TRITON_CACHE_DIR": str(cache), "PREWARM_MANIFEST": str(baked["manifest"]), **extra})
+        assert p.returncode == 0, f"{name}: prelaunch exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        assert_clean(p, name)
+        assert p.stdout.rstrip().endswith("server-started"), f"{name}: the server did not start last:\n{p.stdout}"
+        ran += image.verbs_run()
+    assert sorted(ran) == sorted(found), f"ran {ran}, the script holds {found}"
+    for store in ("store-a", "store-b"):
+        assert (tmp_path / store / "index.json").is_file(), f"the node's bundle was not pushed to {store}"
+
+
+def test_prelaunch_script_does_not_start_the_server_when_a_planned_kernel_would_miss(baked, tmp_path):
+    """The node serves a shape the bundle was not built for: verify fails (exit 5) and the server stays down."""
+    image: Image = baked["image"]
+    wider = small_manifest(REPO / "manifests" / "kimi-linear-h200.toml", tmp_path / "wider.toml", buckets=(1, 2))
+    p = prelaunch(image, {"TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "PREWARM_MANIFEST": str(wider),
+                          "PREWARM_SOURCE": image.path(baked["env"]["PREWARM_BUNDLE"])})
+    assert p.returncode == 5, f"expected the will-miss exit code 5, got {p.returncode}:\n{p.stdout}\n{p.stderr}"
+    assert "server-started" not in p.stdout
+    assert image.verbs_run() == ["install", "verify"]

@@ -1,0 +1,216 @@
+"""The Ascend toolchain fingerprint, with a stand-in CANN toolkit and bishengir-compile (CANN cannot be installed
+here). Triton's own key ignores the CANN / bishengir-compile version: these factors are what stops a cache from
+another toolchain from being reused silently."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from prewarm import bundle, fingerprint, install
+from prewarm.errors import FingerprintMismatch, IntegrityError
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "cann"))
+import standin  # noqa: E402
+
+ARCH = "Ascend910_9391"
+
+
+@pytest.fixture
+def toolchain(tmp_path, monkeypatch):
+    """A node with a stand-in CANN 8.3.RC1 toolkit and bishengir-compile on PATH, no Ascend env vars set."""
+    for name in (*fingerprint.ASCEND_CODEGEN_ENV, "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "TRITON_NPU_COMPILER_PATH",
+                 "TRITON_ASCEND_ARCH"):
+        monkeypatch.delenv(name, raising=False)
+    home = standin.make_toolkit(tmp_path / "Ascend" / "ascend-toolkit" / "8.3.RC1")
+    bindir = tmp_path / "bin"
+    standin.make_bishengir(bindir)
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(home))
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path
+
+
+def npu_fp() -> dict[str, str]:
+    return fingerprint.current("npu", ARCH)
+
+
+def changed(before: dict, after: dict) -> set[str]:
+    return {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+
+
+def test_factors_read_the_toolkit_and_the_compiler(toolchain):
+    fp = npu_fp()
+    assert fp["ascend.cann.version"] == "8.3.RC1 (V100R001C23SPC001B230)"
+    assert fp["ascend.bishengir.name"] == "bishengir-compile"
+    assert "bishengir-compile version 8.3.RC1" in fp["ascend.bishengir.version"]
+    assert len(fp["ascend.bishengir.sha256"]) == 64
+    assert fp["ascend.torch_npu.version"] == "absent"  # never installed outside Ascend nodes
+    assert all(fp[f"ascend.env.{n}"] == "unset" for n in fingerprint.ASCEND_CODEGEN_ENV)
+    assert all(fingerprint.is_blocking(k) for k in fp if k.startswith("ascend."))
+
+
+def test_cuda_fingerprint_has_no_ascend_factors(toolchain):
+    assert not [k for k in fingerprint.current("cuda", "sm_90") if k.startswith("ascend.")]
+
+
+def test_compiler_version_change_changes_the_fingerprint(toolchain):
+    before = npu_fp()
+    standin.make_bishengir(toolchain / "bin", version="8.5.0")
+    assert changed(before, npu_fp()) == {"ascend.bishengir.version", "ascend.bishengir.sha256"}
+
+
+def test_compiler_binary_change_with_the_same_version_changes_the_fingerprint(toolchain):
+    before = npu_fp()
+    standin.make_bishengir(toolchain / "bin", note="hotfix build")
+    after = npu_fp()
+    assert after["ascend.bishengir.version"] == before["ascend.bishengir.version"]
+    assert changed(before, after) == {"ascend.bishengir.sha256"}
+
+
+def test_toolkit_version_change_changes_the_fingerprint(toolchain):
+    before = npu_fp()
+    standin.make_toolkit(Path(os.environ["ASCEND_HOME_PATH"]), version="8.5.0", inner="V100R001C25B100")
+    assert changed(before, npu_fp()) == {"ascend.cann.version"}
+
+
+@pytest.mark.parametrize("name", fingerprint.ASCEND_CODEGEN_ENV)
+def test_each_ascend_codegen_env_var_changes_the_fingerprint(toolchain, monkeypatch, name):
+    before = npu_fp()
+    monkeypatch.setenv(name, "1")
+    assert changed(before, npu_fp()) == {f"ascend.env.{name}"}
+
+
+def test_compiler_is_resolved_as_triton_ascend_does(toolchain, monkeypatch, tmp_path):
+    """PATH first; else $TRITON_NPU_COMPILER_PATH/npuc; the path itself is not a factor, the compiler is."""
+    other = tmp_path / "opt" / "compiler"
+    standin.make_bishengir(other, version="8.2.RC1", name="npuc")
+    monkeypatch.setenv("TRITON_NPU_COMPILER_PATH", str(other))
+    on_path = npu_fp()
+    assert on_path["ascend.bishengir.name"] == "bishengir-compile"  # PATH wins
+    monkeypatch.setenv("PATH", os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                               if p != str(toolchain / "bin")))
+    fp = npu_fp()
+    assert fp["ascend.bishengir.name"] == "npuc"
+    assert "8.2.RC1" in fp["ascend.bishengir.version"]
+    monkeypatch.delenv("TRITON_NPU_COMPILER_PATH")
+    assert npu_fp()["ascend.bishengir.version"] == "absent"
+
+
+def test_absent_toolchain_differs_from_a_present_one(toolchain, monkeypatch):
+    present = npu_fp()
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(toolchain / "nowhere"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    absent = npu_fp()
+    assert absent["ascend.cann.version"] == absent["ascend.bishengir.sha256"] == "absent"
+    factors = {m.factor for m in fingerprint.compare(present, absent) if m.blocking}
+    assert {"ascend.cann.version", "ascend.bishengir.version", "ascend.bishengir.sha256"} <= factors
+
+
+def test_compare_explains_each_ascend_factor(toolchain, monkeypatch):
+    built = npu_fp()
+    standin.make_bishengir(toolchain / "bin", version="8.5.0")
+    monkeypatch.setenv("TRITON_DISABLE_FFTS", "1")
+    mismatches = {m.factor: m for m in fingerprint.compare(built, npu_fp())}
+    assert set(mismatches) == {"ascend.bishengir.version", "ascend.bishengir.sha256", "ascend.env.TRITON_DISABLE_FFTS"}
+    assert all(m.blocking for m in mismatches.values())
+    assert "Triton's key ignores it" in mismatches["ascend.bishengir.version"].why
+    assert "Triton's key misses" in mismatches["ascend.env.TRITON_DISABLE_FFTS"].why
+
+
+# --- install refuses a bundle from another toolchain --------------------------------------------------------------
+
+
+def make_bundle(tmp_path: Path, fp: dict[str, str]) -> Path:
+    """A bundle of one (fake-content) cache entry, built under fingerprint ``fp`` (as `prewarm build` records it)."""
+    cache = tmp_path / "build-cache"
+    entry = cache / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk"
+    entry.mkdir(parents=True)
+    (entry / "add_kernel.npubin").write_bytes(b"NPUBIN stand-in")
+    (entry / "add_kernel.json").write_text("{}")
+    (cache / ".prewarm").mkdir()
+    (cache / ".prewarm" / "build.json").write_text(json.dumps({"fingerprint": fp}))
+    out = tmp_path / "bundle"
+    bundle.pack(cache, out)
+    return out
+
+
+def test_install_refuses_a_bundle_built_under_another_toolchain_naming_each_factor(toolchain, monkeypatch):
+    b = make_bundle(toolchain, npu_fp())
+    standin.make_toolkit(Path(os.environ["ASCEND_HOME_PATH"]), version="8.5.0", inner="V100R001C25B100")
+    standin.make_bishengir(toolchain / "bin", version="8.5.0")
+    monkeypatch.setenv("TRITON_ENABLE_SANITIZER", "true")
+    with pytest.raises(FingerprintMismatch) as e:
+        install.install(str(b), toolchain / "node-cache", durable=False)
+    for factor in ("ascend.cann.version", "ascend.bishengir.version", "ascend.bishengir.sha256",
+                   "ascend.env.TRITON_ENABLE_SANITIZER"):
+        assert factor in str(e.value)
+    assert not (toolchain / "node-cache").exists() or not any(
+        p.name != ".prewarm" for p in (toolchain / "node-cache").iterdir())
+
+
+def test_install_accepts_a_bundle_from_the_same_toolchain(toolchain):
+    b = make_bundle(toolchain, npu_fp())
+    res = install.install(str(b), toolchain / "node-cache", durable=False)
+    assert res.installed == 1
+    assert (toolchain / "node-cache" / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk" / "add_kernel.npubin").exists()
+
+
+# --- one cache dir, one toolchain ---------------------------------------------------------------------------------
+
+
+def test_claim_records_the_toolchain_and_accepts_it_again(toolchain):
+    cache = toolchain / "cache"
+    fingerprint.claim_cache_dir(cache, npu_fp())
+    record = json.loads((cache / fingerprint.TOOLCHAIN_RECORD).read_text())["factors"]
+    assert record == fingerprint.toolchain_factors(npu_fp())
+    (cache / "somekey").mkdir()
+    (cache / "somekey" / "k.npubin").write_bytes(b"x")
+    fingerprint.claim_cache_dir(cache, npu_fp())  # same toolchain: fine
+
+
+def test_claim_refuses_a_dir_filled_under_another_toolchain(toolchain):
+    cache = toolchain / "cache"
+    fingerprint.claim_cache_dir(cache, npu_fp())
+    standin.make_bishengir(toolchain / "bin", version="8.5.0")
+    conflicts = fingerprint.cache_dir_toolchain_conflict(cache, npu_fp())
+    assert {m.factor for m in conflicts} == {"ascend.bishengir.version", "ascend.bishengir.sha256"}
+    with pytest.raises(FingerprintMismatch, match="ascend.bishengir.version: the cache dir has"):
+        fingerprint.claim_cache_dir(cache, npu_fp())
+
+
+def test_claim_refuses_kernels_of_unknown_toolchain(toolchain):
+    cache = toolchain / "cache"
+    entry = cache / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk"
+    entry.mkdir(parents=True)
+    (entry / "k.npubin").write_bytes(b"x")
+    (entry / "__grp__k.json").write_text("{}")
+    with pytest.raises(FingerprintMismatch, match="1 kernels, toolchain not recorded"):
+        fingerprint.claim_cache_dir(cache, npu_fp())
+    assert not (cache / fingerprint.TOOLCHAIN_RECORD).exists()
+
+
+def test_claim_accepts_a_dir_holding_only_the_drivers_npu_utils(toolchain):
+    """The NPU driver writes npu_utils.so into the cache dir when a process starts it, before any compile."""
+    (toolchain / "cache" / "fMYIAddf6WjySrKWEsFWzg").mkdir(parents=True)
+    (toolchain / "cache" / "fMYIAddf6WjySrKWEsFWzg" / "npu_utils.so").write_bytes(b"\x7fELF")
+    fingerprint.claim_cache_dir(toolchain / "cache", npu_fp())
+    assert (toolchain / "cache" / fingerprint.TOOLCHAIN_RECORD).exists()
+
+
+def test_claim_is_a_no_op_for_cuda(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "somekey").mkdir(parents=True)
+    (cache / "somekey" / "k.cubin").write_bytes(b"x")
+    fingerprint.claim_cache_dir(cache, {"target.backend": "cuda", "cuda.ptxas": "12.8"})
+    assert not (cache / fingerprint.TOOLCHAIN_RECORD).exists()
+
+
+def test_a_corrupt_toolchain_record_is_an_integrity_error(toolchain):
+    record = toolchain / "cache" / fingerprint.TOOLCHAIN_RECORD
+    record.parent.mkdir(parents=True)
+    record.write_text("{not json")
+    with pytest.raises(IntegrityError, match="toolchain.json"):
+        fingerprint.cache_dir_toolchain_conflict(toolchain / "cache", npu_fp())

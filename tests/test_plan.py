@@ -1,0 +1,108 @@
+"""Plan: deterministic, deduplicated requests from providers, third-party functions and record files; expansion
+into Triton's own compile requests (one per autotune config) through the real JIT path."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+
+from prewarm.cli import main  # noqa: E402
+from prewarm.errors import ManifestError  # noqa: E402
+from prewarm.manifest import load  # noqa: E402
+from prewarm.plan import describe_specialization, expand, plan  # noqa: E402
+from prewarm.targets import get_target  # noqa: E402
+
+TOY = FIXTURES / "toy-cuda.toml"
+
+
+@pytest.fixture(scope="module")
+def toy_plan():
+    get_target("cuda", "sm_90", "offline").activate()
+    return plan(load(TOY))
+
+
+def test_requests_follow_the_serving_mix(toy_plan):
+    labels = [r.label for r in toy_plan.requests]
+    assert labels == ["prefill add", "prefill scale", "prefill relu", "decode bs=1", "decode bs=2", "decode bs=4",
+                      "third-party add BLOCK=64", "third-party add BLOCK=256"]
+    decode = toy_plan.requests[3]
+    # heads per rank (8 / TP 2) reach the provider; tensors keep dtype and shape only
+    assert decode.kernel == "prewarm_toy.kernels:decode_kernel"
+    assert decode.args[0] == {"tensor": "float32", "shape": [4]} and decode.kwargs == {"HEADS": 4, "T": 1}
+    third = toy_plan.requests[6]
+    assert third.kwargs["x_ptr"] == {"tensor": "float32", "shape": [1]} and third.kwargs["num_warps"] == 4
+
+
+def test_plan_is_deterministic_across_processes(toy_plan):
+    code = "import json,sys; from prewarm.manifest import load; from prewarm.plan import plan; " \
+           f"print(json.dumps(plan(load({str(TOY)!r})).to_json(), sort_keys=True))"
+    env_path = f"{FIXTURES}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "PYTHONPATH": env_path}).stdout
+    assert json.loads(out) == json.loads(json.dumps(toy_plan.to_json(), sort_keys=True))
+
+
+def test_duplicates_are_dropped(tmp_path):
+    text = TOY.read_text() + '\n[[kernels]]\nprovider = "prewarm_toy.provider"\nlabel = "again"\n'
+    path = tmp_path / "dup.toml"
+    path.write_text(text)
+    assert [r.ident for r in plan(load(path)).requests] == [r.ident for r in plan(load(TOY)).requests]
+
+
+def test_expand_autotune_and_heuristics_into_every_config(toy_plan):
+    by_label = {r.label: r for r in toy_plan.requests}
+    scale = expand(by_label["prefill scale"])
+    assert [c.label for c in scale] == [
+        "prefill scale [BLOCK=32 warps=1 stages=3]",
+        "prefill scale [BLOCK=64 warps=2 stages=3]",
+        "prefill scale [BLOCK=128 warps=4 stages=3]",
+    ]
+    relu = expand(by_label["prefill relu"])  # heuristics over autotune: EVEN computed, both configs compiled
+    assert [c.label for c in relu] == ["prefill relu [EVEN=True BLOCK=64 warps=2 stages=3]",
+                                       "prefill relu [EVEN=True BLOCK=64 warps=4 stages=3]"]
+    (decode,) = expand(by_label["decode bs=4"])
+    data = json.loads(decode.specialization)
+    assert data["name"] == "prewarm_toy.kernels.decode_kernel" and decode.label == "decode bs=4"
+    assert describe_specialization(decode.specialization) == "HEADS=4 T=4 warps=4 stages=3"  # T baked in
+
+
+def test_plan_cli_json_and_table(capsys):
+    assert main(["plan", str(TOY), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["manifest"]["name"] == "toy-cuda" and len(doc["requests"]) == 8
+    assert doc["spec"]["heads"] == 4
+    assert main(["plan", str(TOY)]) == 0
+    assert "decode bs=4" in capsys.readouterr().out
+
+
+def test_provider_that_cannot_be_imported(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text(TOY.read_text().replace("prewarm_toy.provider", "prewarm_toy.nope"))
+    with pytest.raises(ManifestError, match=r"kernels\[0\]\.provider = 'prewarm_toy.nope': cannot import it"):
+        plan(load(path))
+
+
+def test_function_with_unknown_parameter(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text(TOY.read_text().replace("n = 1000", "nn = 1000"))
+    with pytest.raises(ManifestError, match=r"kernels\[1\]\.args\.nn: the kernel has no such parameter"):
+        plan(load(path))
+
+
+def test_record_lines_from_main_or_garbage_are_errors(tmp_path):
+    rec = tmp_path / "r.jsonl"
+    rec.write_text("not json\n")
+    path = tmp_path / "m.toml"
+    path.write_text(TOY.read_text() + '\n[[kernels]]\nrecord = "r.jsonl"\n')
+    with pytest.raises(ManifestError, match=r"r.jsonl:1: .*expected a JSON object"):
+        plan(load(path))
+    rec.write_text(json.dumps({"kernel": "__main__:k", "specialization_data": json.dumps({"name": "k"})}) + "\n")
+    with pytest.raises(ManifestError, match=r"r.jsonl:1: kernel __main__:k .* importable module"):
+        plan(load(path))

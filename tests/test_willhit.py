@@ -1,0 +1,105 @@
+"""Will-hit: for every planned compile, would this environment's runtime find it? No compile, nothing written;
+a deleted, incomplete or un-relocated entry is named; the runtime's own compiles land on the planned keys."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+
+from prewarm.build import build  # noqa: E402
+from prewarm.willhit import check  # noqa: E402
+
+TOY = FIXTURES / "toy-cuda.toml"
+ENV = {**os.environ, "PYTHONPATH": str(FIXTURES)}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cache")
+    report = build(TOY, path, workers=2, mode="offline")
+    assert report.count("compiled") == 11
+    return path, {r.label: r.key for r in report.results}
+
+
+def files(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def test_a_built_cache_hits_everything(cache):
+    path, keys = cache
+    before = files(path)
+    report = check(str(TOY), str(path))
+    assert report.ok and (report.hits, report.misses) == (11, 0)
+    assert {r.label: r.key for r in report.results} == keys
+    assert report.to_json()["ok"] is True and len(report.to_json()["results"]) == 11
+    assert files(path) == before
+
+
+def test_an_empty_cache_misses_everything_and_stays_empty(tmp_path):
+    report = check(str(TOY), str(tmp_path))
+    assert (report.hits, report.misses) == (0, 11) and not report.ok
+    assert all("not in the cache" in r.detail and r.key for r in report.results)
+    assert files(tmp_path) == []  # the probe compiled and created nothing
+
+
+def test_the_runtime_compiles_exactly_the_planned_keys(cache, tmp_path):
+    """A server's own `kernel[grid](...)` calls (on CPU tensors: they compile, then fail to launch) produce the
+    very key dirs the plan predicts: the non-autotuned half of the mix hits, and nothing else was compiled."""
+    path, keys = cache
+    subprocess.run([sys.executable, "-m", "prewarm_toy.runtime", str(tmp_path)], env=ENV, check=True,
+                   capture_output=True)
+    report = check(str(TOY), str(tmp_path))
+    hits = sorted(r.label for r in report.results if r.hit)
+    assert hits == ["decode bs=1", "decode bs=2", "decode bs=4", "prefill add"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(keys[label] for label in hits)
+
+
+def test_a_codegen_env_var_changes_every_key(cache):
+    """TRITON_DEFAULT_FP_FUSION is in Triton's key even at its default value: a node that sets it misses."""
+    path, _ = cache
+    code = f"from prewarm.willhit import check; r = check({str(TOY)!r}, {str(path)!r}); print(r.hits, r.misses)"
+    out = subprocess.run([sys.executable, "-c", code], env={**ENV, "TRITON_DEFAULT_FP_FUSION": "1"}, check=True,
+                         capture_output=True, text=True).stdout
+    assert out.split() == ["0", "11"]
+
+
+def test_a_copied_cache_whose_groups_point_back_misses(cache, tmp_path):
+    path, _ = cache
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    report = check(str(TOY), str(copy))
+    assert report.misses == 11 and all("outside the cache dir" in r.detail for r in report.results)
+
+
+def test_an_incomplete_entry_is_a_miss(cache, tmp_path):
+    path, keys = cache
+    cubin = path / keys["decode bs=1"] / "decode_kernel.cubin"
+    saved = cubin.read_bytes()
+    cubin.unlink()
+    try:
+        (miss,) = [r for r in check(str(TOY), str(path)).results if not r.hit]
+        assert miss.label == "decode bs=1" and "missing decode_kernel.cubin" in miss.detail
+    finally:
+        cubin.write_bytes(saved)
+
+
+def test_deleting_one_entry_names_exactly_it_and_a_rebuild_restores_it(cache):
+    path, keys = cache
+    shutil.rmtree(path / keys["prefill scale [BLOCK=64 warps=2 stages=3]"])
+    report = check(str(TOY), str(path))
+    (miss,) = [r for r in report.results if not r.hit]
+    assert (miss.label, miss.kernel, miss.key) == ("prefill scale [BLOCK=64 warps=2 stages=3]",
+                                                   "prewarm_toy.kernels:scale_kernel",
+                                                   keys["prefill scale [BLOCK=64 warps=2 stages=3]"])
+    assert report.hits == 10 and not report.ok
+    assert report.to_json()["misses"] == 1 and report.to_json()["ok"] is False
+    rebuilt = build(TOY, path, workers=1, mode="offline")
+    assert (rebuilt.count("compiled"), rebuilt.count("present")) == (1, 10)
+    assert check(str(TOY), str(path)).ok
