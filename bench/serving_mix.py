@@ -82,7 +82,7 @@ def run_mix(args) -> dict:
 
     from prewarm.manifest import load
 
-    compiles, hits, names = [], 0, []
+    compiles, hits = [], 0
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
         nonlocal hits
@@ -105,7 +105,6 @@ def run_mix(args) -> dict:
         importlib.import_module(name).run(spec, args.device)
         torch.cuda.synchronize()
         per_provider[name] = round(time.perf_counter() - t0, 3)
-        names.append(name)
     seconds = time.perf_counter() - start
     new = sorted(files_under(cache) - before)
     return {
@@ -128,6 +127,12 @@ def run_mix(args) -> dict:
     }
 
 
+def read_step(path: Path, step: str) -> dict:
+    if not path.exists():
+        raise SystemExit(f"serving_mix: step {step} left no result ({path}); its output is above")
+    return json.loads(path.read_text())
+
+
 def record_loop(args) -> dict:
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -148,7 +153,7 @@ def record_loop(args) -> dict:
 
     _, t_rec = step("1 record a cold run", prewarm + ["record", "-o", str(rec), "--", *me, "--cache-dir", str(cold),
                                                       "--out", str(work / "cold.json")])
-    cold_doc = json.loads((work / "cold.json").read_text())
+    cold_doc = read_step(work / "cold.json", "1 record a cold run")
     from prewarm.manifest import load
 
     m = load(args.manifest)
@@ -162,7 +167,7 @@ def record_loop(args) -> dict:
                                                        "--mode", args.build_mode])
     build_doc = json.loads(b.stdout) if b.stdout.strip().startswith("{") else {"error": b.stderr[-2000:]}
     _, t_rerun = step("3 rerun on the built cache", me + ["--cache-dir", str(built), "--out", str(work / "rerun.json")])
-    rerun_doc = json.loads((work / "rerun.json").read_text())
+    rerun_doc = read_step(work / "rerun.json", "3 rerun on the built cache")
     return {
         "scenario": "record-loop",
         "recorded_lines": sum(1 for _ in rec.open()),

@@ -33,7 +33,7 @@ import os
 import re
 import stat
 import tarfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zstandard
@@ -80,7 +80,16 @@ class Index:
     format: int = FORMAT
 
     def to_bytes(self) -> bytes:
-        return _with_checksum(asdict(self))
+        return _with_checksum(self.to_doc())
+
+    def to_doc(self) -> dict:
+        entries = [
+            {"key": e.key, "object": e.object, "object_size": e.object_size, "tar_size": e.tar_size,
+             "files": [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in e.files]}
+            for e in self.entries
+        ]
+        return {"format": self.format, "tool": self.tool, "fingerprint": self.fingerprint, "manifest": self.manifest,
+                "entries": entries}
 
     @property
     def digest(self) -> str:
@@ -317,7 +326,8 @@ def parse_index(data: bytes, where: str) -> Index:
         assert isinstance(doc, dict)
     except (ValueError, AssertionError) as e:
         raise IntegrityError(f"{where}: index is not a JSON object ({e}): corrupted") from None
-    if _with_checksum(doc) != data:
+    body = {k: v for k, v in doc.items() if k != "checksum"}
+    if _canonical(doc) != data or doc.get("checksum") != hashlib.sha256(_canonical(body)).hexdigest():
         raise IntegrityError(f"{where}: index checksum does not match its content: corrupted or edited")
     _expect(doc.get("format") == FORMAT, where, f"format {doc.get('format')!r}, this prewarm reads {FORMAT}")
     fp = doc.get("fingerprint")
@@ -348,7 +358,7 @@ def parse_index(data: bytes, where: str) -> Index:
         _expect(e["tar_size"] >= sum(f.size for f in files), where, f"{key}: tar_size below its files' sizes")
         entries.append(Entry(key, obj, e["object_size"], e["tar_size"], tuple(files)))
     index = Index(dict(fp), manifest, tuple(entries), str(doc.get("tool", "")), FORMAT)
-    _expect(index.to_bytes() == data, where, "fields this prewarm does not know (or of the wrong type)")
+    _expect(index.to_doc() == body, where, "fields this prewarm does not know (or of the wrong type)")
     return index
 
 
@@ -367,8 +377,8 @@ def _decompress_bounded(obj: bytes, limit: int, where: str) -> bytes:
     return out
 
 
-def open_object(obj: bytes, entry: Entry, where: str) -> dict[str, bytes]:
-    """Check one object against its entry and return {path: bytes}; refuse anything but plain files.
+def open_object(obj: bytes, entry: Entry, where: str) -> dict[str, tuple[bytes, int]]:
+    """Check one object against its entry and return {path: (bytes, mode)}; refuse anything but plain files.
 
     Checks: the object's sha256 is its name, it decompresses to exactly ``tar_size``, every member is a
     regular file without setuid/setgid/sticky bits at a safe path, the members are exactly the listed files,
@@ -383,7 +393,7 @@ def open_object(obj: bytes, entry: Entry, where: str) -> dict[str, bytes]:
     except zstandard.ZstdError as e:
         raise IntegrityError(f"{where}: object {entry.object} is not valid zstd ({e})") from None
     expected = {f.path: f for f in entry.files}
-    out: dict[str, bytes] = {}
+    out: dict[str, tuple[bytes, int]] = {}
     try:
         with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
             for m in tar:
@@ -400,13 +410,13 @@ def open_object(obj: bytes, entry: Entry, where: str) -> dict[str, bytes]:
                 rec = expected[path]
                 if len(data) != rec.size or hashlib.sha256(data).hexdigest() != rec.sha256:
                     raise IntegrityError(f"{where}: {path} does not match its sha256/size in the index")
-                out[path] = data
+                out[path] = (data, 0o755 if m.mode & 0o111 else 0o644)
     except tarfile.TarError as e:
         raise IntegrityError(f"{where}: object {entry.object} is not a valid tar ({e})") from None
     if missing := sorted(set(expected) - set(out)):
         raise IntegrityError(f"{where}: object {entry.object} lacks {', '.join(missing)}")
     names = {p.rsplit("/", 1)[-1] for p in out}
-    for path, data in out.items():
+    for path, (data, _) in out.items():
         if is_group(path):
             rel, outside = relative_group(data, entry.key, names, f"{where}: {path}")
             if outside or rel != data:
@@ -415,27 +425,19 @@ def open_object(obj: bytes, entry: Entry, where: str) -> dict[str, bytes]:
     return out
 
 
-def write_entry(files: dict[str, bytes], dest: str, final_dir: str, *, durable: bool = True) -> None:
+def write_entry(files: dict[str, tuple[bytes, int]], dest: str, final_dir: str) -> None:
     """Write a checked entry into a fresh ``dest`` dir; group files point at ``final_dir`` (where it will live)."""
     os.mkdir(dest, 0o755)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    for path, data in sorted(files.items()):
+    for path, (data, mode) in sorted(files.items()):
         if "/" in path:
             os.makedirs(os.path.join(dest, os.path.dirname(path)), 0o755, exist_ok=True)
         if is_group(path):
             data = absolute_group(data, final_dir)
-        fd = os.open(os.path.join(dest, path), flags, 0o644)
+        fd = os.open(os.path.join(dest, path), flags, mode)
         try:
             with memoryview(data) as view:
                 while view:
                     view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    if durable:
-        fd = os.open(dest, os.O_RDONLY)
-        try:
-            os.fsync(fd)
         finally:
             os.close(fd)

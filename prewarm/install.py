@@ -29,7 +29,7 @@ from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, Sto
 from .store import Store, default_store_root, join, open_store, retry
 
 RECEIPTS = "receipts"
-_ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+_ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def default_cache_dir() -> Path:
@@ -160,7 +160,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _stage_entry(bundle: Bundle, entry: Entry, cache_dir: Path, staging: Path, durable: bool) -> int:
+def _stage_entry(bundle: Bundle, entry: Entry, cache_dir: Path, staging: Path) -> int:
     """Fetch and check one object, write its entry under ``staging``; returns the object's size."""
     name = f"{OBJECTS}/{entry.object}"
     where = join(bundle.store.url, name)
@@ -169,7 +169,7 @@ def _stage_entry(bundle: Bundle, entry: Entry, cache_dir: Path, staging: Path, d
     except FileNotFoundError:
         raise IntegrityError(f"{where}: object of entry {entry.key} is missing from the bundle") from None
     files = open_object(obj, entry, where)
-    write_entry(files, str(staging / entry.key), str(cache_dir / entry.key), durable=durable)
+    write_entry(files, str(staging / entry.key), str(cache_dir / entry.key))
     return len(obj)
 
 
@@ -244,13 +244,15 @@ def _install_locked(bundle: Bundle, source: str, cache_dir: Path, res: InstallRe
     try:
         # phase 1: every object fetched and checked, every entry staged; a bad bundle adds nothing to the cache
         with cf.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(_stage_entry, bundle, e, cache_dir, staging, durable) for e in todo]
+            futures = [pool.submit(_stage_entry, bundle, e, cache_dir, staging) for e in todo]
             try:
                 res.bytes_fetched = sum(f.result() for f in futures)
             except BaseException:
                 for f in futures:
                     f.cancel()
                 raise
+        if durable:
+            os.sync()  # one flush of every staged file: far cheaper than an fsync per file, same guarantee
         # phase 2: one rename per entry (a key dir is either absent or complete), then the receipt
         for e in todo:
             res.replaced += _place_entry(e.key, cache_dir, staging)

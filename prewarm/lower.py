@@ -79,16 +79,17 @@ def _message(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".strip()
 
 
-def lower_compile(fn, specialization_data: str, arch: str, out: LoweredCompile) -> LoweredCompile:
-    """Run ``compile()``'s stages up to ``ttadapter`` on exactly what ``preload(specialization_data)`` compiles."""
+def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
+    """Run ``compile()``'s stages up to ``ttadapter`` on exactly what ``preload(c.specialization)`` compiles."""
     import triton.language as tl
     from triton._C.libtriton import get_cache_invalidating_env_vars, ir
     from triton.backends.ascend.compiler import AscendAttrsDescriptor
     from triton.compiler.compiler import ASTSource, make_backend, triton_key
     from triton.runtime.cache import _base64
 
-    data = json.loads(specialization_data)
-    jit = tritoncompat.jit_function(fn)
+    out = LoweredCompile(c.kernel, c.label, c.request)
+    data = json.loads(c.specialization)
+    jit = tritoncompat.jit_function(planning.resolve(c.kernel))
     # As JITFunction.preload (3.2) rebuilds the request ...
     constants = {k: tl.dtype(v) if tl.dtype.is_dtype(v) else v for k, v in data["constants"].items()}
     src = ASTSource(jit, dict(data["signature"]), constants, AscendAttrsDescriptor.from_dict(data["attrs"]))
@@ -139,10 +140,8 @@ def lower(m: Manifest) -> LowerReport:
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # triton-ascend prints advice on every bind
                 planned = planning.expand(req)
-            fn = planning.resolve(req.kernel)
         except Exception as e:
             compiles.append(LoweredCompile(req.kernel, req.label, req.ident, failed_stage="bind", error=_message(e)))
             continue
-        for c in planned:
-            compiles.append(lower_compile(fn, c.specialization, m.arch, LoweredCompile(c.kernel, c.label, c.request)))
+        compiles += [lower_compile(c, m.arch) for c in planned]
     return LowerReport(str(m.path), m.arch, f"{dist} {version}", compiles, len(the_plan.requests))

@@ -5,7 +5,8 @@
 - :class:`NpuTarget` (mode "device"): on a node with torch_npu, CANN and an NPU, one compile-only launch
   (TRITON_COMPILE_ONLY=1) per planned compile, on minimal tensors. Unlike ``preload``, a launch also builds the
   per-signature launcher ``.so``, ``npu_utils.so`` and the precompiled header into the cache dir, so the first
-  real launch on a node compiles nothing.
+  real launch on a node compiles nothing. Before its first compile a worker claims the cache dir for this
+  node's toolchain (``fingerprint.claim_cache_dir``): Triton's key would reuse kernels of another CANN silently.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ that need them.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -87,6 +88,19 @@ def toy_cache_master(tmp_path_factory) -> Path:
 def triton_cache(toy_cache_master, tmp_path) -> Path:
     """A private copy of the real toy cache (group files consistent with its location)."""
     return copy_cache(toy_cache_master, tmp_path / "triton-cache")
+
+
+def _load_bench_ship():
+    spec = importlib.util.spec_from_file_location("prewarm_bench_ship", REPO / "bench" / "ship.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def synthetic_cache(root: Path, entries: int, seed: int = 0, scale: float = 0.1) -> Path:
+    """A Triton-like cache of ``entries`` key dirs (bench/ship.py's generator; ``scale`` 1 = ~260 KB/entry)."""
+    _load_bench_ship().make_cache(root, entries, seed=seed, scale=scale)
+    return root
 
 
 def free_port() -> int:

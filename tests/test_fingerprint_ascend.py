@@ -214,3 +214,14 @@ def test_a_corrupt_toolchain_record_is_an_integrity_error(toolchain):
     record.write_text("{not json")
     with pytest.raises(IntegrityError, match="toolchain.json"):
         fingerprint.cache_dir_toolchain_conflict(toolchain / "cache", npu_fp())
+
+
+def test_install_refuses_to_mix_toolchains_in_one_cache_dir(toolchain):
+    """Node on CANN 8.3 installs a bundle; CANN is upgraded; a bundle built under the new toolchain (it matches the
+    node) must not land in the dir that holds the old toolchain's kernels: Triton would keep hitting those."""
+    node_cache = toolchain / "node-cache"
+    install.install(str(make_bundle(toolchain / "a", npu_fp())), node_cache, durable=False)
+    assert (node_cache / fingerprint.TOOLCHAIN_RECORD).exists()
+    standin.make_bishengir(toolchain / "bin", version="8.5.0")
+    with pytest.raises(FingerprintMismatch, match="ascend.bishengir.version: the cache dir has"):
+        install.install(str(make_bundle(toolchain / "b", npu_fp())), node_cache, durable=False)

@@ -6,7 +6,7 @@ import torch
 from .common import check, layout
 from .cumsum import chunk_cumsum
 from .intra import chunk_intra
-from .l2norm import l2norm
+from .l2norm import l2norm_rstd
 from .output import chunk_output
 from .recompute import chunk_recompute
 from .solve import chunk_solve
@@ -34,12 +34,11 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_initial_state(initial_state, initial_state_indices, L)
     scale = L.K ** -0.5 if scale is None else float(scale)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+    q_rstd, k_rstd = (l2norm_rstd(q), l2norm_rstd(k)) if use_qk_l2norm else (None, None)
     G = chunk_cumsum(g, cu_seqlens, A_log, dt_bias, lower_bound, _layout=L)
-    Akk, Aqk = chunk_intra(q, k, G, beta, scale, _layout=L)
+    Akk, Aqk = chunk_intra(q, k, G, beta, scale, q_rstd=q_rstd, k_rstd=k_rstd, _layout=L)
     Ai = chunk_solve(Akk, _layout=L)
-    w, u, kg = chunk_recompute(k, v, beta, G, Ai, _layout=L)
+    w, u, kg = chunk_recompute(k, v, beta, G, Ai, k_rstd=k_rstd, _layout=L)
     h, v_new, final = chunk_state(kg, w, u, G, initial_state, initial_state_indices, output_final_state,
                                   _layout=L)
-    return chunk_output(q, G, h, Aqk, v_new, scale, _layout=L), final
+    return chunk_output(q, G, h, Aqk, v_new, scale, q_rstd=q_rstd, _layout=L), final

@@ -67,3 +67,14 @@ def check(name: str, t: torch.Tensor, shape: tuple, dtypes=FLOAT_DTYPES) -> None
         raise ValueError(f"{name}: dtype {t.dtype} not supported (expected one of {[str(d) for d in dtypes]})")
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (token-major layout)")
+
+
+def check_rstd(q_rstd: torch.Tensor | None, k_rstd: torch.Tensor | None, L: Layout) -> bool:
+    """Both L2-norm factors or neither; True when given."""
+    if (q_rstd is None) != (k_rstd is None):
+        raise ValueError("pass both q_rstd and k_rstd (from l2norm_rstd) or neither")
+    if q_rstd is None:
+        return False
+    check("q_rstd", q_rstd, (L.B, L.T, L.H), (torch.float32,))
+    check("k_rstd", k_rstd, (L.B, L.T, L.H), (torch.float32,))
+    return True

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import BC, BT, check, chunk_bounds, layout
+from .common import BC, BT, check, check_rstd, chunk_bounds, layout
 
 INTER_CONFIGS = [
     triton.Config({"BK": BK}, num_warps=num_warps, num_stages=num_stages)
@@ -67,9 +67,9 @@ def _store_row(Aqk, Akk, beta, o_c, m_c, o_i, HBT, H, b_q0, b_k0, b_q1, b_k1, b_
 
 @triton.autotune(configs=INTER_CONFIGS, key=["H", "K"], cache_results=True)
 @triton.jit(do_not_specialize=["T"])
-def kda_intra_inter_kernel(q, k, G, beta, Aqk, Akk, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
-                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                           IS_VARLEN: tl.constexpr):
+def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale, T,
+                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                           NORM_QK: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
@@ -137,6 +137,26 @@ def kda_intra_inter_kernel(q, k, G, beta, Aqk, Akk, cu_seqlens, chunk_indices, s
             b_ct = _col_t(k, G, o_c2, o_k, m_k, b_gn3, HK)
             b_q32 = tl.dot(b_qg3, b_ct, b_q32)
             b_k32 = tl.dot(b_kg3, b_ct, b_k32)
+    if NORM_QK:  # A is bilinear in rows and columns: apply the L2 norms to the blocks
+        rk0 = tl.load(k_rstd + base + o_c0 * H, mask=m_c0, other=0.0)
+        rk1 = tl.load(k_rstd + base + o_c1 * H, mask=m_c1, other=0.0)
+        rk2 = tl.load(k_rstd + base + o_c2 * H, mask=m_c2, other=0.0)
+        rk3 = tl.load(k_rstd + base + o_c3 * H, mask=m_c3, other=0.0)
+        rq1 = tl.load(q_rstd + base + o_c1 * H, mask=m_c1, other=0.0)
+        rq2 = tl.load(q_rstd + base + o_c2 * H, mask=m_c2, other=0.0)
+        rq3 = tl.load(q_rstd + base + o_c3 * H, mask=m_c3, other=0.0)
+        b_q10 *= rq1[:, None] * rk0[None, :]
+        b_k10 *= rk1[:, None] * rk0[None, :]
+        b_q20 *= rq2[:, None] * rk0[None, :]
+        b_k20 *= rk2[:, None] * rk0[None, :]
+        b_q21 *= rq2[:, None] * rk1[None, :]
+        b_k21 *= rk2[:, None] * rk1[None, :]
+        b_q30 *= rq3[:, None] * rk0[None, :]
+        b_k30 *= rk3[:, None] * rk0[None, :]
+        b_q31 *= rq3[:, None] * rk1[None, :]
+        b_k31 *= rk3[:, None] * rk1[None, :]
+        b_q32 *= rq3[:, None] * rk2[None, :]
+        b_k32 *= rk3[:, None] * rk2[None, :]
     HBT = H * BT
     b_z = tl.zeros([BC, BC], dtype=tl.float32)
     _store_row(Aqk, Akk, beta, o_c0, m_c0, o_i, HBT, H, b_z, b_z, b_z, b_z, b_z, b_z, scale, BC, 0)
@@ -145,11 +165,29 @@ def kda_intra_inter_kernel(q, k, G, beta, Aqk, Akk, cu_seqlens, chunk_indices, s
     _store_row(Aqk, Akk, beta, o_c3, m_c3, o_i, HBT, H, b_q30, b_k30, b_q31, b_k31, b_q32, b_k32, scale, BC, 3)
 
 
+@triton.jit
+def _diag_level(b_q, b_k, b_g, G, b_aqk, b_akk, o_i, o_k, m_c, m_k, i_r, T, HK, s: tl.constexpr):
+    """Add the pairs whose rows are in an odd s-block and columns in the even s-block just before it."""
+    r_row = (o_i // s) * s  # start of row i's block (its reference when that block is odd)
+    r_col = r_row + s  # start of the block after column j's (its reference when j's block is even)
+    m_row = ((o_i // s) % 2 == 1) & m_c
+    m_col = ((o_i // s) % 2 == 0) & (i_r + r_col < T)
+    b_gr = tl.load(G + (i_r + r_row)[:, None] * HK + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
+    b_gc = tl.load(G + (i_r + r_col)[:, None] * HK + o_k[None, :], mask=m_col[:, None] & m_k[None, :], other=0.0)
+    b_er = tl.exp(tl.where(m_row[:, None], b_g - b_gr, float("-inf")))
+    b_ec = tl.exp(tl.where(m_col[:, None], b_gc - b_g, float("-inf")))
+    b_kct = tl.trans(b_k * b_ec)
+    m_sib = ((o_i[:, None] // s) == (o_i[None, :] // s + 1)) & m_row[:, None]
+    b_aqk += tl.where(m_sib, tl.dot(b_q * b_er, b_kct), 0.0)
+    b_akk += tl.where(m_sib, tl.dot(b_k * b_er, b_kct), 0.0)
+    return b_aqk, b_akk
+
+
 @triton.autotune(configs=INTRA_CONFIGS, key=["H", "K"], cache_results=True)
 @triton.jit(do_not_specialize=["T"])
-def kda_intra_diag_kernel(q, k, G, beta, Aqk, Akk, cu_seqlens, chunk_indices, scale, T, H: tl.constexpr,
-                          K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                          IS_VARLEN: tl.constexpr):
+def kda_intra_diag_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale, T,
+                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                          NORM_QK: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_tc, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_t, i_c = i_tc // (BT // BC), i_tc % (BT // BC)
     i_b, i_h = i_bh // H, i_bh % H
@@ -175,22 +213,14 @@ def kda_intra_diag_kernel(q, k, G, beta, Aqk, Akk, cu_seqlens, chunk_indices, sc
     # s-block and column j in the even block just before it; with r = start of the odd block (j < r <= i),
     # exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both exponents <= 0, and the sum over channels is a dot.
     for lvl in tl.static_range(4):
-        s: tl.constexpr = BC // (2 << lvl)
-        r_row = (o_i // s) * s  # start of row i's block (its reference when that block is odd)
-        r_col = r_row + s  # start of the block after column j's (its reference when j's block is even)
-        m_row = ((o_i // s) % 2 == 1) & m_c
-        m_col = ((o_i // s) % 2 == 0) & (i_r + r_col < T)
-        b_gr = tl.load(G + (base * K) + (i_r + r_row)[:, None] * HK + o_k[None, :],
-                       mask=m_row[:, None] & m_k[None, :], other=0.0)
-        b_gc = tl.load(G + (base * K) + (i_r + r_col)[:, None] * HK + o_k[None, :],
-                       mask=m_col[:, None] & m_k[None, :], other=0.0)
-        b_er = tl.exp(tl.where(m_row[:, None], b_g - b_gr, float("-inf")))
-        b_ec = tl.exp(tl.where(m_col[:, None], b_gc - b_g, float("-inf")))
-        b_kct = tl.trans(b_k * b_ec)
-        m_sib = (o_i[:, None] // s) == (o_i[None, :] // s + 1)
-        b_aqk += tl.where(m_sib & m_row[:, None], tl.dot(b_q * b_er, b_kct), 0.0)
-        b_akk += tl.where(m_sib & m_row[:, None], tl.dot(b_k * b_er, b_kct), 0.0)
+        b_aqk, b_akk = _diag_level(b_q, b_k, b_g, G + base * K, b_aqk, b_akk, o_i, o_k, m_c, m_k, i_r, T, HK,
+                                   BC // (2 << lvl))
     b_aqk += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+    if NORM_QK:
+        rq = tl.load(q_rstd + base + o_c * H, mask=m_c, other=0.0)
+        rk = tl.load(k_rstd + base + o_c * H, mask=m_c, other=0.0)
+        b_aqk *= rq[:, None] * rk[None, :]
+        b_akk *= rk[:, None] * rk[None, :]
     b_b = tl.load(beta + base + o_c * H, mask=m_c, other=0.0).to(tl.float32)
     p_A = base * BT + o_c[:, None] * (H * BT) + (i_c * BC + o_i)[None, :]
     m_A = m_c[:, None] & (o_i[None, :] >= 0)
@@ -203,8 +233,11 @@ register("intra_diag", Entry(kda_intra_diag_kernel, INTRA_PINNED))
 
 
 def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, scale: float,
-                cu_seqlens: torch.Tensor | None = None, *, _layout=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Akk, Aqk), each [B, T, H, 64] fp32, from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H]."""
+                cu_seqlens: torch.Tensor | None = None, q_rstd: torch.Tensor | None = None,
+                k_rstd: torch.Tensor | None = None, *, _layout=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Akk, Aqk), each [B, T, H, 64] fp32, from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H].
+
+    With ``q_rstd``/``k_rstd`` (fp32 [B, T, H], from :func:`l2norm_rstd`) q and k count as L2-normalised."""
     L = _layout or layout(k, None, cu_seqlens)
     check("q", q, (L.B, L.T, L.H, L.K))
     check("k", k, (L.B, L.T, L.H, L.K))
@@ -212,8 +245,9 @@ def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.T
     check("beta", beta, (L.B, L.T, L.H))
     Akk = torch.empty(L.B, L.T, L.H, BT, dtype=torch.float32, device=k.device)
     Aqk = torch.empty_like(Akk)
-    args = (q, k, G, beta, Aqk, Akk, L.cu_seqlens, L.chunk_indices, float(scale), L.T)
-    kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, IS_VARLEN=L.index is not None)
+    norm = check_rstd(q_rstd, k_rstd, L)
+    args = (q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, L.cu_seqlens, L.chunk_indices, float(scale), L.T)
+    kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, NORM_QK=norm, IS_VARLEN=L.index is not None)
     dispatch("intra_inter", lambda meta: (L.NT, L.B * L.H), *args, **kw)
     dispatch("intra_diag", lambda meta: (L.NT * (BT // BC), L.B * L.H), *args, BK=triton.next_power_of_2(L.K), **kw)
     return Akk, Aqk

@@ -19,9 +19,9 @@ PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 
 @triton.autotune(configs=CONFIGS, key=["H", "K", "V"], cache_results=True)
 @triton.jit(do_not_specialize=["T", "NT"])
-def kda_output_kernel(q, G, h, Aqk, v_new, o, cu_seqlens, chunk_indices, scale, T, NT,
+def kda_output_kernel(q, G, h, Aqk, v_new, q_rstd, o, cu_seqlens, chunk_indices, scale, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+                      BV: tl.constexpr, NORM_Q: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_v, i_tg, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     if IS_VARLEN:
@@ -35,12 +35,16 @@ def kda_output_kernel(q, G, h, Aqk, v_new, o, cu_seqlens, chunk_indices, scale, 
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    if NORM_Q:
+        b_rq = tl.load(q_rstd + base + o_t * H, mask=m_t, other=0.0)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m = m_t[:, None] & m_k[None, :]
         p = base * K + o_t[:, None] * (H * K) + o_k[None, :]
         b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
+        if NORM_Q:
+            b_q = b_q * b_rq[:, None]
         b_g = tl.load(G + p, mask=m, other=0.0)
         b_h = tl.load(h + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
@@ -50,7 +54,7 @@ def kda_output_kernel(q, G, h, Aqk, v_new, o, cu_seqlens, chunk_indices, scale, 
     p_v = base * V + o_t[:, None] * (H * V) + o_v[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0)
-    b_o = b_o * scale + tl.dot(b_A.to(b_vn.dtype), b_vn)
+    b_o = b_o * scale + tl.dot(b_A, b_vn.to(tl.float32))  # fp32 (tf32) operands: Aqk in bf16 costs accuracy
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -58,16 +62,19 @@ register("output", Entry(kda_output_kernel, PINNED))
 
 
 def chunk_output(q: torch.Tensor, G: torch.Tensor, h: torch.Tensor, Aqk: torch.Tensor, v_new: torch.Tensor,
-                 scale: float, cu_seqlens: torch.Tensor | None = None, *, _layout=None) -> torch.Tensor:
-    """o [B, T, H, V] in v_new's dtype."""
+                 scale: float, cu_seqlens: torch.Tensor | None = None, q_rstd: torch.Tensor | None = None, *,
+                 _layout=None) -> torch.Tensor:
+    """o [B, T, H, V] in v_new's dtype; ``q_rstd`` L2-normalises q."""
     L = _layout or layout(q, v_new, cu_seqlens)
     check("q", q, (L.B, L.T, L.H, L.K))
     check("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
     check("Aqk", Aqk, (L.B, L.T, L.H, BT), (torch.float32,))
     NT_seq = triton.cdiv(L.T, BT)
     check("h", h, (L.B, L.NT if L.index is not None else NT_seq, L.H, L.K, L.V))
+    if q_rstd is not None:
+        check("q_rstd", q_rstd, (L.B, L.T, L.H), (torch.float32,))
     o = torch.empty_like(v_new)
-    dispatch("output", lambda meta: (triton.cdiv(L.V, meta["BV"]), L.NT, L.B * L.H), q, G, h, Aqk, v_new, o,
-             L.cu_seqlens, L.chunk_indices, float(scale), L.T, NT_seq,
-             H=L.H, K=L.K, V=L.V, BT=BT, IS_VARLEN=L.index is not None)
+    dispatch("output", lambda meta: (triton.cdiv(L.V, meta["BV"]), L.NT, L.B * L.H), q, G, h, Aqk, v_new, q_rstd,
+             o, L.cu_seqlens, L.chunk_indices, float(scale), L.T, NT_seq,
+             H=L.H, K=L.K, V=L.V, BT=BT, NORM_Q=q_rstd is not None, IS_VARLEN=L.index is not None)
     return o

@@ -1,6 +1,7 @@
 """WY recompute per chunk: w = Ainv (beta * k * exp(G)), u = Ainv (beta * v), kg = k * exp(G_last - G).
 
-w, u, kg are stored in the input dtype (bf16 in serving); the dots take Ainv in that dtype with fp32 accumulation.
+w, u, kg are stored in the input dtype (bf16 in serving). The two dots take fp32 operands (tf32 on tensor cores):
+rounding Ainv and beta * k * exp(G) to bf16 first costs about 10% of the bf16 error budget of o.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 
 @triton.autotune(configs=CONFIGS, key=["H", "K", "V"], cache_results=True)
 @triton.jit(do_not_specialize=["T"])
-def kda_recompute_kernel(k, v, beta, G, Ai, w, u, kg, cu_seqlens, chunk_indices, T, H: tl.constexpr,
+def kda_recompute_kernel(k, v, beta, G, Ai, k_rstd, w, u, kg, cu_seqlens, chunk_indices, T, H: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         IS_VARLEN: tl.constexpr):
+                         NORM_K: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
     i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
@@ -33,16 +34,20 @@ def kda_recompute_kernel(k, v, beta, G, Ai, w, u, kg, cu_seqlens, chunk_indices,
     m_t = o_t < T
     i_last = tl.minimum(i_t * BT + BT, T) - 1
     b_A = tl.load(Ai + base * BT + o_t[:, None] * (H * BT) + tl.arange(0, BT)[None, :],
-                  mask=m_t[:, None], other=0.0).to(k.dtype.element_ty)
+                  mask=m_t[:, None], other=0.0)
     b_b = tl.load(beta + base + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    if NORM_K:
+        b_rk = tl.load(k_rstd + base + o_t * H, mask=m_t, other=0.0)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m = m_t[:, None] & (o_k < K)[None, :]
         p = base * K + o_t[:, None] * (H * K) + o_k[None, :]
         b_k = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
+        if NORM_K:
+            b_k = b_k * b_rk[:, None]
         b_g = tl.load(G + p, mask=m, other=0.0)
         b_gl = tl.load(G + base * K + i_last * (H * K) + o_k, mask=o_k < K, other=0.0)
-        b_kb = (b_k * b_b[:, None] * tl.exp(b_g)).to(k.dtype.element_ty)
+        b_kb = b_k * b_b[:, None] * tl.exp(b_g)
         tl.store(w + p, tl.dot(b_A, b_kb).to(w.dtype.element_ty), mask=m)
         b_kg = b_k * tl.exp(tl.where(m, b_gl[None, :] - b_g, float("-inf")))
         tl.store(kg + p, b_kg.to(kg.dtype.element_ty), mask=m)
@@ -50,23 +55,26 @@ def kda_recompute_kernel(k, v, beta, G, Ai, w, u, kg, cu_seqlens, chunk_indices,
         o_v = i_v * BV + tl.arange(0, BV)
         m = m_t[:, None] & (o_v < V)[None, :]
         p = base * V + o_t[:, None] * (H * V) + o_v[None, :]
-        b_vb = (tl.load(v + p, mask=m, other=0.0).to(tl.float32) * b_b[:, None]).to(v.dtype.element_ty)
-        tl.store(u + p, tl.dot(b_A.to(v.dtype.element_ty), b_vb).to(u.dtype.element_ty), mask=m)
+        b_vb = tl.load(v + p, mask=m, other=0.0).to(tl.float32) * b_b[:, None]
+        tl.store(u + p, tl.dot(b_A, b_vb).to(u.dtype.element_ty), mask=m)
 
 
 register("recompute", Entry(kda_recompute_kernel, PINNED))
 
 
 def chunk_recompute(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor, Ai: torch.Tensor,
-                    cu_seqlens: torch.Tensor | None = None, *, _layout=None):
-    """(w [B,T,H,K], u [B,T,H,V], kg [B,T,H,K]) in k's / v's dtype."""
+                    cu_seqlens: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, *, _layout=None):
+    """(w [B,T,H,K], u [B,T,H,V], kg [B,T,H,K]) in k's / v's dtype; ``k_rstd`` L2-normalises k."""
     L = _layout or layout(k, v, cu_seqlens)
     check("k", k, (L.B, L.T, L.H, L.K))
     check("v", v, (L.B, L.T, L.H, L.V))
     check("beta", beta, (L.B, L.T, L.H))
     check("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
     check("Ainv", Ai, (L.B, L.T, L.H, BT), (torch.float32,))
+    if k_rstd is not None:
+        check("k_rstd", k_rstd, (L.B, L.T, L.H), (torch.float32,))
     w, kg, u = torch.empty_like(k), torch.empty_like(k), torch.empty_like(v)
-    dispatch("recompute", lambda meta: (L.NT, L.B * L.H), k, v, beta, G, Ai, w, u, kg, L.cu_seqlens,
-             L.chunk_indices, L.T, H=L.H, K=L.K, V=L.V, BT=BT, IS_VARLEN=L.index is not None)
+    dispatch("recompute", lambda meta: (L.NT, L.B * L.H), k, v, beta, G, Ai, k_rstd, w, u, kg, L.cu_seqlens,
+             L.chunk_indices, L.T, H=L.H, K=L.K, V=L.V, BT=BT, NORM_K=k_rstd is not None,
+             IS_VARLEN=L.index is not None)
     return w, u, kg

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from conftest import ARCH, REPO, TOY_COMPILES, run_prewarm, write_manifest
 
 from prewarm import lower, manifest, plan, tritoncompat
-from prewarm.errors import BuildError
+from prewarm.errors import BuildError, EnvironmentProblem
 
 
 def test_every_compile_of_the_toy_manifest_is_lowered_with_stage_timings(toy_manifest):
@@ -85,7 +84,7 @@ def test_cli_reports_counts_and_timings(toy_manifest):
 
 def test_lower_refuses_a_cuda_manifest():
     p = run_prewarm("lower", REPO / "manifests" / "kimi-linear-h200.toml")
-    assert p.returncode == 11 and "lower checks the Ascend (npu) front end only" in p.stderr
+    assert p.returncode == EnvironmentProblem.exit_code and "lower checks the Ascend (npu) front end only" in p.stderr
 
 
 def test_kimi_k3_ascend_manifest_lowers_every_request():

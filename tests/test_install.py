@@ -1,0 +1,218 @@
+"""install: atomic, locked, idempotent, merging; refuses foreign toolchains and bad signatures."""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import resource
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from prewarm import fingerprint
+from prewarm.bundle import INDEX, META_DIR, OBJECTS, SIGNATURE, pack, parse_index
+from prewarm.errors import EnvironmentProblem, FingerprintMismatch, SignatureError
+from prewarm.install import install, receipt_path
+from prewarm.verify import verify
+
+from conftest import run_cli, synthetic_cache
+
+
+def snapshot(cache: Path) -> dict[str, str]:
+    """Every file of the cache outside prewarm's own dir, with its sha256."""
+    return {
+        p.relative_to(cache).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(cache.rglob("*"))
+        if p.is_file() and META_DIR not in p.relative_to(cache).parts
+    }
+
+
+@pytest.fixture
+def toy_bundle(triton_cache, tmp_path) -> Path:
+    pack(triton_cache, tmp_path / "bundle")
+    return tmp_path / "bundle"
+
+
+def test_install_writes_receipt_and_repeat_is_a_noop(toy_bundle, tmp_path):
+    node = tmp_path / "node"
+    first = install(str(toy_bundle), node)
+    assert (first.installed, first.present, first.noop) == (5, 0, False)
+    assert receipt_path(node, first.index_digest).exists()
+    before = snapshot(node)
+    mtimes = {p: p.stat().st_mtime_ns for p in node.rglob("*") if p.is_file()}
+    again = install(str(toy_bundle), node)
+    assert (again.installed, again.noop) == (0, True)
+    assert snapshot(node) == before
+    assert {p: p.stat().st_mtime_ns for p in node.rglob("*") if p.is_file()} == mtimes
+    assert not list((node / META_DIR).glob("staging-*"))
+
+
+def test_install_merges_and_replaces_only_incomplete_entries(toy_bundle, tmp_path):
+    node = synthetic_cache(tmp_path / "node", 3, seed=7)  # entries from another source (compiled on the node)
+    foreign = snapshot(node)
+    index = parse_index((toy_bundle / INDEX).read_bytes(), "t")
+    broken = index.entries[0]
+    (node / broken.key).mkdir()
+    (node / broken.key / broken.files[0].path).write_bytes(b"half-written by a crashed process")
+    res = install(str(toy_bundle), node)
+    assert (res.installed, res.replaced) == (5, 1)
+    after = snapshot(node)
+    assert {k: v for k, v in after.items() if k in foreign} == foreign  # other sources' entries survive
+    report = verify(node)
+    assert report.ok and report.other_entries == 3 and report.entries_ok == 5
+
+
+def test_cache_dir_defaults_to_triton_cache_dir(toy_bundle, tmp_path):
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "from-env"))
+    out = json.loads(run_cli("install", toy_bundle, "--json", env=env).stdout)
+    assert out["cache_dir"] == str(tmp_path / "from-env") and out["installed"] == 5
+    run_cli("verify", env=env)
+
+
+def _install_in_child(bundle: str, cache: str, q) -> None:
+    r = install(bundle, cache)
+    q.put((r.installed, r.noop))
+
+
+def test_16_concurrent_installs_unpack_each_entry_once(tmp_path):
+    cache = synthetic_cache(tmp_path / "src", 60, seed=3)
+    pack(cache, tmp_path / "bundle")
+    fingerprint.current()  # paid once in the parent; forked ranks inherit it
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_install_in_child, args=(str(tmp_path / "bundle"), str(tmp_path / "node"), q))
+             for _ in range(16)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 16
+    assert sum(installed for installed, _ in results) == 60  # the work was done once
+    assert sum(noop for _, noop in results) == 15
+    assert verify(tmp_path / "node").ok
+
+
+def test_sigkill_at_20_random_points_leaves_a_cache_that_verifies_and_rerun_completes(tmp_path):
+    old = synthetic_cache(tmp_path / "old-src", 20, seed=1)
+    new = synthetic_cache(tmp_path / "new-src", 80, seed=2, scale=0.1)
+    shutil.copytree(old / next(iter(os.listdir(old))), new / next(iter(os.listdir(old))))  # one shared entry
+    pack(old, tmp_path / "A")
+    pack(new, tmp_path / "B")
+    fingerprint.current()
+    ctx = multiprocessing.get_context("fork")
+    t0 = time.monotonic()
+    install(str(tmp_path / "B"), tmp_path / "timing")
+    full = time.monotonic() - t0
+    rng = random.Random(20)
+    node = tmp_path / "node"
+    outcomes = []
+    for i in range(20):
+        shutil.rmtree(node, ignore_errors=True)
+        install(str(tmp_path / "A"), node)
+        old_state = snapshot(node)
+        p = ctx.Process(target=install, args=(str(tmp_path / "B"), str(node)))
+        p.start()
+        time.sleep(rng.uniform(0, full * 1.2))
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        outcomes.append(p.exitcode)
+        report = verify(node)  # against the receipts present: old state, or old + new
+        assert report.ok, (i, report.to_json())
+        now = snapshot(node)
+        assert {k: v for k, v in now.items() if k in old_state} == old_state  # the previous cache is intact
+        against_new = verify(node, bundle=str(tmp_path / "B"), check_fingerprint=False)
+        assert not (against_new.modified or against_new.unexpected)  # new entries: complete or absent
+        missing_entries = {m.split("/")[0] for m in against_new.missing}
+        assert all(not (node / k).exists() for k in missing_entries)
+        rerun = install(str(tmp_path / "B"), node)
+        assert rerun.installed + rerun.present == rerun.entries
+        assert verify(node, bundle=str(tmp_path / "B")).ok and verify(node).ok
+    assert outcomes.count(-signal.SIGKILL) >= 15  # the kills really landed mid-install
+
+
+def _fingerprint_bundle(triton_cache: Path, tmp_path: Path, **changes) -> Path:
+    fp = dict(fingerprint.current())
+    fp.update(changes)
+    (triton_cache / META_DIR).mkdir(exist_ok=True)
+    (triton_cache / META_DIR / "build.json").write_text(json.dumps({"fingerprint": fp}))
+    pack(triton_cache, tmp_path / "bundle")
+    return tmp_path / "bundle"
+
+
+def test_fingerprint_mismatch_is_refused_naming_each_factor(triton_cache, tmp_path):
+    bundle = _fingerprint_bundle(triton_cache, tmp_path, **{"triton.version": "3.5.1", "python.abi": "cpython-311-x86_64",
+                                                             "torch.version": "2.9.0"})
+    node = tmp_path / "node"
+    with pytest.raises(FingerprintMismatch) as e:
+        install(str(bundle), node)
+    msg = str(e.value)
+    assert "triton.version" in msg and "3.5.1" in msg and "python.abi" in msg and "torch.version" not in msg
+    assert not snapshot(node) if node.exists() else True
+    p = run_cli("install", bundle, "--cache-dir", node, check=FingerprintMismatch.exit_code)
+    assert "triton.version" in p.stderr
+    ok = install(str(bundle), node, allow_fingerprint_mismatch=True)
+    assert ok.installed == 5 and {m.factor for m in ok.mismatches} == {"triton.version", "python.abi", "torch.version"}
+    assert verify(node).exit_code == FingerprintMismatch.exit_code  # verify still reports it
+
+
+def test_signatures_trusted_wrong_key_required_and_tampered(triton_cache, tmp_path):
+    run_cli("keygen", "-o", tmp_path / "good")
+    run_cli("keygen", "-o", tmp_path / "evil")
+    run_cli("pack", triton_cache, "-o", tmp_path / "signed", "--sign", tmp_path / "good.key")
+    pack(triton_cache, tmp_path / "unsigned")
+    good, evil = str(tmp_path / "good.pub"), str(tmp_path / "evil.pub")
+
+    r = install(str(tmp_path / "signed"), tmp_path / "n1", trusted_keys=[good], require_signature=True)
+    assert r.installed == 5 and r.signed_by
+
+    with pytest.raises(SignatureError, match="not among the trusted keys"):
+        install(str(tmp_path / "signed"), tmp_path / "n2", trusted_keys=[evil])
+    with pytest.raises(SignatureError, match="no signature"):
+        install(str(tmp_path / "unsigned"), tmp_path / "n2", trusted_keys=[good], require_signature=True)
+    run_cli("install", tmp_path / "unsigned", "--cache-dir", tmp_path / "n2", "--require-signature", "--trust", good,
+            check=SignatureError.exit_code)
+
+    # a forged index (valid checksum, other content) under the genuine signature
+    shutil.copytree(tmp_path / "signed", tmp_path / "forged")
+    doc = json.loads((tmp_path / "forged" / INDEX).read_bytes())
+    doc["entries"] = doc["entries"][1:]
+    index = parse_index((tmp_path / "signed" / INDEX).read_bytes(), "t")
+    from prewarm.bundle import Index
+
+    forged = Index(index.fingerprint, index.manifest, index.entries[1:]).to_bytes()
+    (tmp_path / "forged" / INDEX).write_bytes(forged)
+    with pytest.raises(SignatureError, match="does not verify"):
+        install(str(tmp_path / "forged"), tmp_path / "n2", trusted_keys=[good])
+    assert not (tmp_path / "n2").exists() or not snapshot(tmp_path / "n2")
+
+
+def _install_with_fsize_limit(bundle: str, cache: str, q) -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # every write past 4 KiB fails: EFBIG
+    try:
+        install(bundle, cache)
+        q.put(None)
+    except EnvironmentProblem as e:
+        q.put(("EnvironmentProblem", str(e)))
+    except BaseException as e:
+        q.put((type(e).__name__, str(e)))
+
+
+def test_write_failure_is_an_environment_problem_and_leaves_previous_cache(toy_bundle, tmp_path):
+    node = synthetic_cache(tmp_path / "node", 2, seed=9)
+    before = snapshot(node)
+    fingerprint.current()
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_install_with_fsize_limit, args=(str(toy_bundle), str(node), q))
+    p.start()
+    kind, msg = q.get(timeout=120)
+    p.join()
+    assert kind == "EnvironmentProblem" and "File too large" in msg and str(node) in msg
+    assert snapshot(node) == before and not list((node / META_DIR).glob("staging-*"))
