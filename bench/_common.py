@@ -58,6 +58,8 @@ def child_env(work: Path, **extra: str) -> dict[str, str]:
     """Environment for any child: repo + kernels shim on PYTHONPATH, no inherited Triton cache dir."""
     shim = work / "shim"
     link = shim / "prewarm_kernels"
+    if link.is_symlink() and Path(os.readlink(link)) != REPO / "kernels":
+        link.unlink()  # left by a run from another checkout
     if not link.exists():
         shim.mkdir(parents=True, exist_ok=True)
         link.symlink_to(REPO / "kernels", target_is_directory=True)
@@ -69,16 +71,16 @@ def child_env(work: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], env: dict[str, str], timeout: float) -> float:
-    """Run ``prewarm ARGS`` (as ``python -m prewarm.cli``) with live output; returns its wall seconds."""
+def run_cli(args: list[str], env: dict[str, str], timeout: float, check: bool = True) -> tuple[int, float]:
+    """Run ``prewarm ARGS`` (as ``python -m prewarm.cli``) with live output; returns (exit code, wall seconds)."""
     cmd = [sys.executable, "-m", "prewarm.cli", *args]
     log("$ prewarm " + " ".join(args))
     t0 = time.perf_counter()
     rc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout).returncode
     dt = time.perf_counter() - t0
-    if rc != 0:
+    if check and rc != 0:
         raise RuntimeError(f"`prewarm {' '.join(args)}` exited {rc} after {dt:.1f}s")
-    return dt
+    return rc, dt
 
 
 def run_child(script: Path, args: list[str], env: dict[str, str], result: Path, timeout: float) -> dict:
@@ -103,8 +105,8 @@ def prepare_bundle(manifest: Path, work: Path, timeout: float = 420) -> dict:
     build_dir = fresh_dir(work / "build-cache")
     bundle = work / "bundle"
     shutil.rmtree(bundle, ignore_errors=True)
-    t_build = run_cli(["build", str(manifest), "--cache-dir", str(build_dir), "--mode", "device"], env, timeout)
-    t_pack = run_cli(["pack", str(build_dir), "-o", str(bundle)], env, 120)
+    _, t_build = run_cli(["build", str(manifest), "--cache-dir", str(build_dir), "--mode", "device"], env, timeout)
+    _, t_pack = run_cli(["pack", str(build_dir), "-o", str(bundle)], env, 120)
     shutil.rmtree(build_dir)
     index = json.loads((bundle / "index.json").read_text())
     return {
@@ -125,7 +127,7 @@ def bundle_ready(bundle: Path) -> bool:
 def install_bundle(bundle: Path, cache_dir: Path, work: Path) -> float:
     """Install into a fresh dir through the real pre-launch path (verify hashes + fingerprint, relocate)."""
     fresh_dir(cache_dir)
-    return run_cli(["install", str(bundle), "--cache-dir", str(cache_dir)], child_env(work), 120)
+    return run_cli(["install", str(bundle), "--cache-dir", str(cache_dir)], child_env(work), 120)[1]
 
 
 def load_spec(manifest: Path, layers: int | None = None) -> dict:

@@ -14,6 +14,11 @@ Scenarios (each with fresh processes and fresh cache dirs):
 - A_variant: like B, but at ``--variant-step`` rank 0 meets a decode bucket the manifest does not list (a new
   input-shape variant: the stall the `record` loop exists to close).
 
+Before the barrier each rank imports the kernels and does Triton's per-process setup that no cache changes
+(``triton_key``: a hash of Triton's own sources and libtriton; the backend hash: ``ptxas --version``), as a server
+does at its first warmup, and CPU threads are split between the ranks; step 0 then differs between ranks only by
+what the cache decides: compile + autotune, or load from disk.
+
 The bundle comes from ``--bundle``, else ``WORK/bundle`` if ``bench/cold_start.py`` left one there, else it is
 built here (``prewarm build --mode device`` + pack, the scratch build dir deleted before any rank starts).
 ``--layers`` (default 1) sets each step's GPU work only: every layer launches the same compiled variants, and
@@ -26,10 +31,12 @@ import copy
 import datetime
 import importlib
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,11 +50,28 @@ B_LIMIT_S = 0.050
 SCENARIOS = ("A", "B", "A_variant")
 
 
+def triton_process_setup(torch) -> float:
+    """Triton's per-process setup that no cache changes (hashing its own sources for ``triton_key``, ``ptxas
+    --version`` for the backend hash), done before the barrier so step 0 differs between ranks only by what the
+    cache decides: compile and autotune, or load."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import triton_key
+
+    t0 = time.perf_counter()
+    triton_key()
+    major, minor = torch.cuda.get_device_capability()
+    make_backend(GPUTarget("cuda", major * 10 + minor, 32)).hash()
+    return time.perf_counter() - t0
+
+
 def rank_main(args) -> dict:
     """Child: one rank. Import kernels, join the group, then steps of (kernels, all_reduce)."""
     torch = init_device()
     import torch.distributed as dist
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))  # 4 ranks share this box's cores
+    setup_s = triton_process_setup(torch)
     probes = Probes()
     step_spec = json.loads(Path(args.spec).read_text())
     variant_spec = json.loads(Path(args.variant_spec).read_text()) if args.variant_spec else None
@@ -75,7 +99,8 @@ def rank_main(args) -> dict:
         log(f"rank {args.rank} step {step}: kernels {rec['compute_s']:.3f}s ({rec['compiles']} compiles, autotune "
             f"{rec['autotune_s']:.2f}s), waited {rec['wait_s']:.3f}s in all_reduce")
     dist.destroy_process_group()
-    return {"rank": args.rank, "cache_dir": probes.cache_dir, "steps": steps, **probes.details()}
+    return {"rank": args.rank, "cache_dir": probes.cache_dir, "triton_setup_s": round(setup_s, 4), "steps": steps,
+            **probes.details()}
 
 
 def free_port() -> int:
@@ -87,14 +112,13 @@ def free_port() -> int:
 def run_scenario(name: str, args, work: Path, bundle: Path, spec_file: Path, variant_file: Path) -> dict:
     world = args.ranks
     root = fresh_dir(work / f"dp-{name}")
-    dirs, installs = [], []
-    for r in range(world):
-        d = root / f"rank{r}-cache"
-        if name == "A" and r == 0:
-            fresh_dir(d)
-        else:
-            installs.append(round(install_bundle(bundle, d, work), 3))
-        dirs.append(d)
+    dirs = [root / f"rank{r}-cache" for r in range(world)]
+    cold = {0} if name == "A" else set()
+    for r in cold:
+        fresh_dir(dirs[r])
+    with ThreadPoolExecutor(world) as pool:  # each rank's node installs for itself, all at once
+        installs = [round(t, 3) for t in pool.map(lambda d: install_bundle(bundle, d, work),
+                                                  [d for r, d in enumerate(dirs) if r not in cold])]
     port = free_port()
     me = Path(__file__).resolve()
     procs = []
@@ -104,15 +128,19 @@ def run_scenario(name: str, args, work: Path, bundle: Path, spec_file: Path, var
                "--collective-timeout", str(args.timeout)]
         if name == "A_variant" and r == 0:
             cmd += ["--variant-spec", str(variant_file), "--variant-step", str(args.variant_step)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=child_env(work, TRITON_CACHE_DIR=str(dirs[r]))))
+        env = child_env(work, TRITON_CACHE_DIR=str(dirs[r]))
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the group is on loopback whatever the hostname resolves to
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env))
     codes = wait_all(procs, deadline=time.monotonic() + args.timeout + 60)
-    ranks = []
+    ranks, errors = [], []
     for r in range(world):
         f = root / f"rank{r}.json"
-        data = json.loads(f.read_text()) if f.exists() else {"error": "no result written"}
+        data = json.loads(f.read_text()) if f.exists() else {"error": "no result written (stopped)"}
         if data.get("error") or codes[r] != 0:
-            raise RuntimeError(f"scenario {name}: rank {r} exited {codes[r]}: {data.get('error')}")
+            errors.append(f"rank {r} exited {codes[r]}: {data.get('error')}")
         ranks.append(data)
+    if errors:
+        raise RuntimeError(f"scenario {name}: " + "; ".join(errors))
     return summarize(name, ranks, installs)
 
 
@@ -155,6 +183,7 @@ def summarize(name: str, ranks: list[dict], installs: list[float]) -> dict:
         "compiles_by_rank": [sum(st["compiles"][r] for st in steps) for r in range(len(ranks))],
         "compile_s_by_rank": [round(sum(st["compile_s"][r] for st in steps), 4) for r in range(len(ranks))],
         "autotune_s_by_rank": [round(sum(st["autotune_s"][r] for st in steps), 4) for r in range(len(ranks))],
+        "triton_setup_s_by_rank": [r["triton_setup_s"] for r in ranks],
         "rank0_compiles_by_kernel": ranks[0]["compiles_by_kernel"],
     }
     log(f"scenario {name}: max wait {out['max_wait_s']:.3f}s, per rank {out['max_wait_s_by_rank']}, "

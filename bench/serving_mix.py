@@ -6,7 +6,7 @@ Scenarios (JSON to --out, a short summary on stdout):
                (launchers, autotune results). ``--expect-zero`` exits 1 if anything compiled.
   record-loop  record -> build -> rerun: (1) ``prewarm record`` a cold run of this script (fresh process, empty
                cache), (2) ``prewarm build`` a manifest made of that record into a second empty cache, (3) rerun
-               the mix on it in a fresh process: expected 0 compiles.
+               the mix on it in a fresh process: expected 0 compiles. (Library calls, not the CLI.)
 
 Examples:
   python bench/serving_mix.py --cache-dir /tmp/cold --out bench/results/serving_mix_cold.json
@@ -97,18 +97,25 @@ def run_mix(args) -> dict:
     providers = [k.ref for k in manifest.kernels if k.kind == "provider"]
     if not torch.cuda.is_available():
         raise SystemExit("serving_mix: no CUDA device visible")
-    per_provider = {}
+    per_provider, error = {}, None
     start = time.perf_counter()
-    for name in providers:
-        t0 = time.perf_counter()
-        print(f"[serving_mix] {name}.run(spec, {args.device!r}) ...", flush=True)
-        importlib.import_module(name).run(spec, args.device)
-        torch.cuda.synchronize()
-        per_provider[name] = round(time.perf_counter() - t0, 3)
+    try:
+        for name in providers:
+            t0 = time.perf_counter()
+            print(f"[serving_mix] {name}.run(spec, {args.device!r}) ...", flush=True)
+            importlib.import_module(name).run(spec, args.device)
+            torch.cuda.synchronize()
+            per_provider[name] = round(time.perf_counter() - t0, 3)
+    except Exception:  # keep what was counted so far: the JSON says what failed
+        import traceback
+
+        error = traceback.format_exc()[-4000:]
+        print(error, flush=True)
     seconds = time.perf_counter() - start
     new = sorted(files_under(cache) - before)
     return {
         "scenario": "run",
+        "error": error,
         "manifest": manifest.name,
         "cache_dir": str(cache),
         "cache_files_before": len(before),
@@ -141,7 +148,12 @@ def record_loop(args) -> dict:
         if d.exists() and any(d.iterdir()):
             raise SystemExit(f"serving_mix: {d} is not empty; use a fresh --work-dir")
     me = [sys.executable, str(Path(__file__).resolve()), "--manifest", args.manifest, "--device", args.device]
-    prewarm = [sys.executable, "-m", "prewarm.cli"]
+    # The library, not the CLI: the GPU box may lack the CLI's rich; these need only triton, torch, filelock.
+    record_cmd = [sys.executable, "-c", "import sys; from prewarm.record import record; "
+                  "sys.exit(record(sys.argv[1], sys.argv[2:]).returncode)"]
+    build_cmd = [sys.executable, "-c", "import json, sys; from prewarm.build import build; "
+                 "r = build(sys.argv[1], sys.argv[2], mode=sys.argv[3]); print(json.dumps(r.to_json())); "
+                 "sys.exit(0 if r.ok else 4)"]
     env = child_env(DEFAULT_WORK)
 
     def step(name, cmd):
@@ -151,8 +163,8 @@ def record_loop(args) -> dict:
         print(done.stdout[-2000:], done.stderr[-2000:], sep="\n", flush=True)
         return done, round(time.perf_counter() - t0, 3)
 
-    _, t_rec = step("1 record a cold run", prewarm + ["record", "-o", str(rec), "--", *me, "--cache-dir", str(cold),
-                                                      "--out", str(work / "cold.json")])
+    _, t_rec = step("1 record a cold run", record_cmd + [str(rec), *me, "--cache-dir", str(cold),
+                                                         "--out", str(work / "cold.json")])
     cold_doc = read_step(work / "cold.json", "1 record a cold run")
     from prewarm.manifest import load
 
@@ -163,9 +175,8 @@ def record_loop(args) -> dict:
         f"[model]\nkda_heads = {m.heads}\nhead_k_dim = {m.head_k_dim}\nhead_v_dim = {m.head_v_dim}\n"
         f'[[kernels]]\nrecord = "{rec}"\n'
     )
-    b, t_build = step("2 build the record", prewarm + ["build", str(manifest), "--cache-dir", str(built), "--json",
-                                                       "--mode", args.build_mode])
-    build_doc = json.loads(b.stdout) if b.stdout.strip().startswith("{") else {"error": b.stderr[-2000:]}
+    b, t_build = step("2 build the record", build_cmd + [str(manifest), str(built), args.build_mode])
+    build_doc = json.loads(b.stdout.strip().splitlines()[-1]) if b.stdout.strip() else {"error": b.stderr[-2000:]}
     _, t_rerun = step("3 rerun on the built cache", me + ["--cache-dir", str(built), "--out", str(work / "rerun.json")])
     rerun_doc = read_step(work / "rerun.json", "3 rerun on the built cache")
     return {
@@ -211,7 +222,7 @@ def main() -> int:
     if doc["scenario"] == "run":
         print(f"[serving_mix] {doc['manifest']}: {doc['compiles']} compiles, {doc['disk_hits']} disk hits, "
               f"{doc['seconds']} s, {doc['new_cache_files']} new cache files -> {out}")
-        return 1 if args.expect_zero and doc["compiles"] else 0
+        return 1 if doc.get("error") or (args.expect_zero and doc["compiles"]) else 0
     print(f"[serving_mix] record-loop: cold {doc['cold']['compiles']} compiles in {doc['cold']['seconds']} s; "
           f"build {doc['build']}; rerun {doc['rerun']['compiles']} compiles in {doc['rerun']['seconds']} s -> {out}")
     return 0 if doc["zero_compiles_on_rerun"] else 1

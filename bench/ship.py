@@ -72,6 +72,12 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
+def _best(n: int, fn):
+    """Fastest of ``n`` runs (``fn(i)``): the box is shared, so the minimum is the least disturbed figure."""
+    runs = [_timed(lambda: fn(i)) for i in range(n)]
+    return min(runs, key=lambda r: r[0])
+
+
 def sha256_tree(root: Path) -> int:
     n = 0
     for p in sorted(root.rglob("*")):
@@ -90,6 +96,7 @@ def main() -> None:
     ap.add_argument("--entries", type=int)
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--workdir", help="where to build (default: a temp dir); same filesystem for all steps")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement; the fastest counts")
     args = ap.parse_args()
     entries = args.entries or (200 if args.small else 2000)
 
@@ -106,30 +113,38 @@ def main() -> None:
         fingerprint.current()  # warm: torch import and triton_key are paid once per process, not per stage
         mb = size / 1e6
 
-        t_copy, _ = _timed(lambda: shutil.copytree(cache, work / "copy"))
-        t_sha, hashed = _timed(lambda: sha256_tree(cache))
-        assert hashed == size
-        t_pack, packed = _timed(lambda: pack(cache, work / "bundle"))
-        t_inst, inst = _timed(lambda: install(str(work / "bundle"), work / "node"))
-        assert inst.installed == entries
-        t_ver, rep = _timed(lambda: verify(work / "node"))
+        n = args.repeat
+        t_pack, packed = _best(n, lambda i: pack(cache, work / f"bundle{i}"))
+        bundle = str(work / "bundle0")
+        # interleaved pairs (baseline, ours), so that a burst of load from other users hits both sides alike
+        copies, installs, shas, verifies = [], [], [], []
+        for i in range(n):
+            copies.append(_timed(lambda: shutil.copytree(cache, work / f"copy{i}")))
+            installs.append(_timed(lambda: install(bundle, work / f"node{i}")))
+        for i in range(n):
+            shas.append(_timed(lambda: sha256_tree(cache)))
+            verifies.append(_timed(lambda: verify(work / "node0")))
+        (t_copy, _), (t_inst, inst), (t_sha, hashed), (t_ver, rep) = (
+            min(r, key=lambda x: x[0]) for r in (copies, installs, shas, verifies))
+        assert inst.installed == entries and hashed == size
         assert rep.ok and rep.bytes_hashed == packed.bytes_in, rep.to_json()
-        t_noop, noop = _timed(lambda: install(str(work / "bundle"), work / "node"))
+        t_noop, noop = _best(n, lambda i: install(bundle, work / "node0"))
         assert noop.noop
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "prewarm.cli", "install", str(work / "bundle"), "--cache-dir",
-                        str(work / "node")], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "prewarm.cli", "install", bundle, "--cache-dir", str(work / "node0")],
+                       check=True, capture_output=True)
         t_noop_cli = time.perf_counter() - t0
 
         copy_rate, sha_rate = mb / t_copy, mb / t_sha
         result = {
             "cache": {"entries": entries, "files": files, "bytes": size,
                       "bundle_bytes": packed.bytes_out, "compression_ratio": round(size / packed.bytes_out, 3)},
-            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "load_avg_1m": os.getloadavg()[0],
+                        "runs_per_measurement": n},
             "baseline": {"copy_mb_s": round(copy_rate, 1), "sha256_single_core_mb_s": round(sha_rate, 1)},
             "pack": {"seconds": round(t_pack, 3), "mb_s": round(mb / t_pack, 1), "vs_copy": round(t_copy / t_pack, 3)},
             "install": {"seconds": round(t_inst, 3), "mb_s": round(mb / t_inst, 1),
-                        "vs_copy": round(t_copy / t_inst, 3), "target_vs_copy": 0.5, "durable_fsync": True},
+                        "vs_copy": round(t_copy / t_inst, 3), "target_vs_copy": 0.5, "durable_sync": True},
             "verify": {"seconds": round(t_ver, 3), "mb_s": round(mb / t_ver, 1),
                        "vs_sha256": round(t_sha / t_ver, 3), "target_vs_sha256": 0.8},
             "noop_install": {"in_process_seconds": round(t_noop, 4), "target_seconds": 0.5,

@@ -197,13 +197,13 @@ def read_build_record(cache_dir: Path) -> dict:
 def list_entries(cache_dir: Path) -> tuple[list[Path], list[str]]:
     """Key dirs of a cache dir, and the top-level names skipped (prewarm's dir, stray files)."""
     entries, skipped = [], []
-    for p in sorted(cache_dir.iterdir()):
-        if p.name == META_DIR:
+    for d in sorted(os.scandir(cache_dir), key=lambda d: d.name):
+        if d.name == META_DIR:
             continue
-        if p.is_symlink() or not p.is_dir() or not _KEY_RE.match(p.name):
-            skipped.append(p.name)
+        if not d.is_dir(follow_symlinks=False) or not _KEY_RE.match(d.name):
+            skipped.append(d.name)
             continue
-        entries.append(p)
+        entries.append(Path(d.path))
     return entries, skipped
 
 

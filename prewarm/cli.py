@@ -10,6 +10,7 @@ import json
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 
 from . import __version__
 from .errors import PrewarmError, StoreError, WillMissError
@@ -33,6 +34,8 @@ def cmd_plan(args) -> int:
     from .plan import plan
 
     p = plan(load(args.manifest))
+    if args.compiles:
+        return _print_compiles(p, args)
     if args.json:
         emit_json(p.to_json())
         return 0
@@ -44,7 +47,30 @@ def cmd_plan(args) -> int:
     for i, r in enumerate(p.requests, 1):
         t.add_row(str(i), r.ident, r.label, r.kernel, r.describe())
     out.print(t)
-    out.print("autotuned kernels compile once per config: `prewarm build` expands each request into its compiles")
+    out.print("autotuned kernels compile once per config: `prewarm plan --compiles` lists Triton's own requests")
+    return 0
+
+
+def _print_compiles(p, args) -> int:
+    """The plan expanded into Triton's own compile requests for the manifest's target (one per autotune config)."""
+    from rich.table import Table
+
+    from .plan import expand_all
+    from .targets import get_target
+
+    m = p.manifest
+    target = get_target(m.backend, m.arch, args.mode)
+    target.activate()
+    compiles = expand_all(p.requests)
+    if args.json:
+        emit_json({**p.to_json(), "target_mode": target.mode, "compiles": [c.to_json() for c in compiles]})
+        return 0
+    t = Table(title=f"{m.name}: {len(compiles)} compiles from {len(p.requests)} requests for {target.describe()}")
+    for c in ("#", "request", "label", "kernel"):
+        t.add_column(c, overflow="fold")
+    for i, c in enumerate(compiles, 1):
+        t.add_row(str(i), c.request, c.label, c.kernel)
+    out.print(t)
     return 0
 
 
@@ -278,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = verb("plan", cmd_plan, "list the exact compile requests a manifest makes")
     sp.add_argument("manifest")
+    sp.add_argument("--compiles", action="store_true",
+                    help="expand each request into Triton's compiles for the target (one per autotune config)")
+    sp.add_argument("--mode", choices=("offline", "device", "auto"), default="auto",
+                    help="with --compiles: the target driver to expand under (as for build)")
 
     sp = verb("build", cmd_build, "compile a manifest's requests into a Triton cache dir")
     sp.add_argument("manifest")
@@ -335,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except PrewarmError as e:
-        err.print(f"[bold red]error[/]: {e}", highlight=False)
+        err.print(f"[bold red]error[/]: {escape(str(e))}", highlight=False)
         if getattr(args, "json", False):
             emit_json({"error": type(e).__name__, "message": str(e), "exit_code": e.exit_code})
         return e.exit_code

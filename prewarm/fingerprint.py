@@ -171,6 +171,9 @@ WHY.update({
                              "(TRITON_NPU_COMPILER_PATH) is driven differently",
     "ascend.soc": "bishengir-compile targets the device's SoC whatever the key's arch says",
     "ascend.torch_npu.version": "launcher .so files link torch_npu, and their cache key does not include it",
+    "npu.precompiled_header": "the node will not find the bundle's precompiled launcher header: its first launch "
+                              "runs g++ with CANN headers (same C++ compiler path, Python build, torch / torch_npu "
+                              "and ASCEND_HOME_PATH basename avoid it)",
 })  # fmt: skip
 
 
@@ -251,13 +254,30 @@ def _dist_version(name: str) -> str:
         return ABSENT
 
 
+def _precompiled_header_key() -> str:
+    """The key dir of triton-ascend's precompiled launcher header here, computed by triton-ascend itself (C++
+    compiler path, Python build, torch / torch_npu git versions, ASCEND_HOME_PATH's last component)."""
+    if tritoncompat.triton_distribution()[0] != "triton-ascend":
+        return ABSENT
+    try:
+        from triton.backends.ascend.driver import _precompile_npu_hash, generate_npu_header_src
+        from triton.runtime.cache import _base64
+
+        return _base64(_precompile_npu_hash(generate_npu_header_src()))
+    except ImportError:  # no torch_npu: not a node that launches
+        return ABSENT
+    except Exception:
+        return UNKNOWN
+
+
 def ascend_factors() -> dict[str, str]:
-    """The Ascend toolchain factors (all blocking: prefix "ascend.")."""
+    """The Ascend toolchain factors: "ascend.*" block an install, "npu.*" are shown."""
     factors = {
         "ascend.cann.version": _cann_version(ascend_home()),
         **_bishengir_factors(),
         "ascend.soc": _ascend_device_soc(),
         "ascend.torch_npu.version": _dist_version("torch_npu"),
+        "npu.precompiled_header": _precompiled_header_key(),
     }
     for name in ASCEND_CODEGEN_ENV:
         factors[f"ascend.env.{name}"] = os.environ.get(name, UNSET)

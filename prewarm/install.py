@@ -75,11 +75,15 @@ def read_bundle(
     return Bundle(store, parse_index(data, where), data, signed_by)
 
 
+def node_fingerprint(built: dict[str, str]) -> dict[str, str]:
+    """This node's factors for the bundle's backend. The arch is detected, not copied from the bundle: a node
+    without a visible device reports it unknown (not compared); a node with another GPU is a mismatch."""
+    return fingerprint.current(built.get("target.backend"))
+
+
 def check_node(index: Index, cache_dir: Path, allow_mismatch: bool) -> list[fingerprint.Mismatch]:
     """Compare the bundle's fingerprint with this node's; refuse on blocking factors unless allowed."""
-    fp = index.fingerprint
-    node = fingerprint.current(fp.get("target.backend"), fp.get("target.arch"))
-    mismatches = fingerprint.compare(fp, node)
+    mismatches = fingerprint.compare(index.fingerprint, node_fingerprint(index.fingerprint))
     blocking = [m for m in mismatches if m.blocking]
     if blocking and not allow_mismatch:
         lines = "\n  ".join(str(m) for m in blocking)

@@ -15,6 +15,7 @@ import importlib
 import itertools
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 from . import tritoncompat
@@ -64,7 +65,8 @@ class Compile:
     specialization: str
 
     def to_json(self) -> dict:
-        return {"request": self.request, "kernel": self.kernel, "label": self.label}
+        return {"request": self.request, "kernel": self.kernel, "label": self.label,
+                "specialization_data": self.specialization}  # fmt: skip
 
 
 @dataclass
@@ -155,7 +157,7 @@ def load_record(path: str, source: str | None = None) -> list[Request]:
     """Requests from a ``prewarm record`` file (JSON lines), deduplicated, in first-seen order."""
     out: dict[str, Request] = {}
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise ManifestError(f"{path}: cannot read record file: {e.strerror}") from e
     for n, line in enumerate(lines, 1):
@@ -263,9 +265,13 @@ def describe_specialization(data: str) -> str:
     """"BT=64 BK=32 warps=4 stages=3": the constexprs and options that tell one compile of a kernel from another."""
     obj = json.loads(data)
     names = list(obj["signature"])
+    if "constants" in obj:  # triton 3.2: keyed by parameter name
+        pairs = list(obj["constants"].items())
+    else:  # 3.4+: keyed by argument path, e.g. [3]
+        pairs = [(names[k[0]] if k and k[0] < len(names) else str(k), v)
+                 for k, v in zip(obj["constant_keys"], obj["constant_vals"])]  # fmt: skip
     parts = []
-    for key, val in zip(obj["constant_keys"], obj["constant_vals"]):
-        name = names[key[0]] if key and key[0] < len(names) else str(key)
+    for name, val in pairs:
         val = val.get("constexpr", val) if isinstance(val, dict) else val
         parts.append(f"{name}={val}")
     opts = obj["options"]

@@ -71,7 +71,7 @@ def sign(data: bytes, private_key: str | os.PathLike) -> bytes:
 def verify(data: bytes, signature: bytes | None, trusted: list[str | os.PathLike], where: str) -> str:
     """The key id of the trusted key that signed ``data``; SignatureError naming why otherwise."""
     if signature is None:
-        raise SignatureError(f"{where}: no signature (index.json.sig), and a signature is required")
+        raise SignatureError(f"{where}: no signature (index.json.sig), but one is required (trusted keys given)")
     if not trusted:
         raise SignatureError(f"{where}: a signature is required but no trusted public key was given (--trust)")
     try:

@@ -117,11 +117,14 @@ class CudaDeviceTarget(Target):
         import torch
 
         if not torch.cuda.is_available():
-            raise EnvironmentProblem("build --mode device: no CUDA device visible (torch.cuda.is_available() is False)")
+            raise EnvironmentProblem(
+                "cuda device mode: no CUDA device visible (torch.cuda.is_available() is False); "
+                "use --mode offline to compile without a GPU"
+            )
         major, minor = torch.cuda.get_device_capability()
         if major * 10 + minor != parse_cuda_arch(self.arch):
             raise EnvironmentProblem(
-                f"build --mode device: the manifest targets {self.arch} but this GPU is sm_{major}{minor}"
+                f"cuda device mode: the manifest targets {self.arch} but this GPU is sm_{major}{minor}"
             )
 
     def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from . import fingerprint
 from .bundle import GROUP_PREFIX, META_DIR, Entry, is_group, list_entries, parse_index, relative_group
 from .errors import FingerprintMismatch, IntegrityError
-from .install import default_cache_dir, read_bundle, read_receipts
+from .install import default_cache_dir, node_fingerprint, read_bundle, read_receipts
 
 @dataclass
 class FactorRow:
@@ -69,54 +69,59 @@ class VerifyReport:
         return doc
 
 
-def _hash(path: str) -> tuple[str, int] | None:
+def _read(path: str) -> bytes | None:
+    """Whole-file read: Triton cache files are small, and one read per file keeps per-file overhead low."""
     try:
-        with open(path, "rb", buffering=0) as f:
-            digest = hashlib.file_digest(f, "sha256")  # C loop, GIL released: entries hash in parallel
-            return digest.hexdigest(), f.tell()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         return None
+    try:
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            return f.read()
+    except IsADirectoryError:
+        return b"\0(a directory)"
 
 
-def _check_entry(cache_dir: Path, entry: Entry) -> tuple[list[str], list[str], list[str], list[str], int]:
+def _listing(base: str, prefix: str = "") -> list[str]:
+    """Files under an entry dir, relative, skipping Triton's own in-flight ``tmp.pid_*`` dirs."""
+    out = []
+    try:
+        it = list(os.scandir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for d in it:
+        if d.is_dir(follow_symlinks=False):
+            if not d.name.startswith("tmp.pid_"):
+                out += _listing(d.path, f"{prefix}{d.name}/")
+        else:
+            out.append(prefix + d.name)
+    return out
+
+
+def _check_entry(cache_dir: str, entry: Entry) -> tuple[list[str], list[str], list[str], list[str], int]:
     """(modified, missing, unexpected, groups outside, bytes hashed) for one listed entry."""
-    base = cache_dir / entry.key
+    base = f"{cache_dir}/{entry.key}/"
     modified, missing, outside, hashed = [], [], [], 0
     names = {f.path.rsplit("/", 1)[-1] for f in entry.files}
     for f in entry.files:
         rel = f"{entry.key}/{f.path}"
-        path = str(base / f.path)
+        data = _read(base + f.path)
+        if data is None:
+            missing.append(rel)
+            continue
         if is_group(f.path):
             try:
-                data = Path(path).read_bytes()
-            except FileNotFoundError:
-                missing.append(rel)
-                continue
-            try:
-                data, out = relative_group(data, entry.key, names, path)
+                data, out = relative_group(data, entry.key, names, base + f.path)
             except IntegrityError:
                 modified.append(rel)
                 continue
             outside += [f"{rel} -> {p}" for p in out]
-            got = (hashlib.sha256(data).hexdigest(), len(data))
-        else:
-            got = _hash(path)
-            if got is None:
-                missing.append(rel)
-                continue
-        hashed += got[1]
-        if got != (f.sha256, f.size):
+        hashed += len(data)
+        if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:  # GIL released: parallel
             modified.append(rel)
-    unexpected = []
-    if base.is_dir():
-        listed = {f.path for f in entry.files}
-        for root, dirs, files in os.walk(base):
-            dirs[:] = [d for d in dirs if not d.startswith("tmp.pid_")]  # Triton's own in-flight writes
-            for n in files:
-                rel = os.path.relpath(os.path.join(root, n), base).replace(os.sep, "/")
-                if rel not in listed:
-                    unexpected.append(f"{entry.key}/{rel}")
-    return modified, missing, sorted(unexpected), outside, hashed
+    listed = {f.path for f in entry.files}
+    unexpected = sorted(f"{entry.key}/{n}" for n in _listing(base) if n not in listed)
+    return modified, missing, unexpected, outside, hashed
 
 
 def _foreign_groups_outside(entry_dir: Path) -> list[str]:
@@ -133,7 +138,7 @@ def _foreign_groups_outside(entry_dir: Path) -> list[str]:
 
 
 def compare_factors(built: dict[str, str]) -> list[FactorRow]:
-    node = fingerprint.current(built.get("target.backend"), built.get("target.arch"))
+    node = node_fingerprint(built)
     diffs = {m.factor: m for m in fingerprint.compare(built, node)}
     rows = []
     for factor in sorted(set(built) | set(node)):
@@ -181,7 +186,7 @@ def verify(
     report = VerifyReport(str(cache_dir), against, entries=len(entries))
     with cf.ThreadPoolExecutor(workers or (os.cpu_count() or 1)) as pool:
         for e, (mod, miss, unexp, out, hashed) in zip(
-            entries.values(), pool.map(lambda e: _check_entry(cache_dir, e), entries.values())
+            entries.values(), pool.map(lambda e: _check_entry(str(cache_dir), e), entries.values())
         ):
             report.modified += mod
             report.missing += miss

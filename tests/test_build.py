@@ -74,3 +74,13 @@ def test_failures_carry_the_compiler_message(tmp_path, capsys):
 def test_device_mode_without_a_gpu_is_a_clear_error(tmp_path):
     with pytest.raises(EnvironmentProblem, match="no CUDA device visible"):
         build(TOY, tmp_path, mode="device")
+
+
+
+def test_unknown_mode_is_a_clear_error(tmp_path):
+    from prewarm.errors import ManifestError
+    from prewarm.targets import get_target
+
+    with pytest.raises(ManifestError, match="--mode: 'fast' is not one of offline, device, auto"):
+        get_target("cuda", "sm_90", "fast")
+    assert main(["build", str(tmp_path / "missing.toml"), "--cache-dir", str(tmp_path)]) == ManifestError.exit_code

@@ -147,7 +147,8 @@ class Image:
         bin_dir = Path(self.path("/opt/prewarm/venv/bin"))
         bin_dir.mkdir(parents=True, exist_ok=True)
         wrapper = bin_dir / "prewarm"
-        wrapper.write_text(f'#!/bin/sh\necho "$1" >> {shlex.quote(str(self.log))}\nexec {shlex.quote(str(real_prewarm))} "$@"\n')
+        log, real = shlex.quote(str(self.log)), shlex.quote(str(real_prewarm))
+        wrapper.write_text(f'#!/bin/sh\necho "$1" >> {log}\nexec {real} "$@"\n')
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
 
     def verbs_run(self) -> list[str]:
@@ -288,6 +289,13 @@ def k8s_expand(text: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
+def local(value: str, mounts: dict[str, Path], image: Image) -> str:
+    """A container path as this test's dirs: volume mounts first, then the image's own paths."""
+    for mount_path, host_dir in mounts.items():
+        value = value.replace(mount_path, str(host_dir))
+    return image.path(value)
+
+
 def test_k8s_init_containers_install_then_verify_before_the_server(baked, tmp_path):
     image: Image = baked["image"]
     pod = yaml.safe_load(K8S.read_text())["spec"]
@@ -310,18 +318,14 @@ def test_k8s_init_containers_install_then_verify_before_the_server(baked, tmp_pa
                 m["name"] for m in server["volumeMounts"] if m["mountPath"] == cache_path
             ], f"{c['name']} must mount the server's cache volume at {cache_path}"
 
-            def local(value: str) -> str:
-                for mount_path, host_dir in mounts.items():
-                    value = value.replace(mount_path, str(host_dir))
-                return image.path(value)
-
-            argv = [local(a) for a in argv]
+            argv = [local(a, mounts, image) for a in argv]
             if argv[:2] == ["prewarm", "verify"]:
                 argv[argv.index("--plan") + 1] = str(baked["manifest"])
             if attempt == "first start":
                 found.append(argv[1])
             p = run(argv, clean_env(PATH=f"{image.path('/opt/prewarm/venv/bin')}:{os.environ['PATH']}",
-                                    **{k: local(v) for k, v in env.items()}), f"{attempt}: init container {c['name']}")
+                                    **{k: local(v, mounts, image) for k, v in env.items()}),
+                    f"{attempt}: init container {c['name']}")
             if argv[1] == "verify":
                 assert_clean(p, f"{attempt}: {c['name']}")
             if attempt == "pod restart" and argv[1] == "install":

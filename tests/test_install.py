@@ -99,9 +99,10 @@ def test_16_concurrent_installs_unpack_each_entry_once(tmp_path):
 
 
 def test_sigkill_at_20_random_points_leaves_a_cache_that_verifies_and_rerun_completes(tmp_path):
-    old = synthetic_cache(tmp_path / "old-src", 20, seed=1)
-    new = synthetic_cache(tmp_path / "new-src", 80, seed=2, scale=0.1)
-    shutil.copytree(old / next(iter(os.listdir(old))), new / next(iter(os.listdir(old))))  # one shared entry
+    old = synthetic_cache(tmp_path / "old-src", 10, seed=1)
+    new = synthetic_cache(tmp_path / "new-src", 50, seed=2, scale=0.1)
+    shared = sorted(os.listdir(old))[0]
+    shutil.copytree(old / shared, new / shared)  # one entry in both bundles
     pack(old, tmp_path / "A")
     pack(new, tmp_path / "B")
     fingerprint.current()
@@ -114,26 +115,26 @@ def test_sigkill_at_20_random_points_leaves_a_cache_that_verifies_and_rerun_comp
     outcomes = []
     for i in range(20):
         shutil.rmtree(node, ignore_errors=True)
-        install(str(tmp_path / "A"), node)
+        install(str(tmp_path / "A"), node, durable=False)
         old_state = snapshot(node)
-        p = ctx.Process(target=install, args=(str(tmp_path / "B"), str(node)))
+        p = ctx.Process(target=install, args=(str(tmp_path / "B"), str(node)))  # the default, durable install
         p.start()
-        time.sleep(rng.uniform(0, full * 1.2))
+        time.sleep(rng.uniform(0, full))
         os.kill(p.pid, signal.SIGKILL)
         p.join()
         outcomes.append(p.exitcode)
-        report = verify(node)  # against the receipts present: old state, or old + new
+        report = verify(node, check_fingerprint=False)  # against the receipts present: old state, or old + new
         assert report.ok, (i, report.to_json())
         now = snapshot(node)
         assert {k: v for k, v in now.items() if k in old_state} == old_state  # the previous cache is intact
         against_new = verify(node, bundle=str(tmp_path / "B"), check_fingerprint=False)
         assert not (against_new.modified or against_new.unexpected)  # new entries: complete or absent
-        missing_entries = {m.split("/")[0] for m in against_new.missing}
-        assert all(not (node / k).exists() for k in missing_entries)
-        rerun = install(str(tmp_path / "B"), node)
+        assert all(not (node / m.split("/")[0]).exists() for m in against_new.missing)
+        rerun = install(str(tmp_path / "B"), node, durable=False)
         assert rerun.installed + rerun.present == rerun.entries
-        assert verify(node, bundle=str(tmp_path / "B")).ok and verify(node).ok
-    assert outcomes.count(-signal.SIGKILL) >= 15  # the kills really landed mid-install
+        final = verify(node, check_fingerprint=False)
+        assert final.ok and final.entries == 10 + 50
+    assert outcomes.count(-signal.SIGKILL) >= 10  # most kills really landed mid-install (the rest: after it)
 
 
 def _fingerprint_bundle(triton_cache: Path, tmp_path: Path, **changes) -> Path:

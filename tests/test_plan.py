@@ -79,6 +79,10 @@ def test_plan_cli_json_and_table(capsys):
     assert doc["spec"]["heads"] == 4
     assert main(["plan", str(TOY)]) == 0
     assert "decode bs=4" in capsys.readouterr().out
+    assert main(["plan", str(TOY), "--compiles", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["compiles"]) == 11 and doc["target_mode"] == "offline"
+    assert [c["label"] for c in doc["compiles"]][1] == "prefill scale [BLOCK=32 warps=1 stages=3]"
 
 
 def test_provider_that_cannot_be_imported(tmp_path):
@@ -105,3 +109,13 @@ def test_record_lines_from_main_or_garbage_are_errors(tmp_path):
     rec.write_text(json.dumps({"kernel": "__main__:k", "specialization_data": json.dumps({"name": "k"})}) + "\n")
     with pytest.raises(ManifestError, match=r"r.jsonl:1: kernel __main__:k .* importable module"):
         plan(load(path))
+
+
+def test_labels_read_both_specialization_formats():
+    """triton 3.2 (triton-ascend) keys constants by name; 3.4+ by argument path."""
+    v32 = {"name": "k", "signature": {"x": "*fp32", "T": "constexpr"}, "constants": {"T": 16},
+           "options": {"num_warps": 4, "num_stages": 2}}
+    v36 = {"name": "m.k", "signature": {"x": "*fp32", "T": "constexpr"}, "constant_keys": [[1]],
+           "constant_vals": [16], "options": {"num_warps": 4, "num_stages": 2}}
+    assert describe_specialization(json.dumps(v32)) == describe_specialization(json.dumps(v36)) == \
+        "T=16 warps=4 stages=2"

@@ -36,12 +36,17 @@ record = "app.jsonl"
 def recorded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rec")
     app_cache = tmp / "app-cache"
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TRITON_CACHE_DIR")}
     os.environ["PYTHONPATH"] = str(FIXTURES)  # the recorded command imports the toy kernels
     os.environ["TRITON_CACHE_DIR"] = str(app_cache)
     try:
         code = main(["record", "-o", str(tmp / "app.jsonl"), "--", sys.executable, "-m", "prewarm_toy.record_app"])
     finally:
-        del os.environ["PYTHONPATH"], os.environ["TRITON_CACHE_DIR"]
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     assert code == 0
     (tmp / "m.toml").write_text(MANIFEST)
     return tmp, app_cache

@@ -61,6 +61,8 @@ def test_device_build_makes_the_planned_compiles_with_compile_only_launches(toy_
     assert json.loads((cache / fingerprint.TOOLCHAIN_RECORD).read_text())["factors"]["ascend.cann.version"].startswith(
         "8.3.RC1")
     assert "8.3.RC1" in record["fingerprint"]["ascend.bishengir.version"]
+    # the precompiled header's key, as the node computes it, names the dir the build put it in
+    assert (cache / record["fingerprint"]["npu.precompiled_header"] / "precompiled.h").is_file()
 
     again = build(toy_manifest, cache, node)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -47,7 +47,10 @@ def pk():
                 ("backend", "launch", "index", "kda", "kda.chunk", "kda.cumsum", "kda.intra", "kda.solve",
                  "kda.recompute", "kda.state", "kda.output", "kda.recurrent", "kda.reference", "kda.l2norm",
                  "kda.serving")}
-        yield SimpleNamespace(**{k.replace("kda.", ""): v for k, v in mods.items()})
+        ns = SimpleNamespace(**{k.replace("kda.", ""): v for k, v in mods.items()})
+        ns.make_inputs, ns.max_err = make_inputs, max_err
+        ns.one_config = lambda index: one_config(ns, index)
+        yield ns
     finally:
         undo()
         if prev is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import make_inputs, max_err, one_config
 
 TOL = 1e-4
 VARLEN = [1, 63, 64, 65]  # one batch: a single token, a partial chunk, an exact chunk, one past it
@@ -21,7 +20,7 @@ def test_every_stage_matches_reference(pk, varlen, H, with_h0):
         cu, B, T, N = _cu(VARLEN), 1, sum(VARLEN), len(VARLEN)
     else:
         cu, B, T, N = None, 2, 65, 2
-    q, k, v, g, beta, pool = make_inputs(B, T, H, K, V, seed=H, pool=N + 2 if with_h0 else None)
+    q, k, v, g, beta, pool = pk.make_inputs(B, T, H, K, V, seed=H, pool=N + 2 if with_h0 else None)
     idx = torch.arange(N, dtype=torch.int32).flip(0) + 1 if with_h0 else None
     ref = pk.reference.chunk_stages_ref(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
                                         cu_seqlens=cu)
@@ -35,11 +34,11 @@ def test_every_stage_matches_reference(pk, varlen, H, with_h0):
         o = pk.output.chunk_output(q, G, h, Aqk, v_new, scale, cu)
     got = {"G": G, "Akk": Akk, "Aqk": Aqk, "Ainv": Ai, "w": w, "u": u, "kg": kg, "v_new": v_new, "o": o,
            "h": h.reshape(-1, H, K, V), "final_state": final}
-    errs = {name: max_err(val, ref[name]) for name, val in got.items()}
+    errs = {name: pk.max_err(val, ref[name]) for name, val in got.items()}
     assert all(e <= TOL for e in errs.values()), errs
     o_rec, final_rec = pk.reference.recurrent_ref(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
                                                   cu_seqlens=cu)
-    assert max_err(o, o_rec) <= TOL and max_err(final, final_rec) <= TOL
+    assert pk.max_err(o, o_rec) <= TOL and pk.max_err(final, final_rec) <= TOL
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -48,25 +47,25 @@ def test_autotuned_path_matches_recurrence(pk, varlen, config):
     """The default (autotuned) wrappers, pinned to their first / last config: different BK/BS/BV tilings."""
     H, K, V = 3, 32, 32
     cu, B, T, N = (_cu(VARLEN), 1, sum(VARLEN), len(VARLEN)) if varlen else (None, 2, 63, 2)
-    q, k, v, g, beta, pool = make_inputs(B, T, H, K, V, seed=7, pool=N)
-    with one_config(pk, config):
+    q, k, v, g, beta, pool = pk.make_inputs(B, T, H, K, V, seed=7, pool=N)
+    with pk.one_config(config):
         o, final = pk.chunk.chunk_kda_fwd(q, k, v, g, beta, initial_state=pool, output_final_state=True,
                                           cu_seqlens=cu)
     o_ref, final_ref = pk.reference.recurrent_ref(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu)
-    assert max_err(o, o_ref) <= TOL and max_err(final, final_ref) <= TOL
+    assert pk.max_err(o, o_ref) <= TOL and pk.max_err(final, final_ref) <= TOL
 
 
 def test_head_dim_128(pk):
     H, K, V = 1, 128, 128
     cu = _cu([1, 65, 64])
-    q, k, v, g, beta, pool = make_inputs(1, 130, H, K, V, seed=3, pool=5)
+    q, k, v, g, beta, pool = pk.make_inputs(1, 130, H, K, V, seed=3, pool=5)
     idx = torch.tensor([4, 0, 2], dtype=torch.int32)
     with pk.backend.use("npu"):
         o, final = pk.chunk.chunk_kda_fwd(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
                                           output_final_state=True, cu_seqlens=cu)
     o_ref, final_ref = pk.reference.recurrent_ref(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
                                                   cu_seqlens=cu)
-    assert max_err(o, o_ref) <= TOL and max_err(final, final_ref) <= TOL
+    assert pk.max_err(o, o_ref) <= TOL and pk.max_err(final, final_ref) <= TOL
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
@@ -74,7 +73,7 @@ def test_fused_gate_and_l2norm(pk, lower_bound):
     """Raw gate + A_log + dt_bias activated in the cumsum kernel, q/k L2-normalised in-kernel."""
     H, K, V = 3, 32, 32
     cu = _cu([65, 1, 63])
-    q, k, v, _, beta, _ = make_inputs(1, 129, H, K, V, seed=11)
+    q, k, v, _, beta, _ = pk.make_inputs(1, 129, H, K, V, seed=11)
     gen = torch.Generator().manual_seed(5)
     raw = torch.randn(1, 129, H, K, generator=gen) * 2
     raw[0, 0, 0, :4] = 30.0  # softplus linear branch
@@ -87,13 +86,13 @@ def test_fused_gate_and_l2norm(pk, lower_bound):
         G = pk.cumsum.chunk_cumsum(raw, cu, A_log, dt_bias, lower_bound)
     g = pk.reference.gate_ref(raw, A_log, dt_bias, lower_bound)
     ref = pk.reference.chunk_stages_ref(q, k, v, g, beta, cu_seqlens=cu)
-    assert max_err(G, ref["G"]) <= TOL
+    assert pk.max_err(G, ref["G"]) <= TOL
     o_ref, final_ref = pk.reference.recurrent_ref(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm=True)
-    assert max_err(o, o_ref) <= TOL and max_err(final, final_ref) <= TOL
+    assert pk.max_err(o, o_ref) <= TOL and pk.max_err(final, final_ref) <= TOL
 
 
 def test_bad_inputs_name_what_is_wrong(pk):
-    q, k, v, g, beta, _ = make_inputs(1, 10, 2, 16, 16)
+    q, k, v, g, beta, _ = pk.make_inputs(1, 10, 2, 16, 16)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
         pk.chunk.chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32))
     with pytest.raises(ValueError, match="beta: expected shape"):

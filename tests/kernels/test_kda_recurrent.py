@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import make_inputs, max_err
 
 TOL = 1e-4
 
@@ -13,7 +12,7 @@ TOL = 1e-4
 def test_decode_advances_pool_in_place(pk, H):
     K = V = 32
     N, P = 5, 8
-    q, k, v, g, beta, pool = make_inputs(1, N, H, K, V, seed=H, pool=P)
+    q, k, v, g, beta, pool = pk.make_inputs(1, N, H, K, V, seed=H, pool=P)
     idx = torch.tensor([6, 0, 3, -1, 2], dtype=torch.int32)  # -1: a padding slot (CUDA-graph batch), skipped
     before = pool.clone()
     with pk.backend.use("default"):
@@ -23,8 +22,8 @@ def test_decode_advances_pool_in_place(pk, H):
     cu = torch.arange(N + 1, dtype=torch.int32)
     o_ref, final_ref = pk.reference.recurrent_ref(q, k, v, g, beta, initial_state=before,
                                                   initial_state_indices=idx.clamp_min(0), cu_seqlens=cu)
-    assert max_err(o[0, live], o_ref[0, live]) <= TOL
-    assert max_err(pool[idx[live].long()], final_ref[live]) <= TOL
+    assert pk.max_err(o[0, live], o_ref[0, live]) <= TOL
+    assert pk.max_err(pool[idx[live].long()], final_ref[live]) <= TOL
     untouched = [i for i in range(P) if i not in idx[live].tolist()]
     assert torch.equal(pool[untouched], before[untouched])
 
@@ -33,7 +32,7 @@ def test_decode_advances_pool_in_place(pk, H):
 def test_verify_draft_4_keeps_pool_and_returns_every_step(pk, H):
     K = V = 32
     N, D = 3, 4
-    q, k, v, g, beta, pool = make_inputs(1, N * D, H, K, V, seed=10 + H, pool=4)
+    q, k, v, g, beta, pool = pk.make_inputs(1, N * D, H, K, V, seed=10 + H, pool=4)
     idx = torch.tensor([1, 3, 0], dtype=torch.int32)
     before = pool.clone()
     with pk.backend.use("npu"):
@@ -42,20 +41,20 @@ def test_verify_draft_4_keeps_pool_and_returns_every_step(pk, H):
     cu = torch.arange(0, N * D + 1, D, dtype=torch.int32)
     o_ref, _ = pk.reference.recurrent_ref(q, k, v, g, beta, initial_state=before, initial_state_indices=idx,
                                           cu_seqlens=cu)
-    assert max_err(o, o_ref) <= TOL
+    assert pk.max_err(o, o_ref) <= TOL
     for d in range(D):  # the state after accepting d + 1 draft tokens
         cu_d = torch.tensor([0, d + 1], dtype=torch.int32)
         for n in range(N):
             sl = slice(n * D, n * D + d + 1)
             _, s_ref = pk.reference.recurrent_ref(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
                                                   initial_state=before[idx[n].long()][None], cu_seqlens=cu_d)
-            assert max_err(inter[n, d], s_ref[0]) <= TOL
+            assert pk.max_err(inter[n, d], s_ref[0]) <= TOL
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_fused_gate_and_l2norm(pk, lower_bound):
     H, K, V, N = 3, 32, 32, 4
-    q, k, v, _, beta, pool = make_inputs(1, N, H, K, V, seed=3, pool=N)
+    q, k, v, _, beta, pool = pk.make_inputs(1, N, H, K, V, seed=3, pool=N)
     gen = torch.Generator().manual_seed(1)
     raw = torch.randn(1, N, H, K, generator=gen) * 2
     A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen)
@@ -66,7 +65,7 @@ def test_fused_gate_and_l2norm(pk, lower_bound):
     g = pk.reference.gate_ref(raw, A_log, dt_bias, lower_bound)
     o_ref, final_ref = pk.reference.recurrent_ref(q, k * 2, v, g, beta, initial_state=before,
                                                   cu_seqlens=torch.arange(N + 1), use_qk_l2norm=True)
-    assert max_err(o, o_ref) <= TOL and max_err(pool, final_ref) <= TOL
+    assert pk.max_err(o, o_ref) <= TOL and pk.max_err(pool, final_ref) <= TOL
 
 
 def test_bucket_and_draft_are_constexprs(pk):
@@ -85,7 +84,7 @@ def test_bucket_and_draft_are_constexprs(pk):
 
 
 def test_bad_inputs(pk):
-    q, k, v, g, beta, pool = make_inputs(1, 6, 2, 16, 16, pool=4)
+    q, k, v, g, beta, pool = pk.make_inputs(1, 6, 2, 16, 16, pool=4)
     with pytest.raises(ValueError, match="6 tokens but 4 sequences x draft_width 1"):
         pk.recurrent.recurrent_kda(q, k, v, g, beta, pool, torch.arange(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="state_pool must be fp32"):

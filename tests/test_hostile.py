@@ -1,0 +1,195 @@
+"""Hostile bundles are refused with a clear error, and nothing is written (the previous cache stays as it was)."""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from prewarm import fingerprint
+from prewarm.bundle import INDEX, META_DIR, OBJECTS, SIGNATURE, Entry, FileRecord, Index, pack, parse_index
+from prewarm.errors import IntegrityError, SignatureError, UnsafeBundleError
+from prewarm.install import install
+from prewarm.verify import verify
+
+from conftest import synthetic_cache
+
+KEY = "A" * 52
+
+
+def member(name: str, data: bytes = b"", *, type=tarfile.REGTYPE, mode=0o644, linkname="") -> tuple:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.mode, ti.size, ti.linkname = type, mode, len(data) if type == tarfile.REGTYPE else 0, linkname
+    return ti, data
+
+
+def forge(bundle: Path, members: list[tuple], *, files: list[FileRecord] | None = None, key: str = KEY,
+          tar_size: int | None = None) -> Path:
+    """A well-formed bundle (valid hashes, valid checksum) around whatever members an attacker chose."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for ti, data in members:
+            tar.addfile(ti, io.BytesIO(data) if ti.type == tarfile.REGTYPE else None)
+    raw = buf.getvalue()
+    obj = zstandard.ZstdCompressor().compress(raw)
+    name = hashlib.sha256(obj).hexdigest() + ".tar.zst"
+    (bundle / OBJECTS).mkdir(parents=True, exist_ok=True)
+    (bundle / OBJECTS / name).write_bytes(obj)
+    if files is None:
+        files = [FileRecord(ti.name, hashlib.sha256(d).hexdigest(), len(d)) for ti, d in members]
+    entry = Entry(key, name, len(obj), len(raw) if tar_size is None else tar_size, tuple(files))
+    (bundle / INDEX).write_bytes(Index(fingerprint.current(), None, (entry,)).to_bytes())
+    return bundle
+
+
+def snapshot(cache: Path) -> dict[str, bytes]:
+    return {p.relative_to(cache).as_posix(): p.read_bytes() for p in sorted(cache.rglob("*")) if p.is_file()
+            and META_DIR not in p.relative_to(cache).parts}
+
+
+@pytest.fixture
+def node(tmp_path) -> Path:
+    """A cache with a previous state that every refusal must leave exactly as it was."""
+    return synthetic_cache(tmp_path / "node", 2, seed=42, scale=0.02)
+
+
+def refused(bundle: Path, node: Path, error: type, match: str) -> None:
+    before = snapshot(node)
+    with pytest.raises(error, match=match):
+        install(str(bundle), node)
+    assert snapshot(node) == before
+    assert not list((node / META_DIR).glob("staging-*")) and not list((node / META_DIR).glob("receipts/*"))
+    assert not (node / KEY).exists()
+
+
+@pytest.mark.parametrize("path", ["/etc/cron.d/evil", "../../evil.so", "a/../../evil", "", "a//b", "./x"])
+def test_absolute_and_escaping_paths_in_index(tmp_path, node, path):
+    forge(tmp_path / "b", [member("k.json", b"{}")], files=[FileRecord(path, "0" * 64, 0)])
+    refused(tmp_path / "b", node, UnsafeBundleError, "unsafe path")
+
+
+@pytest.mark.parametrize("path", ["/etc/cron.d/evil", "../evil"])
+def test_escaping_member_names_in_object(tmp_path, node, path):
+    forge(tmp_path / "b", [member(path, b"x")], files=[FileRecord("k.json", hashlib.sha256(b"x").hexdigest(), 1)])
+    refused(tmp_path / "b", node, UnsafeBundleError, "unsafe path")
+
+
+@pytest.mark.parametrize("key", ["..", ".prewarm", "../up", "a/b", "x" * 200])
+def test_escaping_entry_keys(tmp_path, node, key):
+    forge(tmp_path / "b", [member("k.json", b"{}")], key=key)
+    refused(tmp_path / "b", node, UnsafeBundleError, "key")
+
+
+@pytest.mark.parametrize(
+    "m, what",
+    [
+        (member("k.cubin", type=tarfile.SYMTYPE, linkname="/etc/passwd"), "symlink"),
+        (member("k.cubin", type=tarfile.LNKTYPE, linkname="k.json"), "hardlink"),
+        (member("k.cubin", type=tarfile.CHRTYPE), "device"),
+        (member("k.cubin", type=tarfile.FIFOTYPE), "fifo"),
+        (member("k.cubin", b"\x7fELF", mode=0o4755), "setuid"),
+        (member("k.cubin", b"\x7fELF", mode=0o2755), "setgid"),
+    ],
+)
+def test_links_devices_and_setuid_bits(tmp_path, node, m, what):
+    forge(tmp_path / "b", [member("k.json", b"{}"), m], files=[
+        FileRecord("k.json", hashlib.sha256(b"{}").hexdigest(), 2), FileRecord("k.cubin", hashlib.sha256(b"").hexdigest(), 0)])
+    refused(tmp_path / "b", node, UnsafeBundleError, what)
+
+
+def test_member_not_listed_in_index(tmp_path, node):
+    forge(tmp_path / "b", [member("k.json", b"{}"), member("extra.so", b"\x7fELF")],
+          files=[FileRecord("k.json", hashlib.sha256(b"{}").hexdigest(), 2)])
+    refused(tmp_path / "b", node, UnsafeBundleError, "not listed")
+
+
+def test_object_decompressing_far_beyond_declared_size(tmp_path, node):
+    bomb = bytes(64 << 20)  # 64 MiB of zeros: ~2 KiB compressed
+    forge(tmp_path / "b", [member("k.cubin", bomb)], files=[FileRecord("k.cubin", "0" * 64, 100)], tar_size=4096)
+    assert (tmp_path / "b" / OBJECTS).stat().st_size < 1 << 20
+    refused(tmp_path / "b", node, UnsafeBundleError, "decompresses to more than 4096 bytes")
+
+
+def test_group_in_bundle_pointing_outside(tmp_path, node):
+    grp = b'{"child_paths": {"k.cubin": "/etc/passwd"}}'
+    forge(tmp_path / "b", [member("__grp__k.json", grp), member("k.cubin", b"\x7fELF")])
+    refused(tmp_path / "b", node, UnsafeBundleError, "points outside")
+
+
+def test_index_referencing_a_missing_object(triton_cache, tmp_path, node):
+    pack(triton_cache, tmp_path / "b")
+    gone = sorted((tmp_path / "b" / OBJECTS).iterdir())[2]
+    gone.unlink()
+    before = snapshot(node)
+    with pytest.raises(IntegrityError, match=f"{gone.name}.*missing"):
+        install(str(tmp_path / "b"), node)
+    assert snapshot(node) == before  # the other four entries were not added either
+
+
+def test_garbage_signature_is_refused(triton_cache, tmp_path, node):
+    from prewarm.signing import keygen
+
+    _, pub, _ = keygen(tmp_path / "k")
+    pack(triton_cache, tmp_path / "b")
+    (tmp_path / "b" / SIGNATURE).write_text('{"alg": "ed25519", "key_id": "x", "signature": "AAAA"}')
+    before = snapshot(node)
+    with pytest.raises(SignatureError):
+        install(str(tmp_path / "b"), node, trusted_keys=[str(pub)])
+    assert snapshot(node) == before
+
+
+def test_flipping_any_byte_of_the_index_is_caught(triton_cache, tmp_path, node):
+    pack(triton_cache, tmp_path / "b")
+    data = (tmp_path / "b" / INDEX).read_bytes()
+    for i in range(len(data)):  # every single position
+        bad = bytearray(data)
+        bad[i] ^= 0x01
+        with pytest.raises((IntegrityError, UnsafeBundleError)):
+            parse_index(bytes(bad), "index.json")
+    for i in random.Random(1).sample(range(len(data)), 3):  # and end to end, through install
+        bad = bytearray(data)
+        bad[i] ^= 0x20
+        (tmp_path / "b" / INDEX).write_bytes(bytes(bad))
+        before = snapshot(node)
+        with pytest.raises(IntegrityError, match=r"index\.json"):
+            install(str(tmp_path / "b"), node)
+        assert snapshot(node) == before
+
+
+def test_flipping_one_byte_of_any_object_names_it(triton_cache, tmp_path, node):
+    pack(triton_cache, tmp_path / "b")
+    rng = random.Random(2)
+    for obj in sorted((tmp_path / "b" / OBJECTS).iterdir()):
+        good = obj.read_bytes()
+        bad = bytearray(good)
+        bad[rng.randrange(len(bad))] ^= 1 << rng.randrange(8)
+        obj.write_bytes(bytes(bad))
+        before = snapshot(node)
+        with pytest.raises(IntegrityError, match=obj.name):
+            install(str(tmp_path / "b"), node)
+        assert snapshot(node) == before
+        obj.write_bytes(good)
+
+
+def test_nothing_from_the_bundle_is_executed(tmp_path, node):
+    """A launcher .so whose constructor would leave a marker: install and verify must never load it."""
+    marker = tmp_path / "executed"
+    src = tmp_path / "evil.c"
+    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void f(void) {{ fopen("{marker}", "w"); }}\n')
+    so = tmp_path / "evil.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    cache = tmp_path / "src-cache"
+    (cache / KEY).mkdir(parents=True)
+    (cache / KEY / "__triton_launcher.so").write_bytes(so.read_bytes())
+    os.chmod(cache / KEY / "__triton_launcher.so", 0o755)
+    pack(cache, tmp_path / "b")
+    r = install(str(tmp_path / "b"), node)
+    assert r.installed == 1 and verify(node).ok
+    assert os.stat(node / KEY / "__triton_launcher.so").st_mode & 0o777 == 0o755
+    assert not marker.exists()

@@ -1,0 +1,106 @@
+"""verify: a cache dir against its receipts or a bundle; modified / missing / unexpected / groups outside."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from prewarm.bundle import pack
+from prewarm.errors import FingerprintMismatch, IntegrityError
+from prewarm.install import install
+from prewarm.verify import verify
+
+from conftest import run_cli, synthetic_cache
+
+
+@pytest.fixture
+def node(triton_cache, tmp_path):
+    pack(triton_cache, tmp_path / "bundle")
+    install(str(tmp_path / "bundle"), tmp_path / "node")
+    return tmp_path / "node"
+
+
+def _entry_files(node, suffix):
+    return sorted(p for p in node.glob(f"*/*{suffix}"))
+
+
+def test_clean_after_install_and_cli_table_and_json(node):
+    r = verify(node)
+    assert r.ok and r.exit_code == 0 and r.entries == r.entries_ok == 5 and r.files == 40
+    assert {f.factor for f in r.factors} >= {"triton.key", "python.abi", "cuda.ptxas", "torch.version"}
+    assert all(f.status == "ok" for f in r.factors)
+    env = dict(os.environ, COLUMNS="200")
+    table = run_cli("verify", "--cache-dir", node, env=env).stdout
+    assert "entries ok" in table and "5/5" in table and "clean" in table and "triton.key" in table
+    doc = json.loads(run_cli("verify", "--cache-dir", node, "--json").stdout)
+    assert doc["ok"] and doc["exit_code"] == 0 and doc["modified"] == []
+
+
+def test_modified_missing_unexpected_are_named_with_exit_code(node):
+    cubin = _entry_files(node, ".cubin")[0]
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    cubin.write_bytes(bytes(data))
+    ptx = _entry_files(node, ".ptx")[1]
+    ptx.unlink()
+    (node / cubin.parent.name / "evil.so").write_bytes(b"\x7fELF")
+    r = verify(node)
+    rel = lambda p: p.relative_to(node).as_posix()  # noqa: E731
+    assert r.modified == [rel(cubin)] and r.missing == [rel(ptx)]
+    assert r.unexpected == [f"{cubin.parent.name}/evil.so"]
+    assert r.entries_ok == 3 and not r.ok and r.exit_code == IntegrityError.exit_code
+    p = run_cli("verify", "--cache-dir", node, "--json", check=IntegrityError.exit_code)
+    assert json.loads(p.stdout)["modified"] == [rel(cubin)]
+
+
+def test_foreign_entries_are_counted_not_failed(node):
+    synthetic_cache(node, 2, seed=11)
+    r = verify(node)
+    assert r.ok and r.other_entries == 2
+
+
+def test_group_pointing_outside_the_dir_is_reported(node, tmp_path):
+    grp = sorted(node.glob("*/__grp__*.json"))[0]
+    doc = json.loads(grp.read_text())
+    child = sorted(doc["child_paths"])[0]
+    doc["child_paths"][child] = str(tmp_path / "old-build-box" / grp.parent.name / "elsewhere.cubin")
+    grp.write_text(json.dumps(doc))
+    # a foreign entry whose group still points at the dir it was copied from
+    foreign = synthetic_cache(tmp_path / "elsewhere", 1, seed=4)
+    key = next(iter(os.listdir(foreign)))
+    os.rename(foreign / key, node / key)
+    fgrp = next((node / key).glob("__grp__*.json"))
+    fdoc = json.loads(fgrp.read_text())
+    fdoc["child_paths"] = {c: f"/nonexistent/{c}" for c in fdoc["child_paths"]}
+    fgrp.write_text(json.dumps(fdoc))
+    r = verify(node)
+    assert any(g.startswith(f"{grp.parent.name}/{grp.name} -> ") and "old-build-box" in g for g in r.groups_outside)
+    assert any(g.startswith(f"{key}/{fgrp.name} -> /nonexistent/") for g in r.groups_outside)
+    assert r.exit_code == IntegrityError.exit_code
+
+
+def test_fingerprint_mismatch_rows_explain_each_factor(triton_cache, tmp_path):
+    from prewarm import fingerprint
+
+    fp = dict(fingerprint.current(), **{"triton.key": "0" * 64, "torch.version": "2.9.0"})
+    (triton_cache / ".prewarm").mkdir()
+    (triton_cache / ".prewarm" / "build.json").write_text(json.dumps({"fingerprint": fp}))
+    pack(triton_cache, tmp_path / "b")
+    install(str(tmp_path / "b"), tmp_path / "n", allow_fingerprint_mismatch=True)
+    r = verify(tmp_path / "n")
+    rows = {f.factor: f for f in r.factors}
+    assert rows["triton.key"].status == "mismatch" and "every key differs" in rows["triton.key"].why
+    assert rows["torch.version"].status == "differs"  # informational only
+    assert r.integrity_ok and not r.compatible and r.exit_code == FingerprintMismatch.exit_code
+    env = dict(os.environ, COLUMNS="250")
+    p = run_cli("verify", "--cache-dir", tmp_path / "n", env=env, check=FingerprintMismatch.exit_code)
+    assert "triton.key" in p.stdout and "mismatch" in p.stdout
+
+
+def test_verify_against_a_bundle_and_without_anything_to_compare(node, tmp_path):
+    assert verify(node, bundle=str(tmp_path / "bundle")).ok
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(IntegrityError, match="no install receipt"):
+        verify(empty)
