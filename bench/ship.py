@@ -105,7 +105,7 @@ def main() -> None:
     from prewarm.install import install
     from prewarm.verify import verify
 
-    work = Path(tempfile.mkdtemp(prefix="prewarm-bench-", dir=args.workdir))
+    work = Path(tempfile.mkdtemp(prefix="prewarm-ship-", dir=args.workdir))
     try:
         cache = work / "cache"
         size = make_cache(cache, entries)

@@ -26,6 +26,7 @@ Nothing here executes bundle content: members are parsed as data and written wit
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import hashlib
 import io
 import json
@@ -33,6 +34,7 @@ import os
 import re
 import stat
 import tarfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,7 +93,7 @@ class Index:
         return {"format": self.format, "tool": self.tool, "fingerprint": self.fingerprint, "manifest": self.manifest,
                 "entries": entries}
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         return hashlib.sha256(self.to_bytes()).hexdigest()
 
@@ -253,7 +255,7 @@ def pack_entry(entry_dir: Path) -> tuple[Entry, bytes]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

@@ -197,7 +197,8 @@ def cmd_verify(args) -> int:
         hit = check(args.plan, r.cache_dir)
     code = r.exit_code or (WillMissError.exit_code if hit is not None and not hit.ok else 0)
     if args.json:
-        emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code})
+        emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code,
+                   "ok": code == 0})
         return code
     t = Table(title=f"integrity of {r.cache_dir} (against {', '.join(r.against)})")
     t.add_column("check")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

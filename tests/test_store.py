@@ -32,12 +32,16 @@ def test_push_to_file_s3_sftp_in_one_command_then_install_each_and_verify(
     again = json.loads(run_cli("push", bundle, *urls, "--json", env=cli_env).stdout)
     assert [(t["ok"], t["sent"], t["present"]) for t in again["targets"]] == [(True, 0, n)] * 3
 
-    for i, url in enumerate(urls):
-        dest = tmp_path / f"node{i}"
-        res = json.loads(run_cli("install", url, "--cache-dir", dest, "--json", env=cli_env).stdout)
-        assert res["installed"] == n and not res["noop"]
-        report = json.loads(run_cli("verify", "--cache-dir", dest, "--json", env=cli_env).stdout)
-        assert report["ok"] and report["entries_ok"] == n and report["exit_code"] == 0
+    # the node's job through the CLI from the sftp store; the library (same code path) from the other two
+    res = json.loads(run_cli("install", urls[2], "--cache-dir", tmp_path / "node2", "--json", env=cli_env).stdout)
+    assert res["installed"] == n and not res["noop"]
+    report = json.loads(run_cli("verify", "--cache-dir", tmp_path / "node2", "--json", env=cli_env).stdout)
+    assert report["ok"] and report["entries_ok"] == n and report["exit_code"] == 0
+    options = {"s3": s3_server.options, "sftp": sshd.options}
+    for i, url in enumerate(urls[:2]):
+        r = install(url, tmp_path / f"node{i}", storage_options=options.get(url.split("://")[0]))
+        assert r.installed == n
+        assert verify(tmp_path / f"node{i}").ok
 
 
 def test_only_missing_objects_are_sent(triton_cache, tmp_path, s3_server):
