@@ -41,7 +41,9 @@ ENV PREWARM_CACHE=/opt/prewarm/cache \
     PREWARM_BUNDLE=/opt/prewarm/bundle \
     PATH=/opt/prewarm/venv/bin:${PATH}
 COPY . /opt/prewarm/src
-RUN python3 -m venv /opt/prewarm/venv \
+# --system-site-packages: on the CANN image the toolkit's own Python packages stay visible (nothing is there on
+# the CUDA image).
+RUN python3 -m venv --system-site-packages /opt/prewarm/venv \
     && /opt/prewarm/venv/bin/pip install --no-cache-dir "/opt/prewarm/src[${PREWARM_EXTRA}]"
 
 # --- NVIDIA: build + pack at image build time -----------------------------------------------------------------

@@ -33,7 +33,8 @@ if str(REPO) not in sys.path:
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    sys.stdout.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")  # one write: ranks share the terminal
+    sys.stdout.flush()
 
 
 def write_json(path: str | Path, obj) -> Path:
@@ -105,12 +106,21 @@ def prepare_bundle(manifest: Path, work: Path, timeout: float = 420) -> dict:
     build_dir = fresh_dir(work / "build-cache")
     bundle = work / "bundle"
     shutil.rmtree(bundle, ignore_errors=True)
-    _, t_build = run_cli(["build", str(manifest), "--cache-dir", str(build_dir), "--mode", "device"], env, timeout)
+    mode = "device"
+    rc, t_build = run_cli(["build", str(manifest), "--cache-dir", str(build_dir), "--mode", mode], env, timeout,
+                          check=False)
+    if rc != 0:  # still measure something: an offline build has every kernel but no autotune results
+        log(f"device build exited {rc}: falling back to an offline build (the warm run will autotune)")
+        mode = f"offline (device build exited {rc})"
+        build_dir = fresh_dir(build_dir)
+        _, t_build = run_cli(["build", str(manifest), "--cache-dir", str(build_dir), "--mode", "offline"], env,
+                             timeout)
     _, t_pack = run_cli(["pack", str(build_dir), "-o", str(bundle)], env, 120)
     shutil.rmtree(build_dir)
     index = json.loads((bundle / "index.json").read_text())
     return {
         "bundle": str(bundle),
+        "build_mode": mode,
         "build_s": t_build,
         "pack_s": t_pack,
         "entries": len(index["entries"]),

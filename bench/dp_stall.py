@@ -14,9 +14,9 @@ Scenarios (each with fresh processes and fresh cache dirs):
 - A_variant: like B, but at ``--variant-step`` rank 0 meets a decode bucket the manifest does not list (a new
   input-shape variant: the stall the `record` loop exists to close).
 
-Before the barrier each rank imports the kernels and does Triton's per-process setup that no cache changes
-(``triton_key``: a hash of Triton's own sources and libtriton; the backend hash: ``ptxas --version``), as a server
-does at its first warmup, and CPU threads are split between the ranks; step 0 then differs between ranks only by
+Before the barrier each rank imports the kernels and does the per-process setup that no cache changes
+(Triton's ``triton_key`` and backend hash; torch's lazily loaded kernels for making inputs), as a server does
+before its first request, and CPU threads are split between the ranks; step 0 then differs between ranks only by
 what the cache decides: compile + autotune, or load from disk.
 
 The bundle comes from ``--bundle``, else ``WORK/bundle`` if ``bench/cold_start.py`` left one there, else it is
@@ -32,6 +32,7 @@ import datetime
 import importlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -50,18 +51,27 @@ B_LIMIT_S = 0.050
 SCENARIOS = ("A", "B", "A_variant")
 
 
-def triton_process_setup(torch) -> float:
-    """Triton's per-process setup that no cache changes (hashing its own sources for ``triton_key``, ``ptxas
-    --version`` for the backend hash), done before the barrier so step 0 differs between ranks only by what the
-    cache decides: compile and autotune, or load."""
+def process_setup(torch) -> float:
+    """Per-process setup that no Triton cache changes, done before the barrier so that step 0 differs between
+    ranks only by what the cache decides (compile + autotune, or load): Triton's ``triton_key`` (a hash of its own
+    sources and libtriton), backend hash (``ptxas --version``) and lazy imports, and torch's lazily loaded kernels
+    for making the step's inputs (random numbers, casts, fills, host-to-device copies)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from triton.runtime.cache import triton_key
 
     t0 = time.perf_counter()
+    import triton.experimental.gluon  # noqa: F401  (imported by Triton's first argument specialization)
+
     triton_key()
     major, minor = torch.cuda.get_device_capability()
     make_backend(GPUTarget("cuda", major * 10 + minor, 32)).hash()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        torch.randn(64, 64).to("cuda", dtype)
+    torch.rand(64).to("cuda")
+    torch.zeros(64, device="cuda")
+    torch.arange(64, dtype=torch.int32).to("cuda")
+    torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -71,7 +81,7 @@ def rank_main(args) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))  # 4 ranks share this box's cores
-    setup_s = triton_process_setup(torch)
+    setup_s = process_setup(torch)
     probes = Probes()
     step_spec = json.loads(Path(args.spec).read_text())
     variant_spec = json.loads(Path(args.variant_spec).read_text()) if args.variant_spec else None
@@ -99,7 +109,7 @@ def rank_main(args) -> dict:
         log(f"rank {args.rank} step {step}: kernels {rec['compute_s']:.3f}s ({rec['compiles']} compiles, autotune "
             f"{rec['autotune_s']:.2f}s), waited {rec['wait_s']:.3f}s in all_reduce")
     dist.destroy_process_group()
-    return {"rank": args.rank, "cache_dir": probes.cache_dir, "triton_setup_s": round(setup_s, 4), "steps": steps,
+    return {"rank": args.rank, "cache_dir": probes.cache_dir, "setup_s": round(setup_s, 4), "steps": steps,
             **probes.details()}
 
 
@@ -141,6 +151,7 @@ def run_scenario(name: str, args, work: Path, bundle: Path, spec_file: Path, var
         ranks.append(data)
     if errors:
         raise RuntimeError(f"scenario {name}: " + "; ".join(errors))
+    shutil.rmtree(root, ignore_errors=True)
     return summarize(name, ranks, installs)
 
 
@@ -183,7 +194,7 @@ def summarize(name: str, ranks: list[dict], installs: list[float]) -> dict:
         "compiles_by_rank": [sum(st["compiles"][r] for st in steps) for r in range(len(ranks))],
         "compile_s_by_rank": [round(sum(st["compile_s"][r] for st in steps), 4) for r in range(len(ranks))],
         "autotune_s_by_rank": [round(sum(st["autotune_s"][r] for st in steps), 4) for r in range(len(ranks))],
-        "triton_setup_s_by_rank": [r["triton_setup_s"] for r in ranks],
+        "setup_s_by_rank": [r["setup_s"] for r in ranks],
         "rank0_compiles_by_kernel": ranks[0]["compiles_by_kernel"],
     }
     log(f"scenario {name}: max wait {out['max_wait_s']:.3f}s, per rank {out['max_wait_s_by_rank']}, "

@@ -111,13 +111,13 @@ class InstallResult:
 
 def entry_present(cache_dir: Path, entry: Entry) -> bool:
     """Cheap check (stat only): every listed file exists with its size (group files: exists; they are rewritten)."""
-    base = cache_dir / entry.key
+    base = f"{cache_dir}/{entry.key}/"
     for f in entry.files:
         try:
-            st = os.stat(base / f.path)
+            size = os.stat(base + f.path).st_size
         except OSError:
             return False
-        if st.st_size != f.size and not is_group(f.path):
+        if size != f.size and not is_group(f.path):
             return False
     return True
 

@@ -89,6 +89,11 @@ class Plan:
 
 def plan(manifest: Manifest) -> Plan:
     """Every request of every ``[[kernels]]`` entry, in manifest order, duplicates dropped (first label kept)."""
+    if manifest.backend == "npu" and tritoncompat.triton_distribution()[0] == "triton-ascend":
+        # triton 3.2's Autotuner asks the active driver for a benchmarker when a kernel module is imported.
+        from .npu import activate_offline
+
+        activate_offline(manifest.arch)
     requests: dict[str, Request] = {}
     for source in manifest.kernels:
         for req in _from_source(manifest, source):
@@ -108,8 +113,9 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request]:
     where = f"{manifest.path}: {src.where}.provider = {src.ref!r}"
     try:
         module = importlib.import_module(src.ref)
-    except ImportError as e:
-        raise ManifestError(f"{where}: cannot import it ({e}): expected an installed provider module") from e
+    except Exception as e:
+        raise ManifestError(f"{where}: cannot import it ({type(e).__name__}: {e}): expected an installed provider "
+                            f"module") from e
     if not callable(getattr(module, "launches", None)):
         raise ManifestError(f"{where}: the module has no launches(spec) function: expected a kernel provider")
     try:

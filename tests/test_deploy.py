@@ -31,7 +31,6 @@ K8S = REPO / "deploy" / "k8s-init-container.yaml"
 PRELAUNCH = REPO / "deploy" / "prelaunch.sh"
 VENV_BIN = Path(sys.executable).parent
 ASCEND_PREWARM = REPO / ".venv-ascend" / "bin" / "prewarm"
-VERBS = ("plan", "build", "record", "pack", "push", "install", "verify", "keygen", "fingerprint", "lower")
 
 
 # --- a small Dockerfile reader ---------------------------------------------------------------------------------

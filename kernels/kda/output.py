@@ -9,10 +9,9 @@ from ..backend import Entry, dispatch, register
 from .common import BT, check, chunk_bounds, layout
 
 CONFIGS = [
-    triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=num_stages)
-    for BK, BV in [(32, 32), (64, 64), (64, 32)]
-    for num_warps in [2, 4]
-    for num_stages in [2]
+    triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=2)
+    for BK, BV in [(32, 64), (64, 64), (64, 128)]
+    for num_warps in [4, 8]
 ]
 PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 

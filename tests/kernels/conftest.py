@@ -1,12 +1,17 @@
 """Kernel tests run the real Triton kernels in the interpreter (no GPU here), in fp32.
 
 Triton decides interpreter-or-compiler when ``@triton.jit`` decorates a function (``knobs.runtime.interpret`` at
-import time), and other test directories need the compiled (non-interpreted) kernels. So the ``pk`` fixture sets
-TRITON_INTERPRET=1 only while a kernel test module runs and imports a private copy of ``prewarm_kernels`` under it
-(sys.modules is restored afterwards, so nobody else sees interpreted kernels).
-
-The Triton 3.6 interpreter converts scalars with ``int(array)`` on 1-element arrays, which NumPy >= 2.4 rejects
-(``for i in range(runtime_int)`` fails); the fixture makes that conversion take the single element.
+decoration time), and other test directories, in the same pytest process, need compiled kernels. So:
+- triton itself (whose standard library, tl.sum, tl.cumsum..., is made of @jit functions) is always imported in
+  compiled mode, before TRITON_INTERPRET is set;
+- the ``pk`` fixture sets TRITON_INTERPRET=1 only while a kernel test module runs and imports a private copy of
+  ``prewarm_kernels`` under it (sys.modules and the environment are restored afterwards: nobody else sees
+  interpreted kernels, whichever order the directories run in);
+- meanwhile a call of a compiled standard-library function from interpreted code (which Triton refuses: "Cannot
+  call @triton.jit'd outside of the scope of a kernel") is interpreted too. Compiling never calls a JITFunction,
+  so this changes nothing for compiled kernels.
+The Triton 3.6 interpreter also converts scalars with ``int(array)`` on 1-element arrays, which NumPy >= 2.4
+rejects (``for i in range(runtime_int)`` fails); the fixture makes that conversion take the single element.
 """
 from __future__ import annotations
 
@@ -18,19 +23,42 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton  # noqa: F401  (compiled mode: see above)
+import triton.language  # noqa: F401
 
 
-def _fix_interpreter_index():
+def _interpreter_patches():
+    """Apply the two interpreter fixes described above; returns the function that undoes them."""
     import triton.runtime.interpreter as interp
+    from triton.runtime.jit import JITFunction
 
-    orig = interp._patch_lang_tensor
+    orig_patch, orig_call = interp._patch_lang_tensor, JITFunction.__call__
+    interpreted: dict = {}
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
+    def patch_lang_tensor(tensor, scope):
+        orig_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    interp._patch_lang_tensor = patched
-    return lambda: setattr(interp, "_patch_lang_tensor", orig)
+    def call(self, *args, **kwargs):
+        fn = interpreted.get(self.fn)
+        if fn is None:
+            fn = interpreted[self.fn] = interp.InterpretedFunction(self.fn)
+        # as InterpretedFunction.__call__, but undo the patching of triton.language.core afterwards (upstream
+        # leaves it patched, which breaks every later compile in the process)
+        scope = interp._patch_lang(self.fn)
+        try:
+            return fn.rewrite()(*args, **kwargs)
+        finally:
+            scope.restore()
+
+    interp._patch_lang_tensor = patch_lang_tensor
+    JITFunction.__call__ = call
+
+    def undo():
+        interp._patch_lang_tensor = orig_patch
+        JITFunction.__call__ = orig_call
+
+    return undo
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +69,7 @@ def pk():
         del sys.modules[n]
     prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    undo = _fix_interpreter_index()
+    undo = _interpreter_patches()
     try:
         mods = {name: importlib.import_module(f"prewarm_kernels.{name}") for name in
                 ("backend", "launch", "index", "kda", "kda.chunk", "kda.cumsum", "kda.intra", "kda.solve",
