@@ -32,6 +32,7 @@ except ImportError:  # run from a bare checkout: map kernels/ to prewarm_kernels
     spec.loader.exec_module(mod)
 
 import triton  # noqa: E402
+from kda_accuracy import precompile  # noqa: E402  (same directory)
 from prewarm_kernels.kda import chunk_kda_fwd  # noqa: E402
 
 TARGET = 1.5
@@ -54,6 +55,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/kda_speed.json")
     ap.add_argument("--reps", type=int, default=7, help="interleaved do_bench rounds per implementation")
+    ap.add_argument("--workers", type=int, default=None, help="parallel compile processes (default: min(16, CPUs))")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -67,6 +69,8 @@ def main() -> int:
         print(f"cannot import fla (install fla-core 0.6.0 and set PYTHONPATH): {e!r}", file=sys.stderr)
         return 2
     print(f"fla {fla_version} from {os.path.dirname(fla.__file__)}", flush=True)
+    pre = precompile([dict(H=H, lens=[T], varlen=True, fused_gate=False, lower_bound=None, h0=False,
+                           beta_dtype="bfloat16") for H, T in POINTS], args.workers)
     points, errors = [], []
     with torch.inference_mode():
         for H, T in POINTS:
@@ -116,7 +120,8 @@ def main() -> int:
     report = {"benchmark": "kda_speed", "target_ratio": TARGET, "baseline": f"fla-core {fla_version} chunk_kda",
               "K": K, "V": V, "dtype": "bfloat16", "layout": "B=1 varlen single sequence",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "all_pass": ok, "points": points, "errors": errors,
+              "python": platform.python_version(), "all_pass": ok, "precompile": pre, "points": points,
+              "errors": errors,
               "wall_s": round(time.time() - t_start, 1)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

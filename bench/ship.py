@@ -67,6 +67,7 @@ def make_cache(root: Path, entries: int, seed: int = 0, scale: float = 1.0) -> i
 
 
 def _timed(fn):
+    os.sync()  # start each measurement clean: nobody pays for the previous step's writeback
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out

@@ -55,7 +55,6 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_=-]{0,127}$")
 _OBJECT_RE = re.compile(r"^[0-9a-f]{64}\.tar\.zst$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _UNSAFE_PATH = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|[\\\x00]")  # an empty, "." or ".." part; a backslash; NUL
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -137,11 +136,15 @@ def is_group(path: str) -> bool:
     return path.rsplit("/", 1)[-1].startswith(GROUP_PREFIX) and path.endswith(".json")
 
 
-def relative_group(data: bytes, key: str, names: set[str], where: str) -> tuple[bytes, list[str]]:
+def relative_group(
+    data: bytes, key: str, names: set[str], where: str, entry_dir: str | None = None
+) -> tuple[bytes, list[str]]:
     """A group file in canonical relative form, and the children that point outside its entry.
 
-    A child counts as inside when its path ends in ``<key>/<name>`` with ``name`` a file of the entry, whatever
-    the directory above: a cache copied from elsewhere is still recognised as its own.
+    Without ``entry_dir`` (packing, reading a bundle) a child is inside when it is a bare file name of the entry
+    or a path ending in ``<key>/<name>``: a cache copied from elsewhere is still recognised as its own. With
+    ``entry_dir`` (checking an installed cache) it must be that very dir: a child in a copy's old location is
+    exactly what makes Triton silently read another directory's files.
     """
     try:
         doc = json.loads(data)
@@ -153,11 +156,13 @@ def relative_group(data: bytes, key: str, names: set[str], where: str) -> tuple[
     for child, p in children.items():
         p = str(p)
         head, _, name = p.replace("\\", "/").rpartition("/")
-        if name in names and (head.rpartition("/")[2] == key or head == "" and not os.path.isabs(p)):
-            rel[child] = name
+        if entry_dir is not None:
+            inside = name in names and (head == entry_dir or os.path.realpath(head or ".") == os.path.realpath(entry_dir))
         else:
+            inside = name in names and (head == "" and not os.path.isabs(p) or head.rpartition("/")[2] == key)
+        rel[child] = name if inside else p
+        if not inside:
             outside.append(p)
-            rel[child] = p
     doc["child_paths"] = rel
     return json.dumps(doc, sort_keys=True).encode(), outside
 
@@ -167,15 +172,6 @@ def absolute_group(data: bytes, entry_dir: str) -> bytes:
     doc = json.loads(data)
     doc["child_paths"] = {c: os.path.join(entry_dir, n) for c, n in doc["child_paths"].items()}
     return json.dumps(doc).encode()
-
-
-def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
-    h, n = hashlib.sha256(), 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
 
 
 # --- pack ----------------------------------------------------------------------------------------------------

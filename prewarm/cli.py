@@ -152,7 +152,8 @@ def cmd_push(args) -> int:
         emit_json({"ok": not failed, "targets": [vars(r) for r in results]})
     else:
         t = Table(title=f"push {args.bundle}")
-        for c in ("target", "result", "sent", "already there", "MB sent", "retries", "seconds"):
+        t.add_column("target", overflow="fold")
+        for c in ("result", "sent", "already there", "MB sent", "retries", "seconds"):
             t.add_column(c)
         for r in results:
             t.add_row(r.url, "[green]ok[/]" if r.ok else f"[red]FAILED[/] {r.error}", str(r.sent), str(r.present),

@@ -110,11 +110,13 @@ def _check_entry(cache_dir: str, entry: Entry) -> tuple[list[str], list[str], li
             continue
         if is_group(f.path):
             try:
-                data, out = relative_group(data, entry.key, names, base + f.path)
+                data, out = relative_group(data, entry.key, names, base + f.path, base.rstrip("/"))
             except IntegrityError:
                 modified.append(rel)
                 continue
-            outside += [f"{rel} -> {p}" for p in out]
+            if out:  # reported as pointing outside, not also as modified
+                outside += [f"{rel} -> {p}" for p in out]
+                continue
         hashed += len(data)
         if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:  # GIL released: parallel
             modified.append(rel)
@@ -129,7 +131,7 @@ def _foreign_groups_outside(entry_dir: Path) -> list[str]:
     names = {p.name for p in entry_dir.iterdir()}
     for g in sorted(entry_dir.glob(f"{GROUP_PREFIX}*.json")):
         try:
-            _, bad = relative_group(g.read_bytes(), entry_dir.name, names, str(g))
+            _, bad = relative_group(g.read_bytes(), entry_dir.name, names, str(g), str(entry_dir))
         except (IntegrityError, OSError):
             continue  # not a group file prewarm understands; Triton ignores invalid groups too
         out += [f"{entry_dir.name}/{g.name} -> {p}" for p in bad]
@@ -145,10 +147,10 @@ def compare_factors(built: dict[str, str]) -> list[FactorRow]:
         if factor in diffs:
             m = diffs[factor]
             rows.append(FactorRow(factor, m.built, m.node, "mismatch" if m.blocking else "differs", m.why))
-        elif b == n:
-            rows.append(FactorRow(factor, b, n, "ok"))
-        else:
+        elif fingerprint.UNKNOWN in (b, n):
             rows.append(FactorRow(factor, b, n, "unchecked", "unknown on one side: cannot be compared"))
+        else:
+            rows.append(FactorRow(factor, b, n, "ok"))
     return rows
 
 

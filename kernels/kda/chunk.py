@@ -25,6 +25,7 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     ``dt_bias`` [H*K] are given (activated in the cumsum kernel; ``lower_bound`` selects the bounded sigmoid gate);
     beta: [B, T, H]. ``initial_state`` is a pool [P, H, K, V] indexed per sequence by ``initial_state_indices``
     [N] (or holds exactly N states). Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).
+    Pass ``cu_seqlens`` on the CPU: the chunk index is built there, and a device tensor would cost a sync.
     """
     L = layout(k, v, cu_seqlens)
     check("q", q, (L.B, L.T, L.H, L.K))

@@ -40,6 +40,7 @@ class Layout:
     index: ChunkIndex | None
     cu_seqlens: torch.Tensor | None  # on the tensors' device
     chunk_indices: torch.Tensor | None  # on the tensors' device
+    chunk_offsets: torch.Tensor | None  # on the tensors' device
 
     @property
     def num_seqs(self) -> int:
@@ -52,12 +53,15 @@ def layout(k: torch.Tensor, v: torch.Tensor | None, cu_seqlens: torch.Tensor | N
     B, T, H, K = k.shape
     V = v.shape[-1] if v is not None else K
     if cu_seqlens is None:
-        return Layout(B, T, H, K, V, triton.cdiv(T, BT), None, None, None)
+        return Layout(B, T, H, K, V, triton.cdiv(T, BT), None, None, None, None)
     if B != 1:
         raise ValueError(f"varlen (cu_seqlens given) needs B == 1 with sequences packed along T, got B={B}")
     idx = prepare_chunk_index(cu_seqlens, BT, T)
-    return Layout(B, T, H, K, V, idx.num_chunks, idx, cu_seqlens.to(k.device, torch.int32),
-                  idx.indices.to(k.device))
+    # non_blocking: a blocking host-to-device copy waits for the stream to drain, leaving the GPU idle while the
+    # following launches are issued
+    dev = k.device
+    return Layout(B, T, H, K, V, idx.num_chunks, idx, cu_seqlens.to(dev, torch.int32, non_blocking=True),
+                  idx.indices.to(dev, non_blocking=True), idx.offsets.to(dev, non_blocking=True))
 
 
 def check(name: str, t: torch.Tensor, shape: tuple, dtypes=FLOAT_DTYPES) -> None:

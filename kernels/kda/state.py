@@ -107,9 +107,8 @@ def chunk_state(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Ten
     h = torch.empty(L.B, L.NT if L.index is not None else NT_seq, L.H, L.K, L.V, dtype=kg.dtype, device=kg.device)
     v_new = torch.empty_like(u)
     ht = torch.empty(N, L.H, L.K, L.V, dtype=torch.float32, device=kg.device) if output_final_state else None
-    offsets = L.index.offsets.to(kg.device) if L.index is not None else None
     dispatch("state", lambda meta: (triton.cdiv(L.V, meta["BV"]), N * L.H), kg, w, u, G, h, v_new,
-             initial_state, initial_state_indices, ht, L.cu_seqlens, offsets, L.T, NT_seq,
+             initial_state, initial_state_indices, ht, L.cu_seqlens, L.chunk_offsets, L.T, NT_seq,
              H=L.H, K=L.K, V=L.V, BT=BT, BK=triton.next_power_of_2(L.K), HAS_H0=initial_state is not None,
              HAS_H0_INDICES=initial_state_indices is not None, STORE_FINAL=output_final_state,
              IS_VARLEN=L.index is not None)
