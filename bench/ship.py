@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--entries", type=int)
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--workdir", help="where to build (default: a temp dir); same filesystem for all steps")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement; the fastest counts")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest counts")
     args = ap.parse_args()
     entries = args.entries or (200 if args.small else 2000)
 

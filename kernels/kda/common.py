@@ -1,6 +1,7 @@
 """Helpers shared by the chunked KDA kernels: chunk position for fixed/varlen batches and input checks."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +9,10 @@ import triton
 import triton.language as tl
 
 from ..index import ChunkIndex, prepare_chunk_index
+
+# Autotune results on disk (`<fn>.autotune.json` in TRITON_CACHE_DIR) so a prewarmed node never autotunes.
+# triton 3.2 (triton-ascend) has no such option; on Ascend the kernels run with pinned configs anyway.
+AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 BT = 64  # chunk size
 BC = 16  # sub-chunk size of the intra-chunk kernels

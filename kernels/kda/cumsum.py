@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import BT, check, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BT, check, chunk_bounds, layout
 
 GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 
@@ -23,7 +23,7 @@ CONFIGS = [
 PINNED = {"BS": 64, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "K", "GATE"], cache_results=True)
+@triton.autotune(configs=CONFIGS, key=["H", "K", "GATE"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["T"])
 def kda_cumsum_kernel(g, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, T, H: tl.constexpr,
                       K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import BC, BT, check, check_rstd, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BC, BT, check, check_rstd, chunk_bounds, layout
 
 INTER_CONFIGS = [
     triton.Config({"BK": BK}, num_warps=num_warps, num_stages=num_stages)
@@ -65,7 +65,7 @@ def _store_row(Aqk, Akk, beta, o_c, m_c, o_i, HBT, H, b_q0, b_k0, b_q1, b_k1, b_
         tl.store(Akk + p + c * BC, b_z, mask=m)
 
 
-@triton.autotune(configs=INTER_CONFIGS, key=["H", "K"], cache_results=True)
+@triton.autotune(configs=INTER_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["T"])
 def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale, T,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -183,7 +183,7 @@ def _diag_level(b_q, b_k, b_g, G, b_aqk, b_akk, o_i, o_k, m_c, m_k, i_r, T, HK, 
     return b_aqk, b_akk
 
 
-@triton.autotune(configs=INTRA_CONFIGS, key=["H", "K"], cache_results=True)
+@triton.autotune(configs=INTRA_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["T"])
 def kda_intra_diag_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale, T,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,

@@ -10,12 +10,13 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
+from .common import AUTOTUNE_CACHE
 
 CONFIGS = [triton.Config({"BR": BR}, num_warps=num_warps) for BR in [16, 64] for num_warps in [2, 4]]
 PINNED = {"BR": 16, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["D"], cache_results=True)
+@triton.autotune(configs=CONFIGS, key=["D"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["R"])
 def kda_l2norm_kernel(x, rstd, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)

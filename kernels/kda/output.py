@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import BT, check, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BT, check, chunk_bounds, layout
 
 CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=2)
@@ -16,7 +16,7 @@ CONFIGS = [
 PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], cache_results=True)
+@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["T", "NT"])
 def kda_output_kernel(q, G, h, Aqk, v_new, q_rstd, o, cu_seqlens, chunk_indices, scale, T, NT,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,

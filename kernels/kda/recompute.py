@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import BT, check, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BT, check, chunk_bounds, layout
 
 CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=2)
@@ -19,7 +19,7 @@ CONFIGS = [
 PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], cache_results=True)
+@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["T"])
 def kda_recompute_kernel(k, v, beta, G, Ai, k_rstd, w, u, kg, cu_seqlens, chunk_indices, T, H: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import BC, BT, check, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BC, BT, check, chunk_bounds, layout
 
 CONFIGS = [triton.Config({}, num_warps=num_warps, num_stages=2) for num_warps in [1, 2, 4]]
 PINNED = {"num_warps": 4, "num_stages": 3}
@@ -41,7 +41,7 @@ def _put(Ai, b, i_r, c, T, o_i, HBT, BC: tl.constexpr):
     tl.store(Ai + (i_r + o_i)[:, None] * HBT + (c * BC + o_i)[None, :], b, mask=m_c[:, None] & (o_i[None, :] >= 0))
 
 
-@triton.autotune(configs=CONFIGS, key=["H"], cache_results=True)
+@triton.autotune(configs=CONFIGS, key=["H"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["T"])
 def kda_solve_kernel(A, Ai, cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                      IS_VARLEN: tl.constexpr):

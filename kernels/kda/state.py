@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import BT, check, layout
+from .common import AUTOTUNE_CACHE, BT, check, layout
 
 CONFIGS = [
     triton.Config({"BV": BV}, num_warps=num_warps, num_stages=num_stages)
@@ -21,7 +21,7 @@ CONFIGS = [
 PINNED = {"BV": 32, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], cache_results=True)
+@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["T", "NT"])
 def kda_state_kernel(kg, w, u, G, h, v_new, h0, h0_indices, ht, cu_seqlens, chunk_offsets, T, NT,
                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
