@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY", help="trusted signer (repeat)")
     sp.add_argument("--require-signature", action="store_true", help="refuse an unsigned bundle")
     sp.add_argument("--allow-fingerprint-mismatch", action="store_true", help="install despite toolchain mismatch")
-    sp.add_argument("--workers", type=int, default=8, help="parallel object fetches")
+    sp.add_argument("--workers", type=int, help="parallel object fetches (default: cores, 2 to 8)")
     sp.add_argument("--lock-timeout", type=float, default=600, help="seconds to wait for another install")
 
     sp = verb("verify", cmd_verify, "check a cache dir: integrity, compatibility, will-hit")

@@ -199,7 +199,7 @@ def install(
     require_signature: bool = False,
     allow_fingerprint_mismatch: bool = False,
     storage_options: dict | None = None,
-    workers: int = 8,
+    workers: int | None = None,
     lock_timeout: float = 600,
     durable: bool = True,
 ) -> InstallResult:
@@ -222,6 +222,8 @@ def install(
                 f"{meta / 'install.lock'}: another install held the lock for over {lock_timeout:.0f} s"
             ) from None
         try:
+            # more threads than cores only thrash the GIL (tar parsing is Python); 8 hide a remote store's latency
+            workers = workers or min(8, max(2, os.cpu_count() or 2))
             _install_locked(bundle, source, cache_dir, res, workers, durable)
         finally:
             lock.release()
