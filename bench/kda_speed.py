@@ -56,7 +56,10 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/kda_speed.json")
     ap.add_argument("--reps", type=int, default=7, help="interleaved do_bench rounds per implementation")
     ap.add_argument("--workers", type=int, default=None, help="parallel compile processes (default: min(16, CPUs))")
+    ap.add_argument("--points", nargs="+", default=[f"{h}:{t}" for h, t in POINTS], metavar="H:T",
+                    help="heads:tokens of the single-sequence varlen calls to time")
     args = ap.parse_args()
+    shapes = [tuple(int(x) for x in p.split(":")) for p in args.points]
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -70,10 +73,10 @@ def main() -> int:
         return 2
     print(f"fla {fla_version} from {os.path.dirname(fla.__file__)}", flush=True)
     pre = precompile([dict(H=H, lens=[T], varlen=True, fused_gate=False, lower_bound=None, h0=False,
-                           beta_dtype="bfloat16") for H, T in POINTS], args.workers)
+                           beta_dtype="bfloat16") for H, T in shapes], args.workers)
     points, errors = [], []
     with torch.inference_mode():
-        for H, T in POINTS:
+        for H, T in shapes:
             try:
                 q, k, v, gate, beta = make(H, T)
                 cu_cpu = torch.tensor([0, T], dtype=torch.int32)

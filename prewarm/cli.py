@@ -190,7 +190,8 @@ def cmd_verify(args) -> int:
     from .verify import verify
 
     r = verify(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust,
-               require_signature=args.require_signature, check_fingerprint=not args.no_fingerprint)
+               require_signature=args.require_signature, check_fingerprint=not args.no_fingerprint,
+               allow_no_reference=bool(args.plan))
     hit = None
     if args.plan:
         from .willhit import check
@@ -201,7 +202,8 @@ def cmd_verify(args) -> int:
         emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code,
                    "ok": code == 0})
         return code
-    t = Table(title=f"integrity of {r.cache_dir} (against {', '.join(r.against)})")
+    against = ", ".join(r.against) or "no install receipt: only group files checked; will-hit below"
+    t = Table(title=f"integrity of {r.cache_dir} (against {against})")
     t.add_column("check")
     t.add_column("count", justify="right")
     t.add_column("files")

@@ -69,11 +69,9 @@ def _ptxas_version() -> str:
 
 
 def _torch_version() -> str:
-    try:
-        import torch
-
-        return torch.__version__
-    except Exception:
+    try:  # the installed distribution's version: no 2 s `import torch` in a pre-launch job
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
         return UNKNOWN
 
 
@@ -108,6 +106,23 @@ def detect_backend() -> str:
 def detect_arch(backend: str) -> str:
     """The node's architecture, or UNKNOWN where no device is visible (a build box, a CI machine)."""
     if backend == "cuda":
+        return _cuda_arch()
+    if backend == "npu":  # as triton-ascend's NPUDriver.get_current_target: the env var wins, else the device
+        return os.environ.get("TRITON_ASCEND_ARCH") or _ascend_device_soc()
+    return UNKNOWN
+
+
+def _cuda_arch() -> str:
+    """GPU 0's compute capability: nvidia-smi (milliseconds), else torch where a device node exists."""
+    try:
+        cap = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+        if cap:
+            major, minor = cap.split(".")
+            return f"sm_{major}{minor}"
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    if "torch" in sys.modules or os.path.exists("/dev/nvidia0"):
         try:
             import torch
 
@@ -116,8 +131,6 @@ def detect_arch(backend: str) -> str:
                 return f"sm_{major}{minor}"
         except Exception:
             pass
-    if backend == "npu":  # as triton-ascend's NPUDriver.get_current_target: the env var wins, else the device
-        return os.environ.get("TRITON_ASCEND_ARCH") or _ascend_device_soc()
     return UNKNOWN
 
 

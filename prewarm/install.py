@@ -81,9 +81,9 @@ def node_fingerprint(built: dict[str, str]) -> dict[str, str]:
     return fingerprint.current(built.get("target.backend"))
 
 
-def check_node(index: Index, cache_dir: Path, allow_mismatch: bool) -> list[fingerprint.Mismatch]:
+def check_node(index: Index, node: dict[str, str], cache_dir: Path, allow_mismatch: bool) -> list[fingerprint.Mismatch]:
     """Compare the bundle's fingerprint with this node's; refuse on blocking factors unless allowed."""
-    mismatches = fingerprint.compare(index.fingerprint, node_fingerprint(index.fingerprint))
+    mismatches = fingerprint.compare(index.fingerprint, node)
     blocking = [m for m in mismatches if m.blocking]
     if blocking and not allow_mismatch:
         lines = "\n  ".join(str(m) for m in blocking)
@@ -210,7 +210,8 @@ def install(
     )
     index = bundle.index
     res = InstallResult(cache_dir, index.digest, len(index.entries), signed_by=bundle.signed_by)
-    res.mismatches = check_node(index, cache_dir, allow_fingerprint_mismatch)
+    node = node_fingerprint(index.fingerprint)
+    res.mismatches = check_node(index, node, cache_dir, allow_fingerprint_mismatch)
     meta = cache_dir / META_DIR
     try:
         meta.mkdir(parents=True, exist_ok=True)
@@ -224,6 +225,8 @@ def install(
         try:
             # more threads than cores only thrash the GIL (tar parsing is Python); 8 hide a remote store's latency
             workers = workers or min(8, max(2, os.cpu_count() or 2))
+            # One cache dir, one Ascend toolchain: Triton's key cannot tell them apart (no-op on CUDA).
+            fingerprint.claim_cache_dir(cache_dir, node)
             _install_locked(bundle, source, cache_dir, res, workers, durable)
         finally:
             lock.release()

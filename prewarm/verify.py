@@ -165,7 +165,13 @@ def verify(
     storage_options: dict | None = None,
     check_fingerprint: bool = True,
     workers: int | None = None,
+    allow_no_reference: bool = False,
 ) -> VerifyReport:
+    """Integrity of ``cache_dir`` against its install receipts (or ``bundle``) and compatibility with this node.
+
+    ``allow_no_reference``: a dir that no bundle was installed into (a build's output) is not an error; its
+    entries are then only checked for group files pointing outside (will-hit, when asked, does the rest).
+    """
     cache_dir = Path(os.path.abspath(cache_dir or default_cache_dir()))
     if not cache_dir.is_dir():
         raise IntegrityError(f"{cache_dir}: cache dir does not exist")
@@ -176,7 +182,7 @@ def verify(
         indexes, against = [b.index], [bundle]
     else:
         receipts = sorted(read_receipts(cache_dir), key=lambda r: r.get("installed_at", ""))
-        if not receipts:
+        if not receipts and not allow_no_reference:
             raise IntegrityError(
                 f"{cache_dir}: no install receipt in {cache_dir / META_DIR / 'receipts'} and no --bundle given: "
                 "nothing to verify against"
@@ -212,5 +218,11 @@ def verify(
             if idx.fingerprint not in seen:
                 seen.append(idx.fingerprint)
                 report.factors += compare_factors(idx.fingerprint)
+        # A dir filled under another Ascend toolchain would be reused silently (not in Triton's key).
+        backends = {idx.fingerprint.get("target.backend") for idx in indexes} or {None}
+        for backend in backends:
+            node = fingerprint.current(backend)
+            for m in fingerprint.cache_dir_toolchain_conflict(cache_dir, node):
+                report.factors.append(FactorRow(m.factor, m.built, m.node, "mismatch", m.why))
     return report
 

@@ -14,7 +14,7 @@ from prewarm.bundle import INDEX, OBJECTS, SIGNATURE, pack, parse_index
 from prewarm.install import install
 from prewarm.verify import verify
 
-from conftest import build_toy_cache, run_cli
+from prewarm_helpers import build_toy_cache, run_cli
 
 
 def _members(obj: bytes) -> list[tarfile.TarInfo]:

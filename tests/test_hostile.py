@@ -18,7 +18,7 @@ from prewarm.errors import IntegrityError, SignatureError, UnsafeBundleError
 from prewarm.install import install
 from prewarm.verify import verify
 
-from conftest import synthetic_cache
+from prewarm_helpers import synthetic_cache
 
 KEY = "A" * 52
 

@@ -20,7 +20,7 @@ from prewarm.errors import EnvironmentProblem, FingerprintMismatch, SignatureErr
 from prewarm.install import install, receipt_path
 from prewarm.verify import verify
 
-from conftest import run_cli, synthetic_cache
+from prewarm_helpers import run_cli, synthetic_cache
 
 
 def snapshot(cache: Path) -> dict[str, str]:

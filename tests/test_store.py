@@ -11,7 +11,7 @@ from prewarm.install import install
 from prewarm.store import open_store, push
 from prewarm.verify import verify
 
-from conftest import run_cli
+from prewarm_helpers import run_cli
 
 
 def test_push_to_file_s3_sftp_in_one_command_then_install_each_and_verify(

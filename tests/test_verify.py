@@ -13,7 +13,7 @@ from prewarm.errors import FingerprintMismatch, IntegrityError
 from prewarm.install import install
 from prewarm.verify import verify
 
-from conftest import run_cli, synthetic_cache
+from prewarm_helpers import run_cli, synthetic_cache
 
 
 @pytest.fixture
