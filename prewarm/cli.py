@@ -45,7 +45,7 @@ def cmd_plan(args) -> int:
     for c in ("#", "id", "label", "kernel", "arguments"):
         t.add_column(c, overflow="fold")
     for i, r in enumerate(p.requests, 1):
-        t.add_row(str(i), r.ident, r.label, r.kernel, r.describe())
+        t.add_row(str(i), r.ident, escape(r.label), r.kernel, escape(r.describe()))
     out.print(t)
     out.print("autotuned kernels compile once per config: `prewarm plan --compiles` lists Triton's own requests")
     return 0
@@ -69,7 +69,7 @@ def _print_compiles(p, args) -> int:
     for c in ("#", "request", "label", "kernel"):
         t.add_column(c, overflow="fold")
     for i, c in enumerate(compiles, 1):
-        t.add_row(str(i), c.request, c.label, c.kernel)
+        t.add_row(str(i), c.request, escape(c.label), c.kernel)
     out.print(t)
     return 0
 
@@ -95,8 +95,8 @@ def cmd_build(args) -> int:
         for note in r.notes:
             err.print(f"[yellow]note[/]: {note}", highlight=False)
         for f in r.failed:
-            t = Table(title=f"[red]failed[/] {f.label} ({f.kernel})", show_header=False)
-            t.add_row(f.message)
+            t = Table(title=f"[red]failed[/] {escape(f.label)} ({f.kernel})", show_header=False)
+            t.add_row(escape(f.message))
             out.print(t)
         out.print(f"{r.manifest} -> {r.cache_dir} ({r.target}, {r.workers} workers): {r.requests} requests, "
                   f"{len(r.results)} compiles: [green]{r.count('compiled')} compiled[/], "
@@ -156,7 +156,7 @@ def cmd_push(args) -> int:
         for c in ("result", "sent", "already there", "MB sent", "retries", "seconds"):
             t.add_column(c)
         for r in results:
-            t.add_row(r.url, "[green]ok[/]" if r.ok else f"[red]FAILED[/] {r.error}", str(r.sent), str(r.present),
+            t.add_row(r.url, "[green]ok[/]" if r.ok else f"[red]FAILED[/] {escape(str(r.error))}", str(r.sent), str(r.present),
                       f"{r.bytes_sent / 1e6:.1f}", str(r.retries), f"{r.seconds:.1f}")
         out.print(t)
     return StoreError.exit_code if failed else 0
@@ -211,7 +211,7 @@ def cmd_verify(args) -> int:
     for name, items in (("modified", r.modified), ("missing", r.missing), ("unexpected", r.unexpected),
                         ("groups pointing outside", r.groups_outside)):
         t.add_row(f"[red]{name}[/]" if items else name, str(len(items)),
-                  "\n".join(items[:20]) + (f"\n... {len(items) - 20} more" if len(items) > 20 else ""))
+                  escape("\n".join(items[:20])) + (f"\n... {len(items) - 20} more" if len(items) > 20 else ""))
     t.add_row("other entries (not from a bundle)", str(r.other_entries), "")
     out.print(t)
     if r.factors:
@@ -220,14 +220,15 @@ def cmd_verify(args) -> int:
             t.add_column(c)
         style = {"ok": "green", "mismatch": "bold red", "differs": "yellow", "unchecked": "dim"}
         for f in r.factors:
-            t.add_row(f.factor, f.bundle, f.node, f"[{style[f.status]}]{f.status}[/]", f.why)
+            t.add_row(f.factor, escape(f.bundle), escape(f.node), f"[{style[f.status]}]{f.status}[/]", escape(f.why))
         out.print(t)
     if hit is not None:
         t = Table(title=f"will-hit ({hit.hits} hits, {hit.misses} misses)")
         for c in ("label", "kernel", "key", "hit", "detail"):
             t.add_column(c)
         for x in hit.results:
-            t.add_row(x.label, x.kernel, x.key or "-", "[green]hit[/]" if x.hit else "[red]MISS[/]", x.detail)
+            t.add_row(escape(x.label), x.kernel, x.key or "-", "[green]hit[/]" if x.hit else "[red]MISS[/]",
+                      escape(x.detail))
         out.print(t)
     out.print("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})")
     return code
@@ -258,13 +259,12 @@ def cmd_fingerprint(args) -> int:
     t.add_column("factor")
     t.add_column("value")
     for k, v in sorted(fp.items()):
-        t.add_row(k, v)
+        t.add_row(k, escape(v))
     out.print(t)
     return 0
 
 
 def cmd_lower(args) -> int:
-    from rich.markup import escape
     from rich.table import Table
 
     from .errors import BuildError

@@ -3,6 +3,7 @@ into Triton's own compile requests (one per autotune config) through the real JI
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,11 @@ def test_labels_read_both_specialization_formats():
            "constant_vals": [16], "options": {"num_warps": 4, "num_stages": 2}}
     assert describe_specialization(json.dumps(v32)) == describe_specialization(json.dumps(v36)) == \
         "T=16 warps=4 stages=2"
+
+
+def test_plan_table_shows_the_kda_labels_verbatim():
+    """Labels like `decode[bs=16]/recurrent` look like rich markup: the table must print them, not eat them."""
+    manifest = Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml"
+    out = subprocess.run([sys.executable, "-m", "prewarm.cli", "plan", str(manifest)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "300"}, check=True).stdout
+    assert "decode[bs=16]/recurrent" in out and "verify[bs=64,draft=4]/recurrent" in out

@@ -100,6 +100,12 @@ def test_deleting_one_entry_names_exactly_it_and_a_rebuild_restores_it(cache):
                                                    keys["prefill scale [BLOCK=64 warps=2 stages=3]"])
     assert report.hits == 10 and not report.ok
     assert report.to_json()["misses"] == 1 and report.to_json()["ok"] is False
+    # what a person runs before serving: the verify command names the miss (brackets and all) and exits 5
+    cli = subprocess.run([sys.executable, "-m", "prewarm.cli", "verify", "--cache-dir", str(path), "--plan", str(TOY)],
+                         env={**ENV, "COLUMNS": "300"}, capture_output=True, text=True)
+    assert cli.returncode == 5, cli.stderr
+    (row,) = [line for line in cli.stdout.splitlines() if "MISS" in line]
+    assert "prefill scale [BLOCK=64 warps=2 stages=3]" in row and keys["prefill scale [BLOCK=64 warps=2 stages=3]"] in row
     rebuilt = build(TOY, path, workers=1, mode="offline")
     assert (rebuilt.count("compiled"), rebuilt.count("present")) == (1, 10)
     assert check(str(TOY), str(path)).ok
