@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from . import fingerprint, tritoncompat
 from .errors import BuildError, EnvironmentProblem
-from .targets import Target, register
+from .targets import OfflineDriver, Target, register
 
 # Files triton-ascend writes into TRITON_CACHE_DIR besides the kernels, at the first launch of each signature.
 LAUNCHER_GLOB = "launcher_cxx11abi*"
@@ -27,22 +27,11 @@ TENSOR_DEVICE = "npu"  # where minimal launch tensors live (torch_npu's device)
 _CLAIMED: set[str] = set()  # cache dirs this process checked against its toolchain
 
 
-class NpuOfflineDriver:
+class NpuOfflineDriver(OfflineDriver):
     """Target-only driver: lets ``warmup``/``preload`` bind, specialize and run the front end without an NPU."""
 
     def __init__(self, arch: str):
-        from triton.backends.compiler import GPUTarget
-
-        self.target = GPUTarget("npu", arch, 0)  # warp_size 0, as triton-ascend's NPUDriver says
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
+        super().__init__("npu", arch, 0)  # warp_size 0, as triton-ascend's NPUDriver says
 
     def get_benchmarker(self):
         """triton 3.2's Autotuner asks for it when decorating (at import), so a module with @autotune kernels
@@ -53,9 +42,6 @@ class NpuOfflineDriver:
                                      "configs (or build on a node)")
 
         return no_device
-
-    def is_active(self):
-        return True
 
 
 def activate_offline(arch: str) -> None:

@@ -65,13 +65,13 @@ def parse_cuda_arch(arch: str) -> int:
     return int(text)
 
 
-class _OfflineCudaDriver:
-    """The smallest driver Triton's JIT needs to compile (no launch): target, device 0, stream 0."""
+class OfflineDriver:
+    """The smallest driver Triton's JIT needs to compile (no launch): a target, device 0, stream 0."""
 
-    def __init__(self, capability: int, warp_size: int = 32):
+    def __init__(self, backend: str, arch: int | str, warp_size: int):
         from triton.backends.compiler import GPUTarget
 
-        self.target = GPUTarget("cuda", capability, warp_size)
+        self.target = GPUTarget(backend, arch, warp_size)
 
     def get_current_target(self):
         return self.target
@@ -95,8 +95,10 @@ class CudaOfflineTarget(Target):
     def activate(self) -> None:
         from triton.runtime.driver import driver
 
-        if not isinstance(driver._active, _OfflineCudaDriver):  # .active would create the CUDA driver
-            driver.set_active(_OfflineCudaDriver(parse_cuda_arch(self.arch)))
+        wanted = OfflineDriver("cuda", parse_cuda_arch(self.arch), 32)
+        current = driver._active  # .active would create the CUDA driver
+        if not (isinstance(current, OfflineDriver) and current.target == wanted.target):
+            driver.set_active(wanted)
 
     def notes(self) -> list[str]:
         return [
