@@ -155,18 +155,8 @@ class NpuTarget(Target):
         jit = tritoncompat.jit_function(fn)
         wanted = json.loads(specialization_data)
         args, kwargs = launch_arguments(jit, wanted, TENSOR_DEVICE)
-        seen: list[str] = []
-        previous = tritoncompat.get_jit_cache_hook()
-
-        def hook(*, compile, **_):
-            seen.append(compile["specialization_data"])
-            return False
-
-        tritoncompat.set_jit_cache_hook(hook)
-        try:
+        with tritoncompat.compile_requests(skip=False) as seen:
             kernel = jit[(1, 1, 1)](*args, **kwargs, **option_kwargs(wanted["options"]))
-        finally:
-            tritoncompat.set_jit_cache_hook(previous)
         got = json.loads(seen[-1]) if seen else None
         differs = [f for f in KEY_FIELDS if got is None or got[f] != wanted[f]]
         if differs:

@@ -9,14 +9,13 @@ those with ``preload``, so plan, build and check share one definition of "the re
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from . import tritoncompat
 from .errors import ManifestError
@@ -288,23 +287,6 @@ def describe_specialization(data: str) -> str:
 # --- expansion into compiles (needs an active target) -----------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _capturing() -> Iterator[list[str]]:
-    """Record every compile request's specialization data and skip the compile (the hook returns True)."""
-    captured: list[str] = []
-    previous = tritoncompat.get_jit_cache_hook()
-
-    def hook(*, compile, **_):
-        captured.append(compile["specialization_data"])
-        return True
-
-    tritoncompat.set_jit_cache_hook(hook)
-    try:
-        yield captured
-    finally:
-        tritoncompat.set_jit_cache_hook(previous)
-
-
 def expand_all(requests: list[Request]) -> list[Compile]:
     """Every request's compiles, each distinct compile once (two calls can make the same request of Triton)."""
     out: dict[str, Compile] = {}
@@ -321,7 +303,7 @@ def expand(request: Request) -> list[Compile]:
     kernel = resolve(request.kernel)
     args = tuple(decode(a) for a in request.args)
     kwargs = {k: decode(v) for k, v in request.kwargs.items()}
-    with _capturing() as captured:
+    with tritoncompat.compile_requests(skip=True) as captured:
         tritoncompat.warmup(kernel, args, kwargs, grid=(1,))
     unique = list(dict.fromkeys(captured))
     many = len(unique) > 1

@@ -106,6 +106,23 @@ def set_jit_cache_hook(hook) -> None:
         JITFunction.cache_hook = hook
 
 
+@contextlib.contextmanager
+def compile_requests(skip: bool):
+    """Collect the specialization data of every compile request made inside; ``skip``: Triton compiles none."""
+    captured: list[str] = []
+    previous = get_jit_cache_hook()
+
+    def hook(*, compile, **_):
+        captured.append(compile["specialization_data"])
+        return skip
+
+    set_jit_cache_hook(hook)
+    try:
+        yield captured
+    finally:
+        set_jit_cache_hook(previous)
+
+
 def jit_function(obj):
     """The JITFunction under any stack of Autotuner / Heuristics wrappers."""
     from triton.runtime.jit import JITFunction
