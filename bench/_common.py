@@ -32,6 +32,20 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+def import_kernels() -> None:
+    """Make ``prewarm_kernels`` importable in this process when the project is not installed: map ``kernels/``
+    to that name (the in-process counterpart of :func:`child_env`'s shim)."""
+    try:
+        import prewarm_kernels  # noqa: F401  (installed)
+    except ImportError:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(
+            "prewarm_kernels", REPO / "kernels" / "__init__.py", submodule_search_locations=[str(REPO / "kernels")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["prewarm_kernels"] = mod
+        spec.loader.exec_module(mod)
+
+
 def log(msg: str) -> None:
     sys.stdout.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")  # one write: ranks share the terminal
     sys.stdout.flush()

@@ -18,17 +18,9 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-try:
-    import prewarm_kernels  # noqa: F401  (installed)
-except ImportError:  # run from a bare checkout: map kernels/ to prewarm_kernels
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "prewarm_kernels", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "__init__.py"),
-        submodule_search_locations=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["prewarm_kernels"] = mod
-    spec.loader.exec_module(mod)
+from _common import import_kernels  # noqa: E402  (same directory)
+
+import_kernels()
 
 from prewarm_kernels.kda import chunk_kda_fwd, recurrent_kda  # noqa: E402
 from prewarm_kernels.kda.reference import gate_ref, recurrent_ref  # noqa: E402

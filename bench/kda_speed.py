@@ -19,17 +19,9 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-try:
-    import prewarm_kernels  # noqa: F401  (installed)
-except ImportError:  # run from a bare checkout: map kernels/ to prewarm_kernels
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "prewarm_kernels", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "__init__.py"),
-        submodule_search_locations=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["prewarm_kernels"] = mod
-    spec.loader.exec_module(mod)
+from _common import import_kernels  # noqa: E402  (same directory)
+
+import_kernels()
 
 import triton  # noqa: E402
 from kda_accuracy import precompile  # noqa: E402  (same directory)
@@ -49,6 +41,21 @@ def make(H: int, T: int):
     gate = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, device="cuda", generator=g) + 3).to(bf)
     beta = torch.sigmoid(torch.randn(1, T, H, device="cuda", generator=g)).to(bf)
     return q, k, v, gate, beta
+
+
+def kernel_breakdown(fn, calls: int = 5) -> dict[str, float]:
+    """Device time per kernel name (ms per call), from torch.profiler over ``calls`` calls: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            per[e.key] = round(t / 1000 / calls, 4)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> int:
@@ -108,10 +115,14 @@ def main() -> int:
                     t_fla.append(triton.testing.do_bench(theirs, warmup=25, rep=100))
                 m_ours, m_fla = statistics.median(t_ours), statistics.median(t_fla)
                 ratio = m_ours / m_fla
+                kernels = {"ours": kernel_breakdown(ours), "fla": kernel_breakdown(theirs)}
+                for who, per in kernels.items():
+                    print(f"  {who}: " + ", ".join(f"{k[:40]} {v:.3f}" for k, v in list(per.items())[:10]), flush=True)
                 points.append({"H": H, "T": T, "ours_ms": m_ours, "fla_ms": m_fla, "ratio": ratio,
                                "pass": ratio <= TARGET, "ours_runs_ms": t_ours, "fla_runs_ms": t_fla,
                                "warmup_s": {"ours": round(warm_ours, 2), "fla": round(warm_fla, 2)},
-                               "rel_rms_vs_fla": {"o": agree_o, "final_state": agree_s}})
+                               "rel_rms_vs_fla": {"o": agree_o, "final_state": agree_s},
+                               "kernel_ms_per_call": kernels})
                 print(f"H={H} T={T}: ours {m_ours:.3f} ms, fla {m_fla:.3f} ms, ratio {ratio:.2f} "
                       f"({'PASS' if ratio <= TARGET else 'FAIL'} <= {TARGET})", flush=True)
                 del q, k, v, gate, beta, o1, o2, s1, s2

@@ -3,8 +3,8 @@
 Akk[i, j] = beta_i * sum_c k_ic k_jc exp(G_ic - G_jc) (i > j), Aqk[i, j] = scale * sum_c q_ic k_jc exp(G_ic - G_jc)
 (i >= j); both [B, T, H, 64], zero above the diagonal. The "inter" kernel fills the off-diagonal 16x16 blocks
 (and the zeros above), tiled over K with BK, using the first token of the row sub-chunk as the reference point so
-both factors are exponentials of non-positive numbers. The "intra" kernel fills the diagonal blocks the same way,
-recursively: halves, quarters, ... of the sub-chunk (4 small dots), masking every exponent before exp.
+both factors are exponentials of non-positive numbers. The "intra" kernel fills the diagonal blocks column by column
+in plain fp32: exp(G_i - G_j) per pair and channel for rows i >= j only, every other exponent masked to -inf.
 """
 from __future__ import annotations
 
@@ -165,24 +165,6 @@ def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, 
     _store_row(Aqk, Akk, beta, o_c3, m_c3, o_i, HBT, H, b_q30, b_k30, b_q31, b_k31, b_q32, b_k32, scale, BC, 3)
 
 
-@triton.jit
-def _diag_level(b_q, b_k, b_g, G, b_aqk, b_akk, o_i, o_k, m_c, m_k, i_r, T, HK, s: tl.constexpr):
-    """Add the pairs whose rows are in an odd s-block and columns in the even s-block just before it."""
-    r_row = (o_i // s) * s  # start of row i's block (its reference when that block is odd)
-    r_col = r_row + s  # start of the block after column j's (its reference when j's block is even)
-    m_row = ((o_i // s) % 2 == 1) & m_c
-    m_col = ((o_i // s) % 2 == 0) & (i_r + r_col < T)
-    b_gr = tl.load(G + (i_r + r_row)[:, None] * HK + o_k[None, :], mask=m_row[:, None] & m_k[None, :], other=0.0)
-    b_gc = tl.load(G + (i_r + r_col)[:, None] * HK + o_k[None, :], mask=m_col[:, None] & m_k[None, :], other=0.0)
-    b_er = tl.exp(tl.where(m_row[:, None], b_g - b_gr, float("-inf")))
-    b_ec = tl.exp(tl.where(m_col[:, None], b_gc - b_g, float("-inf")))
-    b_kct = tl.trans(b_k * b_ec)
-    m_sib = ((o_i[:, None] // s) == (o_i[None, :] // s + 1)) & m_row[:, None]
-    b_aqk += tl.where(m_sib, tl.dot(b_q * b_er, b_kct), 0.0)
-    b_akk += tl.where(m_sib, tl.dot(b_k * b_er, b_kct), 0.0)
-    return b_aqk, b_akk
-
-
 @triton.autotune(configs=INTRA_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
 @triton.jit(do_not_specialize=["T"])
 def kda_intra_diag_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale, T,
@@ -209,13 +191,18 @@ def kda_intra_diag_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, c
     b_g = tl.load(G + p, mask=m, other=0.0)
     b_aqk = tl.zeros([BC, BC], dtype=tl.float32)
     b_akk = tl.zeros([BC, BC], dtype=tl.float32)
-    # Pairs i > j are split by the highest bit where i and j differ: at block size s, row i sits in an odd
-    # s-block and column j in the even block just before it; with r = start of the odd block (j < r <= i),
-    # exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both exponents <= 0, and the sum over channels is a dot.
-    for lvl in tl.static_range(4):
-        b_aqk, b_akk = _diag_level(b_q, b_k, b_g, G + base * K, b_aqk, b_akk, o_i, o_k, m_c, m_k, i_r, T, HK,
-                                   BC // (2 << lvl))
-    b_aqk += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+    # Column j: sum_c x_ic k_jc exp(G_ic - G_jc) for rows i >= j. Elementwise fp32 rather than the dots of the
+    # inter kernel: a reference-token split of a 16x16 block needs 4 levels of small dots, whose operands kept
+    # 255 registers live (spilling) and ran 1.3x slower on the H200 (scratch measurement, see kernels/README.md).
+    for j in tl.static_range(BC):
+        m_j = m_k & (i_r + j < T)
+        p_j = base * K + (i_r + j) * HK + o_k
+        b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
+        b_gj = tl.load(G + p_j, mask=m_j, other=0.0)
+        b_kje = tl.exp(tl.where(((o_i >= j) & m_c)[:, None], b_g - b_gj[None, :], float("-inf"))) * b_kj[None, :]
+        b_aqk = tl.where(o_i[None, :] == j, tl.sum(b_q * b_kje, 1)[:, None], b_aqk)
+        b_akk = tl.where(o_i[None, :] == j, tl.sum(b_k * b_kje, 1)[:, None], b_akk)
+    b_akk = tl.where(o_i[:, None] > o_i[None, :], b_akk, 0.0)  # Akk is strictly lower triangular
     if NORM_QK:
         rq = tl.load(q_rstd + base + o_c * H, mask=m_c, other=0.0)
         rk = tl.load(k_rstd + base + o_c * H, mask=m_c, other=0.0)
