@@ -224,11 +224,11 @@ def cmd_verify(args) -> int:
         out.print(t)
     if hit is not None:
         t = Table(title=f"will-hit ({hit.hits} hits, {hit.misses} misses)")
-        for c in ("label", "kernel", "key", "hit", "detail"):
-            t.add_column(c)
-        for x in hit.results:
-            t.add_row(escape(x.label), x.kernel, x.key or "-", "[green]hit[/]" if x.hit else "[red]MISS[/]",
-                      escape(x.detail))
+        for c in ("label", "kernel", "key", "hit", "detail"):  # folded, never cut: a miss must be findable
+            t.add_column(c, overflow="fold")
+        for x in hit.results:  # the kernel's function name; --json has the full module:function reference
+            t.add_row(escape(x.label), escape(x.kernel.rsplit(":", 1)[-1]), x.key or "-",
+                      "[green]hit[/]" if x.hit else "[red]MISS[/]", escape(x.detail))
         out.print(t)
     out.print("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})")
     return code
