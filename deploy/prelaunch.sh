@@ -18,12 +18,18 @@
 #                          node with an NPU). The result is packed into PREWARM_SOURCE and, if PREWARM_PUSH
 #                          names store URLs, pushed there so the other nodes install it. Run it once per node
 #                          (an init container or a systemd unit), not once per rank.
+#   PREWARM_REQUIRE_AUTOTUNE  1 = also refuse to start when a kept autotune result is absent (for bundles from a
+#                          `--mode device` build; an offline bundle never has them)   (default 0)
 set -eu
 
 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/var/cache/triton}"
 PREWARM_MANIFEST="${PREWARM_MANIFEST:-/opt/prewarm/src/manifests/kimi-linear-h200.toml}"
 PREWARM_SOURCE="${PREWARM_SOURCE:-/opt/prewarm/bundle}"
 export TRITON_CACHE_DIR
+AUTOTUNE=""
+if [ "${PREWARM_REQUIRE_AUTOTUNE:-0}" = 1 ]; then
+    AUTOTUNE="--require-autotune"
+fi
 
 if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
     prewarm build "$PREWARM_MANIFEST" --cache-dir "$TRITON_CACHE_DIR"
@@ -32,13 +38,13 @@ if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
         # shellcheck disable=SC2086  # a space-separated list of URLs
         prewarm push "$PREWARM_SOURCE" $PREWARM_PUSH
     fi
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST"
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST" $AUTOTUNE
 elif [ -n "${PREWARM_TRUST:-}" ]; then
     prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR" --trust "$PREWARM_TRUST" --require-signature
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST"
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE
 else
     prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR"
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST"
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE
 fi
 
 if [ "$#" -gt 0 ]; then

@@ -23,6 +23,14 @@ def emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def progress_bar(args):
+    """A rich progress display on stderr for people; nothing with --json or when stderr is not a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, disable=args.json or not err.is_terminal)
+
+
 # --- verbs ---------------------------------------------------------------------------------------------------
 # (each cmd_* returns the process exit code)
 
@@ -75,14 +83,12 @@ def _print_compiles(p, args) -> int:
 
 
 def cmd_build(args) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from .build import build
     from .errors import BuildError
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, disable=args.json or not err.is_terminal) as bar:
+    with progress_bar(args) as bar:
         task = bar.add_task("building", total=None)
 
         def progress(result, done, total):
@@ -146,7 +152,15 @@ def cmd_push(args) -> int:
 
     from .store import push
 
-    results = push(args.bundle, args.urls, attempts=args.retries + 1)
+    with progress_bar(args) as bar:
+        tasks = {}  # one bar per target; progress() is called from the push threads, rich's Progress is thread-safe
+
+        def progress(url, done, total):
+            if url not in tasks:
+                tasks[url] = bar.add_task(f"push {escape(url)}", total=total)
+            bar.update(tasks[url], completed=done, total=total)
+
+        results = push(args.bundle, args.urls, attempts=args.retries + 1, progress=progress)
     failed = [r for r in results if not r.ok]
     if args.json:
         emit_json({"ok": not failed, "targets": [vars(r) for r in results]})
@@ -165,9 +179,12 @@ def cmd_push(args) -> int:
 def cmd_install(args) -> int:
     from .install import install
 
-    r = install(args.source, args.cache_dir, trusted_keys=args.trust, require_signature=args.require_signature,
-                allow_fingerprint_mismatch=args.allow_fingerprint_mismatch, workers=args.workers,
-                lock_timeout=args.lock_timeout)
+    with progress_bar(args) as bar:
+        task = bar.add_task("install (fetch, check, stage)", total=None)
+        r = install(args.source, args.cache_dir, trusted_keys=args.trust, require_signature=args.require_signature,
+                    allow_fingerprint_mismatch=args.allow_fingerprint_mismatch, workers=args.workers,
+                    lock_timeout=args.lock_timeout,
+                    progress=lambda done, total: bar.update(task, completed=done, total=total))
     if args.json:
         doc = {k: v for k, v in vars(r).items() if k != "mismatches"}
         doc["mismatches"] = [vars(m) for m in r.mismatches]
@@ -197,7 +214,8 @@ def cmd_verify(args) -> int:
         from .willhit import check
 
         hit = check(args.plan, r.cache_dir)
-    code = r.exit_code or (WillMissError.exit_code if hit is not None and not hit.ok else 0)
+    missed = hit is not None and (not hit.ok or (args.require_autotune and any(not a.present for a in hit.autotune)))
+    code = r.exit_code or (WillMissError.exit_code if missed else 0)
     if args.json:
         emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code,
                    "ok": code == 0})
@@ -230,7 +248,20 @@ def cmd_verify(args) -> int:
             t.add_row(escape(x.label), escape(x.kernel.rsplit(":", 1)[-1]), x.key or "-",
                       "[green]hit[/]" if x.hit else "[red]MISS[/]", escape(x.detail))
         out.print(t)
-    out.print("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})")
+        if hit.autotune:
+            kept = sum(a.present for a in hit.autotune)
+            absent = "[red]absent[/]" if args.require_autotune else "[yellow]absent[/]"
+            t = Table(title=f"autotune results ({kept} kept, {len(hit.autotune) - kept} absent"
+                            + ("" if args.require_autotune else "; informational without --require-autotune") + ")")
+            for c in ("first call", "kernel", "key", "kept", "detail"):
+                t.add_column(c, overflow="fold")
+            for a in hit.autotune:
+                t.add_row(escape(a.label), escape(a.kernel.rsplit(":", 1)[-1]), a.key,
+                          "[green]kept[/]" if a.present else absent, escape(a.detail))
+            out.print(t)
+    absent = sum(not a.present for a in hit.autotune) if hit is not None else 0
+    note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and not code else ""
+    out.print(("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})") + note)
     return code
 
 
@@ -346,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = verb("verify", cmd_verify, "check a cache dir: integrity, compatibility, will-hit")
     sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
     sp.add_argument("--plan", metavar="MANIFEST")
+    sp.add_argument("--require-autotune", action="store_true",
+                    help="with --plan: also fail (exit 5) when a kept autotune result is absent (device bundles)")
     sp.add_argument("--bundle", help="check against this bundle (URL or dir) instead of the install receipts")
     sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY")
     sp.add_argument("--require-signature", action="store_true")
@@ -365,7 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "require_autotune", False) and not args.plan:
+        parser.error("verify --require-autotune needs --plan MANIFEST (the calls whose autotune results to look for)")
     try:
         return args.func(args)
     except PrewarmError as e:

@@ -21,7 +21,7 @@ class BuildError(PrewarmError):
 
 
 class WillMissError(PrewarmError):
-    """The runtime would not find one or more planned kernels in the cache (it would compile on the node)."""
+    """A planned kernel is not in the cache (the node would compile it), or (--require-autotune) an autotune result."""
 
     exit_code = 5
 

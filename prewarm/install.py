@@ -20,6 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import filelock
 
@@ -202,7 +203,10 @@ def install(
     workers: int | None = None,
     lock_timeout: float = 600,
     durable: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> InstallResult:
+    """Install ``source`` (a bundle dir or store URL) into ``cache_dir``: every entry checked and staged first, then
+    one rename per entry, then the receipt. ``progress(entries staged, entries to stage)`` as staging goes."""
     t0 = time.monotonic()
     cache_dir = Path(os.path.abspath(cache_dir or default_cache_dir()))
     bundle = read_bundle(
@@ -227,7 +231,7 @@ def install(
             workers = workers or min(8, max(2, os.cpu_count() or 2))
             # One cache dir, one Ascend toolchain: Triton's key cannot tell them apart (no-op on CUDA).
             fingerprint.claim_cache_dir(cache_dir, node)
-            _install_locked(bundle, source, cache_dir, res, workers, durable)
+            _install_locked(bundle, source, cache_dir, res, workers, durable, progress)
         finally:
             lock.release()
     except OSError as e:
@@ -238,7 +242,8 @@ def install(
     return res
 
 
-def _install_locked(bundle: Bundle, source: str, cache_dir: Path, res: InstallResult, workers: int, durable: bool):
+def _install_locked(bundle: Bundle, source: str, cache_dir: Path, res: InstallResult, workers: int, durable: bool,
+                    progress: Callable[[int, int], None] | None):
     meta = cache_dir / META_DIR
     for old in meta.glob("staging-*"):  # left by a killed install; only the lock holder stages
         shutil.rmtree(old, ignore_errors=True)
@@ -255,7 +260,12 @@ def _install_locked(bundle: Bundle, source: str, cache_dir: Path, res: InstallRe
         with cf.ThreadPoolExecutor(workers) as pool:
             futures = [pool.submit(_stage_entry, bundle, e, cache_dir, staging) for e in todo]
             try:
-                res.bytes_fetched = sum(f.result() for f in futures)
+                if progress:
+                    progress(0, len(todo))
+                for done, f in enumerate(cf.as_completed(futures), 1):
+                    res.bytes_fetched += f.result()
+                    if progress:
+                        progress(done, len(todo))
             except BaseException:
                 for f in futures:
                     f.cancel()

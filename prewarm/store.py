@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -178,10 +179,11 @@ class PushResult:
 
 
 def _push_one(
-    bundle_dir: Path, url: str, storage_options: dict | None, attempts: int, backoff: float, on_object, workers: int
+    bundle_dir: Path, url: str, storage_options: dict | None, attempts: int, backoff: float, progress, workers: int
 ) -> PushResult:
     res = PushResult(url)
     t0 = time.monotonic()
+    lock = threading.Lock()  # the counters are updated from the object-sending threads
 
     def note(e: Exception) -> None:
         res.retries += 1
@@ -203,17 +205,22 @@ def _push_one(
         have = attempt(store.list_objects, "list objects")
         todo = [e.object for e in index.entries if e.object not in have]
         res.present = len(index.entries) - len(todo)
+        todo = sorted(set(todo))
+        if progress:
+            progress(url, 0, len(todo))
 
         def send(name: str) -> None:
             data = (bundle_dir / OBJECTS / name).read_bytes()
             attempt(lambda: store.write(f"{OBJECTS}/{name}", data), f"write {OBJECTS}/{name}")
-            res.sent += 1
-            res.bytes_sent += len(data)
-            if on_object:
-                on_object(url, name)
+            with lock:
+                res.sent += 1
+                res.bytes_sent += len(data)
+                done = res.sent
+            if progress:
+                progress(url, done, len(todo))
 
         with cf.ThreadPoolExecutor(workers) as pool:
-            for f in [pool.submit(send, n) for n in sorted(set(todo))]:
+            for f in [pool.submit(send, n) for n in todo]:
                 f.result()
         sig = bundle_dir / SIGNATURE
         if sig.exists():
@@ -234,9 +241,12 @@ def push(
     attempts: int = 4,
     backoff: float = 0.25,
     workers: int = 4,
-    on_object: Callable[[str, str], None] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> list[PushResult]:
-    """Push one bundle to every URL concurrently; a result per URL, in the order given."""
+    """Push one bundle to every URL concurrently; a result per URL, in the order given.
+
+    ``progress(url, objects sent, objects to send)`` once the target's listing is known, then after each object
+    (from worker threads)."""
     bundle_dir = Path(bundle_dir)
     if not (bundle_dir / INDEX).is_file():
         raise StoreError(f"{bundle_dir}: not a bundle dir (no {INDEX}; make one with `prewarm pack`)")
@@ -244,6 +254,6 @@ def push(
         urls = [join(default_store_root(), bundle_name(bundle_dir))]
     with cf.ThreadPoolExecutor(len(urls)) as pool:
         futures = [
-            pool.submit(_push_one, bundle_dir, u, storage_options, attempts, backoff, on_object, workers) for u in urls
+            pool.submit(_push_one, bundle_dir, u, storage_options, attempts, backoff, progress, workers) for u in urls
         ]
         return [f.result() for f in futures]

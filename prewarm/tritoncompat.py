@@ -157,6 +157,22 @@ def warmup(kernel, args: tuple, kwargs: dict, grid) -> None:
     kernel.warmup(*args, grid=grid, **kwargs)
 
 
+def autotuned_call(kernel, args: tuple, kwargs: dict):
+    """(Autotuner, args, kwargs) as the Autotuner's ``run`` receives them for this call, or None when the call is
+    not autotuned or the Autotuner keeps no results on disk (triton 3.2 has no ``cache_results``; 3.4+ only with
+    ``cache_results=True`` or TRITON_CACHE_AUTOTUNING=1). Heuristics over the Autotuner are applied first, as
+    their ``run`` would."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    if isinstance(kernel, Heuristics) and isinstance(kernel.fn, Autotuner):
+        named = {**dict(zip(kernel.arg_names, args)), **kwargs}
+        kwargs = {**kwargs, **{name: heur(named) for name, heur in kernel.values.items()}}
+        kernel = kernel.fn
+    if not isinstance(kernel, Autotuner) or not getattr(kernel, "cache_results", False):
+        return None
+    return kernel, args, kwargs
+
+
 def preload(fn, specialization_data: str):
     """Compile (or find on disk) exactly the request recorded in ``specialization_data``."""
     return jit_function(fn).preload(specialization_data)

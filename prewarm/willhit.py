@@ -5,9 +5,14 @@ Each planned compile is replayed through the real JIT path (``JITFunction.preloa
 Python ABI, env vars, the kernel's source and line number) and asks for ``__grp__<name>.json`` under the key
 dir; the probe stops it right there and the entry is inspected (group file present, every child file present
 and inside the cache dir, as the runtime's ``get_group`` needs it).
+
+Autotuned calls are probed the same way one level up: a copy of the Autotuner runs the planned call, computes its
+tuning key and asks the cache for ``<kernel>.autotune.json``; the probe stops it there. Where that file is absent
+the node benchmarks every config once per process (an offline build never has it; a device build does).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -17,7 +22,7 @@ from triton.runtime.cache import FileCacheManager
 
 from . import tritoncompat
 from .manifest import load
-from .plan import Compile, expand_all, plan, resolve
+from .plan import Compile, Request, decode, expand_all, plan, resolve
 from .targets import Target, get_target
 
 
@@ -43,6 +48,9 @@ class ProbeCacheManager(FileCacheManager):
     def get_group(self, filename):
         raise Probe(self.key, self.cache_dir, filename)
 
+    def get_file(self, filename):  # the Autotuner's lookup of a kept result
+        raise Probe(self.key, self.cache_dir, filename)
+
 
 @dataclass
 class RequestResult:
@@ -57,11 +65,26 @@ class RequestResult:
 
 
 @dataclass
+class AutotuneResult:
+    label: str  # the first planned call with this tuning key
+    kernel: str
+    key: str  # the cache key dir the Autotuner looks in
+    present: bool
+    configs: int  # how many configs the node benchmarks when the result is absent
+    detail: str
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "kernel": self.kernel, "key": self.key, "present": self.present,
+                "configs": self.configs, "detail": self.detail}
+
+
+@dataclass
 class WillHitReport:
     manifest: str
     cache_dir: str
     target: str
     results: list[RequestResult] = field(default_factory=list)
+    autotune: list[AutotuneResult] = field(default_factory=list)  # calls whose Autotuner keeps results on disk
 
     @property
     def hits(self) -> int:
@@ -85,6 +108,8 @@ class WillHitReport:
             "misses": self.misses,
             "ok": self.ok,
             "results": [r.to_json() for r in self.results],
+            "autotune": [a.to_json() for a in self.autotune],
+            "autotune_absent": sum(not a.present for a in self.autotune),
         }
 
 
@@ -126,12 +151,76 @@ def probe_all(compiles: list[Compile], cache_dir: str) -> list[RequestResult]:
         return [probe(c, cache_dir) for c in compiles]
 
 
+class _NoBenchmark(Exception):
+    """Raised by the probe copy's ``_bench``: the Autotuner tried to benchmark without asking the disk first."""
+
+
+def probe_autotune(r: Request, cache_dir: str) -> AutotuneResult | None:
+    """Would the node's Autotuner find a kept result for this call? None when the call keeps nothing on disk."""
+    if r.specialization is not None:  # a recorded compile: one config, no tuning key
+        return None
+    kernel = resolve(r.kernel)
+    args = tuple(decode(a) for a in r.args)
+    named = {k: decode(v) for k, v in r.kwargs.items()}
+    if not args:  # a manifest's function entry names every argument: probe the usual positional call (the tuning
+        # key lists tensor dtypes in argument order), up to the first parameter it leaves out (an autotuned one)
+        for p in tritoncompat.jit_function(kernel).arg_names:
+            if p not in named:
+                break
+            args += (named.pop(p),)
+    call = tritoncompat.autotuned_call(kernel, args, named)
+    if call is None:
+        return None
+    tuner, args, kwargs = call
+    probe_copy = copy.copy(tuner)
+    probe_copy.cache = {}
+
+    def no_benchmark(*a, **k):
+        raise _NoBenchmark
+
+    probe_copy._bench = no_benchmark
+    try:
+        probe_copy.run(*args, grid=(1,), warmup=True, **kwargs)
+    except Probe as p:
+        if not p.filename.endswith(".autotune.json"):
+            return None  # one config (or a cached choice): straight to the kernel lookup, nothing is tuned
+        path = os.path.join(os.path.realpath(cache_dir), p.key, p.filename)
+        n = len(tuner.configs)
+        try:
+            timings = json.loads(Path(path).read_text())["configs_timings"]
+            best = min(timings, key=lambda ct: ct[1])[0]
+            kw = " ".join(f"{k}={v}" for k, v in best.get("kwargs", {}).items())
+            return AutotuneResult(r.label, r.kernel, p.key, True, n,
+                                  f"kept: {kw} warps={best.get('num_warps')} stages={best.get('num_stages')}")
+        except FileNotFoundError:
+            return AutotuneResult(r.label, r.kernel, p.key, False, n,
+                                  f"no {p.filename}: the node benchmarks {n} configs once per process")
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            return AutotuneResult(r.label, r.kernel, p.key, False, n,
+                                  f"{p.filename} is unreadable ({type(e).__name__}): the node benchmarks {n} configs")
+    except _NoBenchmark:
+        return None  # configs with pre_hooks or no tuning key: Triton never keeps these
+    return None
+
+
+def probe_autotune_all(requests: list[Request], cache_dir: str) -> list[AutotuneResult]:
+    """One result per tuning key (many calls share one: the key leaves out what the Autotuner ignores)."""
+    found: dict[tuple[str, str], AutotuneResult] = {}
+    with tritoncompat.cache_scope(os.path.abspath(cache_dir), ProbeCacheManager):
+        for r in requests:
+            a = probe_autotune(r, cache_dir)
+            if a is not None:
+                found.setdefault((a.kernel, a.key), a)
+    return list(found.values())
+
+
 def check(manifest_path: str, cache_dir: str, mode: str = "auto") -> WillHitReport:
     """For every compile the manifest plans, would this environment's runtime find it in ``cache_dir``?"""
     manifest = load(manifest_path)
     target: Target = get_target(manifest.backend, manifest.arch, mode)
     target.activate()
-    compiles = expand_all(plan(manifest).requests)
+    requests = plan(manifest).requests
     report = WillHitReport(manifest.name, os.path.abspath(cache_dir), target.describe())
-    report.results = probe_all(compiles, cache_dir)
+    report.results = probe_all(expand_all(requests), cache_dir)
+    report.autotune = probe_autotune_all(requests, cache_dir)
     return report

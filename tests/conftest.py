@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -124,14 +125,38 @@ class SSHServer:
     def url(self, path: str | os.PathLike) -> str:
         return f"sftp://{self.user}@127.0.0.1:{self.port}{path}"
 
+    def stop(self) -> None:
+        """Stop the listener and every session it forked: open connections drop, as when a host goes away.
+        (Session processes call setsid(), so they are found by parentage, not by process group.)"""
+        for pid in _descendants(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _stop(self.proc)
 
-@pytest.fixture(scope="session")
-def sshd(tmp_path_factory):
+
+def _descendants(root: int) -> list[int]:
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        parent[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        kids = [pid for pid, ppid in parent.items() if ppid in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def start_sshd(d: Path) -> SSHServer:
     """OpenSSH's sshd on a high loopback port: temp host key, temp authorized key for the current user."""
     exe = shutil.which("sshd") or next((p for p in ("/usr/sbin/sshd", "/usr/local/sbin/sshd") if os.path.exists(p)), None)
     if exe is None:
         raise RuntimeError("sshd not found: install the apt package openssh-server")
-    d = tmp_path_factory.mktemp("sshd")
     for name in ("host", "client"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
     shutil.copy(d / "client.pub", d / "authorized_keys")
@@ -161,8 +186,23 @@ def sshd(tmp_path_factory):
     wait_port(port, proc, "sshd")
     import getpass
 
-    yield SSHServer(proc, port, str(d / "client"), getpass.getuser())
-    _stop(proc)
+    return SSHServer(proc, port, str(d / "client"), getpass.getuser())
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """sshd for the whole session."""
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_sshd(tmp_path_factory):
+    """A private sshd a test may stop (fault injection)."""
+    server = start_sshd(tmp_path_factory.mktemp("own-sshd"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture

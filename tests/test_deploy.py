@@ -374,3 +374,24 @@ def test_prelaunch_script_does_not_start_the_server_when_a_planned_kernel_would_
     assert p.returncode == 5, f"expected the will-miss exit code 5, got {p.returncode}:\n{p.stdout}\n{p.stderr}"
     assert "server-started" not in p.stdout
     assert image.verbs_run() == ["install", "verify"]
+
+
+def test_prelaunch_requiring_autotune_results_refuses_an_offline_bundle(baked, tmp_path, monkeypatch):
+    """A bundle from an offline build has no autotune results: the node starts the server by default, and stays
+    down with exit 5 when PREWARM_REQUIRE_AUTOTUNE=1 (meant for bundles from a device build)."""
+    from prewarm.build import build
+    from prewarm.bundle import pack
+
+    image: Image = baked["image"]
+    fixtures = REPO / "tests" / "fixtures"
+    manifest = fixtures / "toy-autotune.toml"  # one autotuned kernel that keeps its results on disk
+    monkeypatch.syspath_prepend(str(fixtures))
+    env = {"PYTHONPATH": str(fixtures), "PREWARM_MANIFEST": str(manifest), "PREWARM_SOURCE": str(tmp_path / "bundle")}
+    build(manifest, tmp_path / "built", workers=1, mode="offline")
+    pack(tmp_path / "built", tmp_path / "bundle")
+    p = prelaunch(image, {**env, "TRITON_CACHE_DIR": str(tmp_path / "node-a")})
+    assert p.returncode == 0 and p.stdout.rstrip().endswith("server-started"), p.stdout + p.stderr
+    p = prelaunch(image, {**env, "TRITON_CACHE_DIR": str(tmp_path / "node-b"), "PREWARM_REQUIRE_AUTOTUNE": "1"})
+    assert p.returncode == 5, f"expected exit 5, got {p.returncode}:\n{p.stdout}\n{p.stderr}"
+    assert "server-started" not in p.stdout and "0 kept, 2 absent" in p.stdout.replace("\n", " ")
+    assert image.verbs_run() == ["install", "verify", "install", "verify"]

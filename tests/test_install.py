@@ -40,13 +40,16 @@ def toy_bundle(triton_cache, tmp_path) -> Path:
 
 def test_install_writes_receipt_and_repeat_is_a_noop(toy_bundle, tmp_path):
     node = tmp_path / "node"
-    first = install(str(toy_bundle), node)
+    calls = []
+    first = install(str(toy_bundle), node, progress=lambda *a: calls.append(a))
     assert (first.installed, first.present, first.noop) == (5, 0, False)
+    assert calls == [(i, 5) for i in range(6)]  # staged entries, 0 to all, in order
     assert receipt_path(node, first.index_digest).exists()
     before = snapshot(node)
     mtimes = {p: p.stat().st_mtime_ns for p in node.rglob("*") if p.is_file()}
-    again = install(str(toy_bundle), node)
-    assert (again.installed, again.noop) == (0, True)
+    calls.clear()
+    again = install(str(toy_bundle), node, progress=lambda *a: calls.append(a))
+    assert (again.installed, again.noop) == (0, True) and calls == []
     assert snapshot(node) == before
     assert {p: p.stat().st_mtime_ns for p in node.rglob("*") if p.is_file()} == mtimes
     assert not list((node / META_DIR).glob("staging-*"))

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
 
 import pytest
 
@@ -51,35 +55,49 @@ def test_only_missing_objects_are_sent(triton_cache, tmp_path, s3_server):
     store = open_store(url, s3_server.options)
     objects = sorted(p.name for p in (bundle / OBJECTS).iterdir())
     store.write(f"{OBJECTS}/{objects[0]}", (bundle / OBJECTS / objects[0]).read_bytes())
-    [res] = push(bundle, [url], storage_options=s3_server.options)
+    calls = []
+    [res] = push(bundle, [url], storage_options=s3_server.options, progress=lambda *a: calls.append(a))
     assert res.ok and res.present == 1 and res.sent == len(objects) - 1
     assert store.list_objects() == set(objects)
+    # progress counts what this target lacks, from 0 to all of it
+    n = len(objects) - 1
+    assert calls[0] == (url, 0, n) and sorted(calls) == [(url, i, n) for i in range(n + 1)]
+    calls.clear()
+    [res] = push(bundle, [url], storage_options=s3_server.options, progress=lambda *a: calls.append(a))
+    assert res.sent == 0 and calls == [(url, 0, 0)]
 
 
+@pytest.mark.parametrize("protocol", ["s3", "sftp"])
 def test_server_stopped_mid_push_retries_then_fails_cleanly_other_targets_succeed(
-    triton_cache, tmp_path, own_s3_server
+    triton_cache, tmp_path, protocol, request
 ):
     bundle = tmp_path / "bundle"
     pack(triton_cache, bundle)
-    bad = f"s3://{own_s3_server.new_bucket()}/b"
+    if protocol == "s3":
+        server = request.getfixturevalue("own_s3_server")
+        bad = f"s3://{server.new_bucket()}/b"
+        opts = dict(server.options, config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1})
+    else:  # sshd and the sessions it forked are killed: the open sftp connection drops mid-push
+        server = request.getfixturevalue("own_sshd")
+        bad = server.url(tmp_path / "sftp-target")
+        opts = server.options
     good = f"file://{tmp_path / 'good'}"
-    sent = []
 
-    def stop_server_after_first_object(url, name):
-        sent.append(url)
-        if url == bad and own_s3_server.proc.poll() is None:
-            own_s3_server.stop()
+    def stop_server_after_first_object(url, done, total):
+        if url == bad and done == 1 and server.proc.poll() is None:
+            server.stop()
 
-    opts = dict(own_s3_server.options, config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1})
     res_bad, res_good = push(
         bundle, [bad, good], storage_options=opts, attempts=3, backoff=0.05, workers=1,
-        on_object=stop_server_after_first_object,
+        progress=stop_server_after_first_object,
     )
     assert res_good.ok and res_good.sent == len(list((bundle / OBJECTS).iterdir()))
-    assert not res_bad.ok
-    assert res_bad.retries >= 2 and "failed after 3 attempts" in res_bad.error
+    assert not res_bad.ok and res_bad.sent == 1
+    assert res_bad.retries >= 2 and "failed after 3 attempts" in res_bad.error and bad in res_bad.error
     # the index is written last: the half-pushed target has no index, so nobody can install from it
     assert (tmp_path / "good" / INDEX).exists()
+    if protocol == "sftp":
+        assert not (tmp_path / "sftp-target" / INDEX).exists()  # same host: look at the target dir itself
     with pytest.raises(StoreError):
         install(bad, tmp_path / "node", storage_options=opts)
 
@@ -102,3 +120,38 @@ def test_default_store_by_bundle_name(triton_cache, tmp_path, monkeypatch):
     r = install("kda-bundle", tmp_path / "node")
     assert r.installed == len(list((bundle / OBJECTS).iterdir()))
     assert verify(tmp_path / "node").ok
+
+
+def run_on_terminal(*args, env: dict) -> tuple[int, str, str]:
+    """`prewarm ARGS` with stderr on a pseudo-terminal, as a person runs it: (exit code, stdout, terminal text)."""
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "prewarm.cli", *map(str, args)], stdout=subprocess.PIPE,
+                         stderr=slave, env={**env, "TERM": "xterm-256color", "COLUMNS": "200"})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    stdout = p.stdout.read().decode()
+    return p.wait(), stdout, b"".join(chunks).decode(errors="replace")
+
+
+def test_push_and_install_show_progress_on_a_terminal_only(triton_cache, tmp_path, cli_env):
+    bundle = tmp_path / "bundle"
+    pack(triton_cache, bundle)
+    n = len(list((bundle / OBJECTS).iterdir()))
+    url = f"file://{tmp_path / 'store'}"
+    rc, _, term = run_on_terminal("push", bundle, url, env=cli_env)
+    assert rc == 0 and f"push {url}" in term and f"{n}/{n}" in term
+    rc, stdout, term = run_on_terminal("install", url, "--cache-dir", tmp_path / "node", env=cli_env)
+    assert rc == 0 and "install (fetch, check, stage)" in term and f"{n}/{n}" in term
+    assert f"installed {n} entries" in stdout
+    # piped (a pre-launch job's log): the results only, no progress redraws
+    piped = run_cli("install", url, "--cache-dir", tmp_path / "node2", env=cli_env)
+    assert "install (fetch, check, stage)" not in piped.stderr + piped.stdout

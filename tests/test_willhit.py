@@ -38,6 +38,7 @@ def test_a_built_cache_hits_everything(cache):
     report = check(str(TOY), str(path))
     assert report.ok and (report.hits, report.misses) == (11, 0)
     assert {r.label: r.key for r in report.results} == keys
+    assert report.autotune == []  # the toy's autotuners keep nothing on disk (no cache_results): nothing to find
     assert report.to_json()["ok"] is True and len(report.to_json()["results"]) == 11
     assert files(path) == before
 
@@ -117,3 +118,43 @@ def test_deleting_one_entry_names_exactly_it_and_a_rebuild_restores_it(cache):
     rebuilt = build(TOY, path, workers=1, mode="offline")
     assert (rebuilt.count("compiled"), rebuilt.count("present")) == (1, 10)
     assert check(str(TOY), str(path)).ok
+
+
+TUNED = FIXTURES / "toy-autotune.toml"
+
+
+def test_autotune_results_the_runtime_keeps_are_found_and_absent_ones_named(tmp_path):
+    """An autotuned call's kept result (``<kernel>.autotune.json``, written by Triton's own Autotuner at runtime)
+    is found under the key the plan predicts; an offline build has none, and --require-autotune fails on that."""
+    build(TUNED, tmp_path, workers=1, mode="offline")
+    before = files(tmp_path)
+    report = check(str(TUNED), str(tmp_path))
+    assert report.ok and report.hits == 4  # 2 configs x 2 tuning keys (n), all compiled
+    assert [(a.label, a.present, a.configs) for a in report.autotune] == [("gain n=1000", False, 2),
+                                                                          ("gain n=4096", False, 2)]
+    assert all("the node benchmarks 2 configs" in a.detail for a in report.autotune)
+    assert files(tmp_path) == before  # probing created nothing
+
+    verify_cli = [sys.executable, "-m", "prewarm.cli", "verify", "--cache-dir", str(tmp_path), "--plan", str(TUNED)]
+    assert subprocess.run(verify_cli, env=ENV, capture_output=True).returncode == 0  # informational by default
+    strict = subprocess.run(verify_cli + ["--require-autotune"], env={**ENV, "COLUMNS": "300"},
+                            capture_output=True, text=True)
+    assert strict.returncode == 5 and "0 kept, 2 absent" in strict.stdout
+
+    # a server's call on real tensors (n=1000): Triton's Autotuner writes its result where the probe looks
+    subprocess.run([sys.executable, "-m", "prewarm_toy.tune", str(tmp_path), "1000"], env=ENV, check=True,
+                   capture_output=True)
+    report = check(str(TUNED), str(tmp_path))
+    (kept,) = [a for a in report.autotune if a.present]
+    assert kept.label == "gain n=1000" and kept.detail == "kept: BLOCK=128 warps=4 stages=3"
+    assert (tmp_path / kept.key / "gain_kernel.autotune.json").is_file()
+
+    subprocess.run([sys.executable, "-m", "prewarm_toy.tune", str(tmp_path), "4096"], env=ENV, check=True,
+                   capture_output=True)
+    assert subprocess.run(verify_cli + ["--require-autotune"], env=ENV, capture_output=True).returncode == 0
+
+
+def test_require_autotune_needs_a_plan(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "prewarm.cli", "verify", "--cache-dir", str(tmp_path),
+                        "--require-autotune"], env=ENV, capture_output=True, text=True)
+    assert p.returncode == 2 and "--require-autotune needs --plan" in p.stderr
