@@ -23,7 +23,8 @@ ARG CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04
 ARG CANN_IMAGE=quay.io/ascend/cann:8.5.0-a3-ubuntu22.04-py3.11
 
 FROM ${CUDA_IMAGE} AS os-cuda
-# gcc: Triton 3.6 builds its per-signature launcher .so at first launch (not in an offline build, see below).
+# gcc: the offline build compiles each kernel's launcher .so and cuda_utils.so with it (Triton builds them at
+# first launch otherwise); a node serving only planned kernels then runs no C compiler.
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
     && rm -rf /var/lib/apt/lists/*
@@ -49,7 +50,7 @@ RUN python3 -m venv --system-site-packages /opt/prewarm/venv \
 # --- NVIDIA: build + pack at image build time -----------------------------------------------------------------
 FROM tool AS bake-cuda
 # `docker build` has no GPU: the offline target compiles every planned kernel (every autotune config) to cubin
-# through Triton's real JIT path. Autotune timings and launcher .so files need a GPU; for those, run
+# through Triton's real JIT path, plus their launcher .so files. Autotune timings need a GPU; for those, run
 # `prewarm build --mode device` on one GPU node, pack, push, and point the nodes' PREWARM_SOURCE at that store.
 RUN prewarm build "${PREWARM_MANIFEST}" --cache-dir "${PREWARM_CACHE}" --mode offline
 RUN --mount=type=secret,id=prewarm_key \

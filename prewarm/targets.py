@@ -4,7 +4,8 @@ A :class:`Target` is activated once per process (the build's parent and each wor
 path (``warmup`` / ``preload``) compiles for it. Concrete targets:
 
 - :class:`CudaOfflineTarget`: no GPU. Installs a target-only driver, so Triton compiles for ``sm_XX`` without
-  libcuda. Launchers (the per-signature C ``.so`` Triton 3.6 builds at first launch) cannot be built here.
+  libcuda, and builds each kernel's launcher (the per-signature C ``.so`` Triton builds at first launch) and
+  ``cuda_utils.so`` with the host C compiler. Autotune results cannot be made here (nothing to benchmark on).
 - :class:`CudaDeviceTarget`: a real GPU. Compiles the same way, then runs each provider's ``run(spec, device)``
   once so autotune results and launchers land in the cache dir too.
 - ``NpuTarget`` (Ascend, compile-only launches): added by the Ascend engineer; it registers itself with
@@ -100,11 +101,32 @@ class CudaOfflineTarget(Target):
         if not (isinstance(current, OfflineDriver) and current.target == wanted.target):
             driver.set_active(wanted)
 
+    def compile(self, fn: Any, specialization_data: str) -> Any:
+        """Compile, then build the kernel's launcher into the cache too (the node then runs no C compiler)."""
+        from . import tritoncompat
+
+        kernel = super().compile(fn, specialization_data)
+        try:
+            tritoncompat.build_cuda_launcher(kernel)
+        except Exception:  # no C compiler here: after_build says so; the node builds the launcher itself
+            pass
+        return kernel
+
+    def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
+        from . import tritoncompat
+
+        try:
+            with tritoncompat.cache_scope(cache_dir):
+                tritoncompat.build_cuda_utils()
+        except Exception as e:
+            return [f"launchers and cuda_utils.so were not built ({type(e).__name__}: {e}); the node builds them "
+                    f"at first launch, which needs a C compiler there"]
+        return []
+
     def notes(self) -> list[str]:
         return [
-            "offline CUDA build: kernels are compiled to cubin, but Triton's per-signature launcher .so and "
-            "cuda_utils.so are built at first launch on the node (needs gcc there), and no autotune results "
-            "exist: autotuned kernels benchmark once per process unless a device build ran"
+            "offline CUDA build: kernels, their launchers and cuda_utils.so are in the cache, but no autotune "
+            "results: autotuned kernels benchmark once per process on the node unless a device build ran"
         ]
 
 

@@ -5,6 +5,8 @@ import contextlib
 import functools
 import importlib.metadata
 import os
+import types
+from pathlib import Path
 
 
 @functools.lru_cache()
@@ -192,21 +194,118 @@ def mock_tensor(dtype, shape):
 @contextlib.contextmanager
 def cache_scope(path: str, manager: type | None = None):
     """Within the block Triton uses cache dir ``path`` and cache manager ``manager``; both restored after."""
-    saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER")}
     try:
         from triton import knobs
 
         scope = knobs.cache.scope()
     except ImportError:
         scope = contextlib.nullcontext()
+    with _restored_env("TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER"), scope:
+        set_cache_dir(path)
+        set_cache_manager(manager)
+        yield
+
+
+@contextlib.contextmanager
+def _restored_env(*names: str):
+    """The environment variables ``names`` as they were before the block, whatever it set."""
+    saved = {k: os.environ.get(k) for k in names}
     try:
-        with scope:
-            set_cache_dir(path)
-            set_cache_manager(manager)
-            yield
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# --- CUDA launchers without a GPU -------------------------------------------------------------------------------
+# Triton (3.4+) builds a C launcher per kernel signature, and cuda_utils once, with the host C compiler at first
+# launch, keyed by their source and the platform (not by the GPU): built here they are found on the node, which then
+# needs no compiler and spends no time in it. Linking needs libcuda.so.1; without the NVIDIA driver an empty stub
+# with that soname stands in for the link only (the cu* symbols resolve against the node's libcuda at load time).
+
+
+@contextlib.contextmanager
+def _libcuda_for_linking():
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia import driver as nv
+
+    def reset():
+        nv.libcuda_dirs.cache_clear()
+        nv.library_dirs.cache_clear()
+
+    reset()
+    try:
+        nv.libcuda_dirs()  # asserts that libcuda.so.1 is there
+        driver_installed = True
+    except Exception:
+        driver_installed = False
+    if driver_installed:  # link against the real driver
+        yield
+        return
+    import shutil
+
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")  # as Triton's own build picks it
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc, clang or $CC) to build launchers with")
+    # both read at use, and neither is one of the cache key's env vars
+    with _restored_env("TRITON_LIBCUDA_PATH", "CC"), tempfile.TemporaryDirectory(prefix="prewarm-libcuda-") as stub:
+        subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", os.path.join(stub, "libcuda.so.1"),
+                        "-x", "c", os.devnull], check=True, capture_output=True)
+        # the stub defines nothing, so a linker that drops unused libraries (--as-needed, Ubuntu's default) would
+        # leave libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the real driver does
+        wrapper = os.path.join(stub, "cc")
+        Path(wrapper).write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@"\n')
+        os.chmod(wrapper, 0o755)
+        os.environ.update(TRITON_LIBCUDA_PATH=stub, CC=wrapper)
+        reset()
+        try:
+            yield
+        finally:
+            reset()
+
+
+class _Unloaded(types.ModuleType):
+    """Stands in for a built module that is not loaded (that needs the NVIDIA driver): every attribute is None."""
+
+    def __getattr__(self, name):
+        return None
+
+
+@contextlib.contextmanager
+def _build_without_loading():
+    """Triton's ``compile_module_from_src`` builds a missing module into the cache, then imports it; here the
+    import is skipped, so a module already in the cache is left as is (an import failure would rebuild it)."""
+    import triton.runtime.build as tb
+
+    saved = tb._load_module_from_path
+    tb._load_module_from_path = lambda name, path: _Unloaded(name)
+    try:
+        with _libcuda_for_linking():
+            yield
+    finally:
+        tb._load_module_from_path = saved
+
+
+def build_cuda_launcher(kernel) -> None:
+    """The launcher ``.so`` for a compiled kernel (``preload``'s result), into the active cache dir."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    with _build_without_loading():
+        CudaLauncher(kernel.src, kernel.metadata)
+
+
+def build_cuda_utils() -> None:
+    """``cuda_utils.so`` (what the CUDA driver builds when a process first uses it), into the active cache dir."""
+    from triton.backends.nvidia import driver as nv
+
+    saved = getattr(nv, "PyCUtensorMap", None)  # CudaUtils() sets this module global from what it loads
+    try:
+        with _build_without_loading():
+            nv.CudaUtils.__init__(object.__new__(nv.CudaUtils))  # not the driver's singleton instance
+    finally:
+        nv.PyCUtensorMap = saved
