@@ -200,6 +200,9 @@ def probe_autotune(r: Request, cache_dir: str) -> AutotuneResult | None:
                                   f"{p.filename} is unreadable ({type(e).__name__}): the node benchmarks {n} configs")
     except _NoBenchmark:
         return None  # configs with pre_hooks or no tuning key: Triton never keeps these
+    except Exception as e:  # e.g. a prune or perf-model hook failing on meta tensors: said, not fatal
+        return AutotuneResult(r.label, r.kernel, "-", False, len(tuner.configs),
+                              f"cannot compute the tuning key: {type(e).__name__}: {e}")
     return None
 
 
