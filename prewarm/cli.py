@@ -259,6 +259,19 @@ def cmd_verify(args) -> int:
                 t.add_row(escape(a.label), escape(a.kernel.rsplit(":", 1)[-1]), a.key,
                           "[green]kept[/]" if a.present else absent, escape(a.detail))
             out.print(t)
+        if hit.modules:
+            have = sum(m.present for m in hit.modules)
+            out.print(f"C modules the CUDA runtime builds at first launch: {have} of {len(hit.modules)} in the cache "
+                      f"(a launcher per kernel signature, and cuda_utils)")
+            missing = [m for m in hit.modules if not m.present]
+            if missing:
+                t = Table(title="[yellow]absent[/]: the node builds these with its C compiler at first launch (about "
+                                "a second each, no kernel compile; fails where no compiler is installed)")
+                for c in ("module", "key", "planned compiles using it"):
+                    t.add_column(c, overflow="fold")
+                for m in missing:
+                    t.add_row(m.name, m.key, str(m.kernels) if m.name != "cuda_utils" else "all")
+                out.print(t)
     absent = sum(not a.present for a in hit.autotune) if hit is not None else 0
     note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and not code else ""
     out.print(("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})") + note)

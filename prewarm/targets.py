@@ -107,7 +107,7 @@ class CudaOfflineTarget(Target):
 
         kernel = super().compile(fn, specialization_data)
         try:
-            tritoncompat.build_cuda_launcher(kernel)
+            tritoncompat.cuda_launcher(kernel, build=True)
         except Exception:  # no C compiler here: after_build says so; the node builds the launcher itself
             pass
         return kernel
@@ -117,7 +117,7 @@ class CudaOfflineTarget(Target):
 
         try:
             with tritoncompat.cache_scope(cache_dir):
-                tritoncompat.build_cuda_utils()
+                tritoncompat.cuda_utils(build=True)
         except Exception as e:
             return [f"launchers and cuda_utils.so were not built ({type(e).__name__}: {e}); the node builds them "
                     f"at first launch, which needs a C compiler there"]

@@ -180,6 +180,21 @@ def preload(fn, specialization_data: str):
     return jit_function(fn).preload(specialization_data)
 
 
+def load_compiled(fn, specialization_data: str):
+    """``preload`` that leaves nothing in the JITFunction's in-memory kernel cache (3.4+), so that a later plan or
+    warmup in this process still reaches the compiler: for reading what a cache holds."""
+    from triton.runtime.driver import driver
+
+    jit = jit_function(fn)
+    cache = jit.device_caches[driver.active.get_current_device()][0]
+    before = set(cache)
+    try:
+        return jit.preload(specialization_data)
+    finally:
+        for key in set(cache) - before:
+            del cache[key]
+
+
 def mock_tensor(dtype, shape):
     """A stand-in tensor for warmup: dtype and shape only, 16-byte aligned pointer (as Triton's own warmup)."""
     import inspect
@@ -228,7 +243,10 @@ def _restored_env(*names: str):
 
 
 @contextlib.contextmanager
-def _libcuda_for_linking():
+def _libcuda(link: bool):
+    """``libcuda.so.1`` as Triton's launcher classes need it: they assert that it exists before anything else, and
+    building links against it. Where the driver is not installed a stand-in is used: for a lookup an empty file of
+    that name; for building an empty shared library with that soname."""
     import subprocess
     import tempfile
 
@@ -249,19 +267,24 @@ def _libcuda_for_linking():
         return
     import shutil
 
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")  # as Triton's own build picks it
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc, clang or $CC) to build launchers with")
     # both read at use, and neither is one of the cache key's env vars
     with _restored_env("TRITON_LIBCUDA_PATH", "CC"), tempfile.TemporaryDirectory(prefix="prewarm-libcuda-") as stub:
-        subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", os.path.join(stub, "libcuda.so.1"),
-                        "-x", "c", os.devnull], check=True, capture_output=True)
-        # the stub defines nothing, so a linker that drops unused libraries (--as-needed, Ubuntu's default) would
-        # leave libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the real driver does
-        wrapper = os.path.join(stub, "cc")
-        Path(wrapper).write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@"\n')
-        os.chmod(wrapper, 0o755)
-        os.environ.update(TRITON_LIBCUDA_PATH=stub, CC=wrapper)
+        lib = os.path.join(stub, "libcuda.so.1")
+        if link:
+            cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")  # as Triton's build picks it
+            if cc is None:
+                raise RuntimeError("no C compiler (gcc, clang or $CC) to build launchers with")
+            subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, "-x", "c", os.devnull],
+                           check=True, capture_output=True)
+            # the stub defines nothing, so a linker that drops unused libraries (--as-needed, Ubuntu's default)
+            # would leave libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the driver does
+            wrapper = os.path.join(stub, "cc")
+            Path(wrapper).write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@"\n')
+            os.chmod(wrapper, 0o755)
+            os.environ["CC"] = wrapper
+        else:
+            Path(lib).touch()
+        os.environ["TRITON_LIBCUDA_PATH"] = stub
         reset()
         try:
             yield
@@ -285,27 +308,37 @@ def _build_without_loading():
     saved = tb._load_module_from_path
     tb._load_module_from_path = lambda name, path: _Unloaded(name)
     try:
-        with _libcuda_for_linking():
+        with _libcuda(link=True):
             yield
     finally:
         tb._load_module_from_path = saved
 
 
-def build_cuda_launcher(kernel) -> None:
-    """The launcher ``.so`` for a compiled kernel (``preload``'s result), into the active cache dir."""
+def has_cuda_launchers() -> bool:
+    """Does this triton build C launchers per kernel signature (upstream 3.4+ with the NVIDIA backend)?"""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cuda_launcher(kernel, build: bool) -> None:
+    """The launcher ``.so`` of a compiled kernel (``preload``'s result) as the CUDA driver makes it at first launch:
+    built into the active cache dir (``build``), or only looked up (the active cache manager sees the lookup)."""
     from triton.backends.nvidia.driver import CudaLauncher
 
-    with _build_without_loading():
+    with _build_without_loading() if build else _libcuda(link=False):
         CudaLauncher(kernel.src, kernel.metadata)
 
 
-def build_cuda_utils() -> None:
-    """``cuda_utils.so`` (what the CUDA driver builds when a process first uses it), into the active cache dir."""
+def cuda_utils(build: bool) -> None:
+    """``cuda_utils.so``, what the CUDA driver builds when a process first uses it: built or looked up, as above."""
     from triton.backends.nvidia import driver as nv
 
     saved = getattr(nv, "PyCUtensorMap", None)  # CudaUtils() sets this module global from what it loads
     try:
-        with _build_without_loading():
+        with _build_without_loading() if build else _libcuda(link=False):
             nv.CudaUtils.__init__(object.__new__(nv.CudaUtils))  # not the driver's singleton instance
     finally:
         nv.PyCUtensorMap = saved

@@ -6,6 +6,10 @@ Python ABI, env vars, the kernel's source and line number) and asks for ``__grp_
 dir; the probe stops it right there and the entry is inspected (group file present, every child file present
 and inside the cache dir, as the runtime's ``get_group`` needs it).
 
+On CUDA the C modules Triton builds at first launch are looked up the same way: each hit kernel is loaded from the
+cache and the driver's own launcher class asked for its ``__triton_launcher`` (and ``cuda_utils`` once); an absent
+one is built with the node's C compiler at first launch (about a second, no kernel compile).
+
 Autotuned calls are probed the same way one level up: a copy of the Autotuner runs the planned call, computes its
 tuning key and asks the cache for ``<kernel>.autotune.json``; the probe stops it there. Where that file is absent
 the node benchmarks every config once per process (an offline build never has it; a device build does).
@@ -79,12 +83,26 @@ class AutotuneResult:
 
 
 @dataclass
+class ModuleResult:
+    """A C module the CUDA runtime builds at first launch: a kernel signature's launcher, or cuda_utils."""
+
+    name: str  # "__triton_launcher" | "cuda_utils"
+    key: str
+    present: bool
+    kernels: int  # planned compiles that launch through it (0 for cuda_utils)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "key": self.key, "present": self.present, "kernels": self.kernels}
+
+
+@dataclass
 class WillHitReport:
     manifest: str
     cache_dir: str
     target: str
     results: list[RequestResult] = field(default_factory=list)
     autotune: list[AutotuneResult] = field(default_factory=list)  # calls whose Autotuner keeps results on disk
+    modules: list[ModuleResult] = field(default_factory=list)  # CUDA launchers and cuda_utils
 
     @property
     def hits(self) -> int:
@@ -110,6 +128,8 @@ class WillHitReport:
             "results": [r.to_json() for r in self.results],
             "autotune": [a.to_json() for a in self.autotune],
             "autotune_absent": sum(not a.present for a in self.autotune),
+            "modules": [m.to_json() for m in self.modules],
+            "modules_absent": sum(not m.present for m in self.modules),
         }
 
 
@@ -217,6 +237,36 @@ def probe_autotune_all(requests: list[Request], cache_dir: str) -> list[Autotune
     return list(found.values())
 
 
+class _ReadOnlyCacheManager(FileCacheManager):
+    """Loads what is in the cache; refuses to write (verify changes nothing)."""
+
+    def put(self, data, filename, binary=True):
+        raise RuntimeError(f"verify would have written {self.key}/{filename}")
+
+
+def probe_cuda_modules(compiles: list[Compile], results: list[RequestResult], cache_dir: str) -> list[ModuleResult]:
+    """For every kernel that hits, is its launcher in the cache, and is cuda_utils? One result per module key."""
+    root = os.path.realpath(cache_dir)
+    with tritoncompat.cache_scope(os.path.abspath(cache_dir), _ReadOnlyCacheManager):
+        kernels = [tritoncompat.load_compiled(resolve(c.kernel), c.specialization)
+                   for c, r in zip(compiles, results) if r.hit]  # disk hits: loaded, nothing compiled
+    found: dict[str, ModuleResult] = {}
+
+    def lookup(name: str, run) -> None:
+        try:
+            run()
+        except Probe as p:
+            m = found.setdefault(p.key, ModuleResult(name, p.key, os.path.isfile(os.path.join(root, p.key,
+                                                                                             p.filename)), 0))
+            m.kernels += name != "cuda_utils"
+
+    with tritoncompat.cache_scope(os.path.abspath(cache_dir), ProbeCacheManager):
+        lookup("cuda_utils", lambda: tritoncompat.cuda_utils(build=False))
+        for kernel in kernels:
+            lookup("__triton_launcher", lambda: tritoncompat.cuda_launcher(kernel, build=False))
+    return list(found.values())
+
+
 def check(manifest_path: str, cache_dir: str, mode: str = "auto") -> WillHitReport:
     """For every compile the manifest plans, would this environment's runtime find it in ``cache_dir``?"""
     manifest = load(manifest_path)
@@ -224,6 +274,9 @@ def check(manifest_path: str, cache_dir: str, mode: str = "auto") -> WillHitRepo
     target.activate()
     requests = plan(manifest).requests
     report = WillHitReport(manifest.name, os.path.abspath(cache_dir), target.describe())
-    report.results = probe_all(expand_all(requests), cache_dir)
+    compiles = expand_all(requests)
+    report.results = probe_all(compiles, cache_dir)
     report.autotune = probe_autotune_all(requests, cache_dir)
+    if manifest.backend == "cuda" and tritoncompat.has_cuda_launchers():
+        report.modules = probe_cuda_modules(compiles, report.results, cache_dir)
     return report

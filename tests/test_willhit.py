@@ -40,13 +40,20 @@ def test_a_built_cache_hits_everything(cache):
     assert {r.label: r.key for r in report.results} == keys
     assert report.autotune == []  # the toy's autotuners keep nothing on disk (no cache_results): nothing to find
     assert report.to_json()["ok"] is True and len(report.to_json()["results"]) == 11
+    # the C modules the runtime builds at first launch: the offline build made them, under the keys looked up here
+    assert all(m.present for m in report.modules)
+    assert sorted(m.name for m in report.modules) == ["__triton_launcher"] * 3 + ["cuda_utils"]
+    assert sum(m.kernels for m in report.modules) == 11
+    assert {m.key for m in report.modules} == {p.parent.name for p in path.rglob("*.so")}
     assert files(path) == before
+    assert check(str(TOY), str(path)).to_json() == report.to_json()  # a second check in this process: the same
 
 
 def test_an_empty_cache_misses_everything_and_stays_empty(tmp_path):
     report = check(str(TOY), str(tmp_path))
     assert (report.hits, report.misses) == (0, 11) and not report.ok
     assert all("not in the cache" in r.detail and r.key for r in report.results)
+    assert [(m.name, m.present) for m in report.modules] == [("cuda_utils", False)]  # no kernel, no launcher
     assert files(tmp_path) == []  # the probe compiled and created nothing
 
 
@@ -158,3 +165,21 @@ def test_require_autotune_needs_a_plan(tmp_path):
     p = subprocess.run([sys.executable, "-m", "prewarm.cli", "verify", "--cache-dir", str(tmp_path),
                         "--require-autotune"], env=ENV, capture_output=True, text=True)
     assert p.returncode == 2 and "--require-autotune needs --plan" in p.stderr
+
+
+def test_an_absent_launcher_is_named_and_informational(cache, tmp_path):
+    """A launcher missing from the cache (a cache built before launchers were prebuilt, or pruned) is named with the
+    number of planned compiles that need it; the kernels still hit, so verify stays clean."""
+    path, _ = cache
+    report = check(str(TOY), str(path))
+    launcher = max((m for m in report.modules if m.name == "__triton_launcher"), key=lambda m: m.kernels)
+    shutil.move(path / launcher.key, tmp_path / launcher.key)
+    try:
+        after = check(str(TOY), str(path))
+        assert after.ok and after.hits == 11
+        assert [(m.key, m.kernels) for m in after.modules if not m.present] == [(launcher.key, launcher.kernels)]
+        cli = subprocess.run([sys.executable, "-m", "prewarm.cli", "verify", "--cache-dir", str(path), "--plan",
+                              str(TOY)], env={**ENV, "COLUMNS": "300"}, capture_output=True, text=True)
+        assert cli.returncode == 0 and "3 of 4 in the cache" in cli.stdout and launcher.key in cli.stdout
+    finally:
+        shutil.move(tmp_path / launcher.key, path / launcher.key)
