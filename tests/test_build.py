@@ -135,3 +135,11 @@ def test_unknown_mode_is_a_clear_error(tmp_path):
     with pytest.raises(ManifestError, match="--mode: 'fast' is not one of offline, device, auto"):
         get_target("cuda", "sm_90", "fast")
     assert main(["build", str(tmp_path / "missing.toml"), "--cache-dir", str(tmp_path)]) == ManifestError.exit_code
+
+
+def test_without_a_c_compiler_the_kernels_are_built_and_the_missing_launchers_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))  # what Triton's own build (and ours) would use
+    report = build(TOY, tmp_path / "cache", workers=2, mode="offline")
+    assert report.ok and report.count("compiled") == 11
+    assert not list((tmp_path / "cache").rglob("*.so"))
+    assert any("launchers and cuda_utils.so were not built" in n and "no-such-cc" in n for n in report.notes)
