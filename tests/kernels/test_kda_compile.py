@@ -7,30 +7,20 @@ real JIT path (see docs/triton-cache-facts.md). The pinned configs (one per kern
 from __future__ import annotations
 
 import pytest
-from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
+
+from prewarm.targets import OfflineDriver
 
 SPEC = {"backend": "npu", "arch": "sm_90", "heads": 6, "head_k_dim": 128, "head_v_dim": 128, "dtype": "bfloat16",
         "gate_lower_bound": -5.0, "prefill": True, "decode_batch_buckets": [1, 16], "draft_widths": [4],
         "layers": 69}
 
 
-class _TargetOnly:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-
 @pytest.fixture
 def sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     saved = driver._active  # reset_active() would probe for a GPU; put back exactly what was there
-    driver.set_active(_TargetOnly())
+    driver.set_active(OfflineDriver("cuda", 90, 32))
     try:
         yield
     finally:
