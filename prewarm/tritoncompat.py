@@ -242,54 +242,73 @@ def _restored_env(*names: str):
 # with that soname stands in for the link only (the cu* symbols resolve against the node's libcuda at load time).
 
 
-@contextlib.contextmanager
-def _libcuda(link: bool):
-    """``libcuda.so.1`` as Triton's launcher classes need it: they assert that it exists before anything else, and
-    building links against it. Where the driver is not installed a stand-in is used: for a lookup an empty file of
-    that name; for building an empty shared library with that soname."""
+@functools.lru_cache()
+def _driver_installed() -> bool:
+    from triton.backends.nvidia import driver as nv
+
+    nv.libcuda_dirs.cache_clear()
+    try:
+        nv.libcuda_dirs()  # asserts that libcuda.so.1 is there
+        return True
+    except Exception:
+        return False
+    finally:
+        nv.libcuda_dirs.cache_clear()
+
+
+@functools.lru_cache()
+def _libcuda_stub(cc: str | None) -> str:
+    """A dir (one per process and compiler, removed at exit) holding a stand-in ``libcuda.so.1``: an empty file for a
+    lookup (``cc`` None), else an empty shared library with that soname, plus a ``cc`` wrapper that keeps it linked."""
+    import atexit
+    import shutil
     import subprocess
     import tempfile
 
-    from triton.backends.nvidia import driver as nv
+    stub = tempfile.mkdtemp(prefix="prewarm-libcuda-")
+    atexit.register(shutil.rmtree, stub, ignore_errors=True)
+    lib = os.path.join(stub, "libcuda.so.1")
+    if cc is None:
+        Path(lib).touch()
+        return stub
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, "-x", "c", os.devnull],
+                   check=True, capture_output=True)
+    # the stub defines nothing, so a linker that drops unused libraries (--as-needed, Ubuntu's default) would leave
+    # libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the real driver does
+    Path(stub, "cc").write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@"\n')
+    os.chmod(os.path.join(stub, "cc"), 0o755)
+    return stub
 
-    def reset():
-        nv.libcuda_dirs.cache_clear()
-        nv.library_dirs.cache_clear()
 
-    reset()
-    try:
-        nv.libcuda_dirs()  # asserts that libcuda.so.1 is there
-        driver_installed = True
-    except Exception:
-        driver_installed = False
-    if driver_installed:  # link against the real driver
-        yield
-        return
+@contextlib.contextmanager
+def _libcuda(link: bool):
+    """``libcuda.so.1`` as Triton's launcher classes need it: they assert that it exists before anything else, and
+    building links against it. Where the driver is not installed a stand-in is used (see ``_libcuda_stub``)."""
     import shutil
 
+    from triton.backends.nvidia import driver as nv
+
+    if _driver_installed():  # look up and link against the real driver
+        yield
+        return
+    cc = None
+    if link:
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")  # as Triton's build picks it
+        if cc is None:
+            raise RuntimeError("no C compiler (gcc, clang or $CC) to build launchers with")
+    stub = _libcuda_stub(cc)
     # both read at use, and neither is one of the cache key's env vars
-    with _restored_env("TRITON_LIBCUDA_PATH", "CC"), tempfile.TemporaryDirectory(prefix="prewarm-libcuda-") as stub:
-        lib = os.path.join(stub, "libcuda.so.1")
-        if link:
-            cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")  # as Triton's build picks it
-            if cc is None:
-                raise RuntimeError("no C compiler (gcc, clang or $CC) to build launchers with")
-            subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, "-x", "c", os.devnull],
-                           check=True, capture_output=True)
-            # the stub defines nothing, so a linker that drops unused libraries (--as-needed, Ubuntu's default)
-            # would leave libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the driver does
-            wrapper = os.path.join(stub, "cc")
-            Path(wrapper).write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@"\n')
-            os.chmod(wrapper, 0o755)
-            os.environ["CC"] = wrapper
-        else:
-            Path(lib).touch()
+    with _restored_env("TRITON_LIBCUDA_PATH", "CC"):
         os.environ["TRITON_LIBCUDA_PATH"] = stub
-        reset()
+        if link:
+            os.environ["CC"] = os.path.join(stub, "cc")
+        nv.libcuda_dirs.cache_clear()
+        nv.library_dirs.cache_clear()
         try:
             yield
         finally:
-            reset()
+            nv.libcuda_dirs.cache_clear()
+            nv.library_dirs.cache_clear()
 
 
 class _Unloaded(types.ModuleType):
