@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rich.console import Console
@@ -15,8 +16,33 @@ from rich.markup import escape
 from . import __version__
 from .errors import PrewarmError, StoreError, WillMissError
 
-out = Console()
-err = Console(stderr=True)
+# Piped into a job's log, rich would wrap every line at 80 columns, splitting the error and result lines operators
+# grep for: there, a message stays one line and a table as wide as its cells (COLUMNS, when set, still wins).
+LOG_WIDTH = 4096
+
+
+def _console(stderr: bool = False) -> Console:
+    """A rich console for stdout or stderr: as rich makes it on a terminal, unwrapped when it is not one."""
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console.soft_wrap = True
+        if "COLUMNS" not in os.environ:
+            console.width = LOG_WIDTH
+    return console
+
+
+out = _console()
+err = _console(stderr=True)
+
+USAGE = """\
+Compile the Triton kernels a server will launch before it starts, ship that cache to every node, and prove
+before serving that no rank will compile.
+
+  manifest --plan--> requests --build--> cache dir --pack--> bundle --push--> store(s)
+  on each node: store --install--> TRITON_CACHE_DIR, then verify (integrity, toolchain, will-hit)
+
+Start with `prewarm plan MANIFEST` (what will be compiled), then `prewarm build MANIFEST --cache-dir DIR`.
+`prewarm VERB --help` describes a verb; README.md walks through the whole pipeline and every exit code."""
 
 
 def emit_json(obj) -> None:
@@ -340,7 +366,7 @@ def cmd_lower(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prewarm", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="prewarm", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"prewarm {__version__}")
     sub = p.add_subparsers(dest="verb", required=True)
 
@@ -411,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global out, err
+    out, err = _console(), _console(stderr=True)  # for the streams as they are now (a test may have replaced them)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "require_autotune", False) and not args.plan:
