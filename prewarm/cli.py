@@ -228,8 +228,6 @@ def cmd_install(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from rich.table import Table
-
     from .verify import verify
 
     r = verify(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust,
@@ -246,6 +244,77 @@ def cmd_verify(args) -> int:
         emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code,
                    "ok": code == 0})
         return code
+    (_print_verify_tables if args.details else _print_verify_summary)(r, hit, args)
+    absent = sum(not a.present for a in hit.autotune) if hit is not None else 0
+    note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and not code else ""
+    out.print(("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})") + note)
+    return code
+
+
+def _print_verify_summary(r, hit, args) -> None:
+    """One line per check, then only what is wrong (with why), then what is informational: one screen for a clean
+    cache; `--details` has every row."""
+    ok, bad, info = "[green]ok[/]      ", "[red]PROBLEM[/] ", "[yellow]info[/]    "
+
+    def line(check: str, status: str, text: str) -> None:
+        out.print(f"{check:<14}{status}{escape(text)}", highlight=False)
+
+    against = ", ".join(r.against) or "no install receipt: group files only"
+    out.print(f"verify {escape(r.cache_dir)} (against {escape(against)})", highlight=False)
+    line("integrity", ok if r.integrity_ok else bad,
+         f"{r.entries_ok}/{r.entries} entries, {r.files} files, {r.bytes_hashed / 1e6:.1f} MB hashed; "
+         f"{r.other_entries} other entries (not from a bundle)")
+    if r.factors:
+        mismatch = [f for f in r.factors if f.status == "mismatch"]
+        differs = [f.factor for f in r.factors if f.status == "differs"]
+        unchecked = [f.factor for f in r.factors if f.status == "unchecked"]
+        text = f"{len(r.factors) - len(mismatch) - len(differs) - len(unchecked)} of {len(r.factors)} factors match"
+        text += "".join(f"; {what}: {', '.join(names)}" for what, names in
+                        (("differs (informational)", differs), ("unchecked", unchecked)) if names)
+        line("compatibility", bad if mismatch else ok, text)
+    if hit is not None:
+        line("will-hit", ok if hit.ok else bad, f"{hit.hits}/{len(hit.results)} planned compiles hit ({hit.target})")
+        if hit.autotune:
+            kept = sum(a.present for a in hit.autotune)
+            status = ok if kept == len(hit.autotune) else (bad if args.require_autotune else info)
+            line("autotune", status, f"{kept} kept, {len(hit.autotune) - kept} absent"
+                 + ("" if args.require_autotune or kept == len(hit.autotune) else
+                    " (absent: benchmarked on first use; --require-autotune makes it fail)"))
+        if hit.modules:
+            have = sum(m.present for m in hit.modules)
+            line("C modules", ok if have == len(hit.modules) else info,
+                 f"{have} of {len(hit.modules)} in the cache (a launcher per kernel signature, and cuda_utils)")
+    for name, items in (("modified", r.modified), ("missing", r.missing), ("unexpected", r.unexpected),
+                        ("group pointing outside", r.groups_outside)):
+        for item in items[:20]:
+            out.print(f"[red]{name}[/]: {escape(item)}", highlight=False)
+        if len(items) > 20:
+            out.print(f"[red]{name}[/]: ... {len(items) - 20} more (--json has all)")
+    for f in r.factors:
+        if f.status == "mismatch":
+            out.print(f"[red]mismatch[/] {f.factor}: bundle {escape(f.bundle)}, node {escape(f.node)}: "
+                      f"{escape(f.why)}", highlight=False)
+    if hit is None:
+        return
+    for x in hit.results:
+        if not x.hit:
+            out.print(f"[red]MISS[/] {escape(x.label)} ({escape(x.kernel.rsplit(':', 1)[-1])}) key {x.key or '-'}: "
+                      f"{escape(x.detail)}", highlight=False)
+    for a in hit.autotune:
+        if not a.present and args.require_autotune:
+            out.print(f"[red]autotune absent[/] {escape(a.label)} ({escape(a.kernel.rsplit(':', 1)[-1])}) key "
+                      f"{a.key}: {escape(a.detail)}", highlight=False)
+    for m in hit.modules:
+        if not m.present:
+            users = f"{m.kernels} planned compiles" if m.name != "cuda_utils" else "every kernel"
+            out.print(f"[yellow]absent[/] {m.name} {m.key} (used by {users}): the node builds it with its C compiler "
+                      f"at first launch, about a second, no kernel compile", highlight=False)
+
+
+def _print_verify_tables(r, hit, args) -> None:
+    """Every row of every check (`verify --details`)."""
+    from rich.table import Table
+
     against = ", ".join(r.against) or "no install receipt: only group files checked; will-hit below"
     t = Table(title=f"integrity of {r.cache_dir} (against {against})")
     t.add_column("check")
@@ -298,10 +367,6 @@ def cmd_verify(args) -> int:
                 for m in missing:
                     t.add_row(m.name, m.key, str(m.kernels) if m.name != "cuda_utils" else "all")
                 out.print(t)
-    absent = sum(not a.present for a in hit.autotune) if hit is not None else 0
-    note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and not code else ""
-    out.print(("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})") + note)
-    return code
 
 
 def cmd_keygen(args) -> int:
@@ -422,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY")
     sp.add_argument("--require-signature", action="store_true")
     sp.add_argument("--no-fingerprint", action="store_true", help="skip the compatibility check")
+    sp.add_argument("--details", action="store_true", help="every row of every check (default: a summary)")
 
     sp = verb("keygen", cmd_keygen, "make an Ed25519 signing key pair")
     sp.add_argument("-o", "--output", default="prewarm-signing", help="writes OUTPUT.key and OUTPUT.pub")

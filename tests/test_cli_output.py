@@ -60,6 +60,8 @@ def test_results_and_tables_keep_whole_lines_in_a_log(deep, triton_cache):
     p = run_cli("install", f"file://{store}", "--cache-dir", node, env=env)
     assert [line for line in p.stdout.splitlines() if line.startswith(f"{node}: installed ")], p.stdout
     p = run_cli("verify", "--cache-dir", node, env=env)
+    assert p.stdout.splitlines()[0].startswith(f"verify {node} (against receipt "), p.stdout
+    p = run_cli("verify", "--cache-dir", node, "--details", env=env)
     assert any(f"integrity of {node} (against" in line for line in p.stdout.splitlines()), p.stdout
     key = deep / "signing"
     p = run_cli("keygen", "-o", key, env=env)
@@ -84,3 +86,19 @@ def test_help_tells_a_user_what_the_tool_does_and_where_to_start():
     p = run_cli("--help")
     assert "Compile the Triton kernels a server will launch before it starts" in p.stdout
     assert "Start with `prewarm plan MANIFEST`" in p.stdout
+
+
+def test_verify_of_a_clean_install_fits_one_screen(deep):
+    """What an operator reads before serving: one line per check, nothing else when all is well (the rows are
+    behind --details). The toy manifest plans 11 compiles; the summary does not grow with the plan."""
+    env = piped_env(COLUMNS="80", PYTHONPATH=str(REPO / "tests" / "fixtures"))
+    toy = REPO / "tests" / "fixtures" / "toy-cuda.toml"
+    run_cli("build", toy, "--cache-dir", deep / "build", "--workers", "1", env=env)
+    run_cli("pack", deep / "build", "-o", deep / "bundle", env=env)
+    run_cli("install", deep / "bundle", "--cache-dir", deep / "node", env=env)
+    lines = run_cli("verify", "--cache-dir", deep / "node", "--plan", toy, env=env).stdout.splitlines()
+    assert len(lines) <= 25 and lines[-1] == "clean", lines
+    checks = {line.split()[0]: line.split()[1] for line in lines[1:-1] if not line.startswith(" ")}
+    assert checks == {"integrity": "ok", "compatibility": "ok", "will-hit": "ok", "C": "ok"}, lines
+    details = run_cli("verify", "--cache-dir", deep / "node", "--plan", toy, "--details", env=env).stdout
+    assert details.count(" hit ") >= 11  # every planned compile has its row there

@@ -33,8 +33,10 @@ def test_clean_after_install_and_cli_table_and_json(node):
     assert {f.factor for f in r.factors} >= {"triton.key", "python.abi", "cuda.ptxas", "torch.version"}
     assert {f.status for f in r.factors} <= {"ok", "unchecked"} and r.compatible  # no device here: arch unknown
     env = dict(os.environ, COLUMNS="200")
-    table = run_cli("verify", "--cache-dir", node, env=env).stdout
+    table = run_cli("verify", "--cache-dir", node, "--details", env=env).stdout
     assert "entries ok" in table and "5/5" in table and "clean" in table and "triton.key" in table
+    summary = run_cli("verify", "--cache-dir", node, env=env).stdout.splitlines()
+    assert summary[1].split()[:3] == ["integrity", "ok", "5/5"] and summary[-1] == "clean"
     doc = json.loads(run_cli("verify", "--cache-dir", node, "--json").stdout)
     assert doc["ok"] and doc["exit_code"] == 0 and doc["modified"] == []
 
