@@ -369,6 +369,33 @@ def _print_verify_tables(r, hit, args) -> None:
                 out.print(t)
 
 
+def cmd_ls(args) -> int:
+    from rich.table import Table
+
+    from .install import default_cache_dir
+    from .scan import scan
+
+    r = scan(args.cache_dir or default_cache_dir())
+    if args.json:
+        emit_json(r.to_json())
+        return 0
+    t = Table(title=f"bundles installed in {escape(r.cache_dir)}")
+    for c in ("manifest", "manifest digest", "installed", "entries", "MB", "signed by", "from"):
+        t.add_column(c, overflow="fold")
+    for b in r.bundles:
+        entries = f"{b.entries_present}/{b.entries}" if b.entries_present != b.entries else str(b.entries)
+        t.add_row(escape(b.manifest or "-"), b.manifest_digest[:16] or "-", b.installed_at, entries,
+                  f"{b.bytes / 1e6:.1f}", escape(b.signed_by or "-"), escape(b.source))
+    out.print(t)
+    mb = sum(e.bytes for e in r.other_entries) / 1e6
+    out.print(f"{len(r.other_entries)} entries no bundle installed ({mb:.1f} MB: compiled on this node or copied in)"
+              + (": " + ", ".join(e.key for e in r.other_entries[:5]) if r.other_entries else "")
+              + (f" ... (--json lists all {len(r.other_entries)})" if len(r.other_entries) > 5 else ""))
+    if r.toolchain:
+        out.print("Ascend toolchain claim: " + escape(", ".join(f"{k}={v}" for k, v in sorted(r.toolchain.items()))))
+    return 0
+
+
 def cmd_keygen(args) -> int:
     from .signing import keygen
 
@@ -488,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--require-signature", action="store_true")
     sp.add_argument("--no-fingerprint", action="store_true", help="skip the compatibility check")
     sp.add_argument("--details", action="store_true", help="every row of every check (default: a summary)")
+
+    sp = verb("ls", cmd_ls, "list what a cache dir holds: installed bundles, entries no bundle installed")
+    sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
 
     sp = verb("keygen", cmd_keygen, "make an Ed25519 signing key pair")
     sp.add_argument("-o", "--output", default="prewarm-signing", help="writes OUTPUT.key and OUTPUT.pub")
