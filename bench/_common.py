@@ -1,12 +1,17 @@
-"""Helpers shared by the benches: environment for child processes, prewarm CLI calls, and in-process probes.
+"""Helpers shared by the benches: environment for child processes, prewarm CLI calls, traffic, in-process probes.
 
 The benches run from a plain checkout (the project is not pip-installed on the GPU box), so every child process
 gets ``PYTHONPATH = <shim>:<repo>:...`` where ``<shim>/prewarm_kernels`` is a symlink to ``kernels/``: that makes
 ``prewarm`` and ``prewarm_kernels`` importable in the child *and* in the spawned build workers it starts, which an
 in-process import hook would not reach.
 
+Traffic: every bench drives the kernels with ``prewarm_kernels.kda.traffic`` (seeded, server-like calls of the
+public API, written independently of the planner's call builder ``prewarm_kernels.kda.serving``, which no bench may
+call: a proof driven by the planner's own calls cannot see what the plan misses).
+
 Probes (installed inside a measuring child):
-- compiles: ``triton.knobs.compilation.listener``; ``cache_hit=False`` is a real compile, ``True`` a disk hit.
+- compiles: ``triton.knobs.compilation.listener``; ``cache_hit=False`` is a real compile (kept with the label of the
+  call that made it and its key dir), ``True`` a disk hit.
 - autotune seconds: time spent inside ``Autotuner._bench`` (compiling and benchmarking each candidate config).
 - launcher builds: ``triton.runtime.build._build`` (the gcc build of a per-signature launcher / cuda_utils).
 - per-launch latency: ``prewarm_kernels.launch.launch`` is the single launch point; it is wrapped before any
@@ -14,6 +19,7 @@ Probes (installed inside a measuring child):
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -64,6 +70,11 @@ def fresh_dir(path: Path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
+
+
+def files_under(path: Path) -> set[str]:
+    """Every file below ``path``, relative to it (a cache dir's before/after listing)."""
+    return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} if path.exists() else set()
 
 
 # --- child processes -----------------------------------------------------------------------------------------
@@ -154,13 +165,25 @@ def install_bundle(bundle: Path, cache_dir: Path, work: Path) -> float:
     return run_cli(["install", str(bundle), "--cache-dir", str(cache_dir)], child_env(work), 120)[1]
 
 
-def load_spec(manifest: Path, layers: int | None = None) -> dict:
+def describe_bundle(bundle: Path) -> dict:
+    """What a bundle holds, from its index: entries, bytes, and the autotune results in it (a ``--mode device``
+    build keeps them, an offline build has none: its nodes benchmark each autotuned kernel once per process)."""
+    index = json.loads((bundle / "index.json").read_text())
+    files = [f for e in index["entries"] for f in e["files"]]
+    return {
+        "bundle": str(bundle),
+        "manifest": index.get("manifest"),
+        "entries": len(index["entries"]),
+        "bytes": sum(f["size"] for f in files),
+        "autotune_results": sum(f["path"].endswith(".autotune.json") for f in files),
+    }
+
+
+def load_spec(manifest: Path) -> dict:
+    """The spec a provider receives: the envelope the traffic generator draws calls within."""
     from prewarm.manifest import load
 
-    spec = load(manifest).spec()
-    if layers is not None:
-        spec["layers"] = layers
-    return spec
+    return load(manifest).spec()
 
 
 # --- in-process probes (used inside a measuring child, after torch/CUDA init) ----------------------------------
@@ -182,6 +205,8 @@ class Probes:
         self.launcher_builds = 0
         self.launcher_build_s = 0.0
         self.launches: dict[str, dict] = {}
+        self.compiled: list[dict] = []  # one row per real compile: kernel, the call that made it, its key dir
+        self.during = ""  # label of the call now running (set by :func:`run_calls`)
         self.triton_version = triton.__version__
         self.cache_dir = knobs.cache.dir
 
@@ -192,6 +217,8 @@ class Probes:
             else:
                 self.compiles[name] += 1
                 self.compile_s[name] += times.total / 1e6
+                key = {Path(p).parent.name for p in metadata_group.values()} if metadata_group else set()
+                self.compiled.append({"kernel": name, "during": self.during, "key": ",".join(sorted(key))})
 
         knobs.compilation.listener = listener
 
@@ -260,6 +287,7 @@ class Probes:
             "autotune_s_by_kernel": {k: round(v, 4) for k, v in self.autotune_s.items()},
             "launches_by_kernel": {k: {f: round(x, 6) if isinstance(x, float) else x for f, x in v.items()}
                                    for k, v in self.launches.items()},
+            "compiled": self.compiled,
         }
 
 
@@ -277,18 +305,45 @@ def kernel_name(kernel) -> str:
     return getattr(getattr(seen, "fn", seen), "__name__", repr(kernel))
 
 
-def init_device():
-    """torch + CUDA context + triton import: done before any timer starts (not what a cache can change)."""
+def init_device(device: str = "cuda:0"):
+    """torch + CUDA context on ``device`` (made current) + triton import: done before any timer starts (not what a
+    cache can change)."""
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible: these benches measure a GPU run")
-    torch.cuda.init()
-    torch.empty(1, device="cuda").add_(1)
+    torch.cuda.set_device(device)
+    torch.empty(1, device=device).add_(1)
     torch.cuda.synchronize()
     import triton  # noqa: F401
 
     return torch
+
+
+# --- traffic -------------------------------------------------------------------------------------------------
+
+
+def open_traffic(spec: dict, seed: int, n: int, device: str):
+    """``n`` seeded server-like calls within the manifest's envelope (imports the kernels: time it where the
+    first step is timed)."""
+    from prewarm_kernels.kda.traffic import Envelope, calls
+
+    return calls(Envelope.from_spec(spec), seed, n, device)
+
+
+def run_calls(traffic, n: int, probes: Probes | None, sync) -> list[str]:
+    """Run the next ``n`` calls of ``traffic``, then synchronize the device; returns their labels. Compiles are
+    attributed to the call that made them (``probes.during``)."""
+    labels = []
+    for call in itertools.islice(traffic, n):
+        if probes is not None:
+            probes.during = call.label
+        call.run()
+        labels.append(call.label)
+    sync()
+    if len(labels) < n:
+        raise RuntimeError(f"the traffic generator ran dry after {len(labels)} of {n} calls")
+    return labels
 
 
 def child_main(fn, args) -> int:

@@ -1,23 +1,23 @@
-"""Cold start vs prewarmed start of a manifest's serving mix, each in a fresh process on the GPU.
+"""Cold start vs prewarmed start under independent traffic, each in a fresh process on the GPU.
 
-    python3 bench/cold_start.py [--manifest manifests/kimi-linear-h200.toml] [--out bench/results/cold_start.json]
+    python3 bench/cold_start.py [--bundle DIR] [--seed 7] [--out bench/results/cold_start.json]
 
 Phases (each a separate process):
 1. prepare: ``prewarm build MANIFEST --mode device`` into a scratch dir (compiles, autotunes once, builds the
    launchers), ``prewarm pack`` it into a bundle, delete the scratch dir. Skipped with ``--bundle DIR``.
 2. ``prewarm install BUNDLE --cache-dir WORK/warm-cache``: a fresh dir at a path the cache was never built in;
    then ``prewarm verify --plan`` on it (its exit code is recorded beside what the warm run really does).
-3. warm: a fresh process with TRITON_CACHE_DIR = the installed dir runs the serving mix.
-4. cold: a fresh process with TRITON_CACHE_DIR = an empty dir runs the same mix.
+3. warm: a fresh process with TRITON_CACHE_DIR = the installed dir runs two steps of traffic.
+4. cold: a fresh process with TRITON_CACHE_DIR = an empty dir runs the same traffic.
 
-What "first step" times (the same in both runs): the clock starts after ``import torch``, CUDA context creation
-and ``import triton`` (none of which a Triton cache can change) and stops after the first complete serving mix
-(prefill + every decode bucket + every draft width; ``--layers`` times, default 1, since every KDA layer launches
-the same compiled variants) and a device synchronize. It includes importing
-the kernel modules (``prewarm_kernels.kda.serving``), Triton's driver init and launcher loading, every compile or
-disk hit, autotuning or reading autotune results, and allocating the step's random inputs. Every kernel launch is
-timed between two synchronizations (per-kernel first-call latency); the syncs cost both runs the same and make the
-warm step a little slower, so the cold/warm ratio is if anything understated.
+Both runs draw the same traffic: ``--calls`` calls per step from ``prewarm_kernels.kda.traffic`` with ``--seed``
+(server-like calls of the public API within the manifest's envelope, written independently of the planner's call
+builder). What "first step" times (the same in both runs): the clock starts after ``import torch``, CUDA context
+creation and ``import triton`` (none of which a Triton cache can change) and stops when the first ``--calls`` calls
+have run and the device synchronized. It includes importing the kernel modules, Triton's driver init and launcher
+loading, every compile or disk hit, autotuning or reading autotune results, and allocating the calls' random
+inputs. Every kernel launch is timed between two synchronizations (per-kernel first-call latency); the syncs cost
+both runs the same and make the warm step a little slower, so the cold/warm ratio is if anything understated.
 
 Compiles are counted by ``triton.knobs.compilation.listener`` (cache_hit False); autotune seconds are the time
 spent inside ``Autotuner._bench`` (compiling + benchmarking candidate configs).
@@ -25,7 +25,6 @@ spent inside ``Autotuner._bench`` (compiling + benchmarking candidate configs).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import shutil
 import sys
@@ -35,22 +34,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_ready, child_env, child_main, diff, fresh_dir,
-    init_device, install_bundle, load_spec, log, prepare_bundle, run_child, run_cli, write_json,
+    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_ready, child_env, child_main, describe_bundle, diff,
+    fresh_dir, init_device, install_bundle, load_spec, log, open_traffic, prepare_bundle, run_calls, run_child,
+    run_cli, write_json,
 )
 
 RATIO_GOAL = 20.0
 
 
-def step(serving, spec: dict, torch) -> None:
-    """One serving step: the mix once per layer (``spec["layers"]``), then a device synchronize."""
-    for _ in range(spec["layers"]):
-        serving.run(spec, device="cuda")
-    torch.cuda.synchronize()
-
-
 def measure(args) -> dict:
-    """Child: one fresh process, one cache dir: time the first and second serving step."""
+    """Child: one fresh process, one cache dir: time the first and second step of traffic."""
     torch = init_device()
     probes = Probes()
     if Path(probes.cache_dir).resolve() != Path(args.cache_dir).resolve():
@@ -59,25 +52,24 @@ def measure(args) -> dict:
     spec = json.loads(Path(args.spec).read_text())
 
     t0 = time.perf_counter()
-    serving = importlib.import_module("prewarm_kernels.kda.serving")
-    import_s = time.perf_counter() - t0
-    step(serving, spec, torch)
+    traffic = open_traffic(spec, args.seed, 2 * args.calls, "cuda")
+    labels = run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
     first_s = time.perf_counter() - t0
     first = probes.snapshot()
     first_calls = {k: round(v["first_call_s"], 6) for k, v in probes.launches.items()}
 
     t1 = time.perf_counter()
-    step(serving, spec, torch)
+    run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
     second_s = time.perf_counter() - t1
     return {
         "cache_dir": probes.cache_dir,
         "triton": probes.triton_version,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(),
-        "import_s": round(import_s, 4),
+        "seed": args.seed,
         "first_step_s": round(first_s, 4),
         "second_step_s": round(second_s, 4),
-        "layers_per_step": spec["layers"],
+        "first_step_calls": labels,
         "first_step": first,
         "second_step": diff(probes.snapshot(), first),
         "first_call_s_by_kernel": first_calls,
@@ -96,11 +88,12 @@ def orchestrate(args) -> dict:
             bundle = Path(args.bundle).resolve()
             if not bundle_ready(bundle):
                 raise RuntimeError(f"--bundle {bundle}: no index.json there")
-            res["prepare"] = {"bundle": str(bundle), "reused": True}
+            res["prepare"] = {"reused": True}
         else:
             log("prepare: device build + pack (the scratch build dir is deleted afterwards)")
             res["prepare"] = prepare_bundle(manifest, work, timeout=args.timeout)
             bundle = Path(res["prepare"]["bundle"])
+        res["bundle"] = describe_bundle(bundle)
         warm_dir, cold_dir = work / "warm-cache", work / "cold-cache"
         res["install_s"] = round(install_bundle(bundle, warm_dir, work), 3)
         # The integrity check a node runs (hashes, fingerprint, will-hit): its verdict is recorded next to what
@@ -110,15 +103,16 @@ def orchestrate(args) -> dict:
         res["verify"] = {"exit_code": rc, "seconds": round(t, 3)}
         fresh_dir(cold_dir)
         spec_file = work / "spec.json"
-        spec = load_spec(manifest, layers=args.layers)
+        spec = load_spec(manifest)
         write_json(spec_file, spec)
-        res["spec"] = spec
+        res["spec"], res["seed"], res["calls_per_step"] = spec, args.seed, args.calls
 
         me = Path(__file__).resolve()
         for name, cache in (("warm", warm_dir), ("cold", cold_dir)):
             log(f"{name}: fresh process, TRITON_CACHE_DIR={cache}")
             env = child_env(work, TRITON_CACHE_DIR=str(cache))
-            child_args = ["--child", "--cache-dir", str(cache), "--spec", str(spec_file)]
+            child_args = ["--child", "--cache-dir", str(cache), "--spec", str(spec_file), "--seed", str(args.seed),
+                          "--calls", str(args.calls)]
             res[name] = run_child(me, child_args, env, work / f"{name}.json", args.timeout)
             r = res[name]
             log(f"{name}: first step {r['first_step_s']:.3f}s, {r['first_step']['compiles']} compiles, "
@@ -168,8 +162,8 @@ def main() -> int:
     p.add_argument("--work-dir", default=str(DEFAULT_WORK), help="scratch space (bundle, caches)")
     p.add_argument("--bundle", help="reuse this bundle instead of building one (skips prepare)")
     p.add_argument("--timeout", type=float, default=300, help="seconds allowed to each build / measuring process")
-    p.add_argument("--layers", type=int, default=1,
-                   help="layers per step (default 1: every layer launches the same compiled variants)")
+    p.add_argument("--seed", type=int, default=7, help="traffic seed (both runs draw the same calls)")
+    p.add_argument("--calls", type=int, default=32, help="calls per step")
     p.add_argument("--keep-work", action="store_true", help="keep the installed and cold cache dirs")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)

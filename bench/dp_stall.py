@@ -1,35 +1,33 @@
-"""Data-parallel stall: how long warm ranks wait in a collective for one rank that compiles.
+"""Data-parallel stall: how long a prewarmed rank waits in a collective for a rank that compiles (NCCL, 1 GPU/rank).
 
-    python3 bench/dp_stall.py [--manifest manifests/kimi-linear-h200.toml] [--out bench/results/dp_stall.json]
+    python3 bench/dp_stall.py [--bundle DIR] [--ranks 2] [--scenarios A,B] [--out bench/results/dp_stall.json]
 
-Four ranks (processes) share the one GPU; they join a gloo group and all-reduce a CPU tensor (NCCL cannot run 4
-ranks on 1 GPU). Each step is what a data-parallel attention rank does: its own KDA kernels (the provider's
-serving mix restricted to prefill + one decode bucket, ``--layers`` times) then the collective. A rank's *wait* is the
-time from entering ``all_reduce`` (after its kernels finished and the device synchronized) to leaving it, so the
-slowest rank waits ~0 and the others wait for it.
+One process per GPU (``torch.distributed``, backend ``nccl``, rank r on ``cuda:r``). Each step is what a
+data-parallel attention rank does: its own traffic (``--calls`` calls from ``prewarm_kernels.kda.traffic``, within
+the manifest's envelope, none made by the planner's call builder), then an ``all_reduce`` of a CUDA tensor. Every
+rank draws the same calls (``--seed``), so a wait measures what the cache decides, not the load imbalance of
+different requests. A rank's *wait* is the time from entering
+``all_reduce`` (after its own calls ran and its device synchronized) until the reduced value is on its device (a
+synchronize after the call), so the slowest rank waits ~0 and the others wait for it.
 
 Scenarios (each with fresh processes and fresh cache dirs):
-- A: rank 0 starts with an empty TRITON_CACHE_DIR; ranks 1.. each installed the bundle into their own dir.
+- A: rank 0 starts with an empty TRITON_CACHE_DIR; the other ranks each installed the bundle into their own dir.
 - B: every rank installed the bundle into its own dir (the pre-launch job ran everywhere).
-- A_variant: like B, but at ``--variant-step`` rank 0 meets a decode bucket the manifest does not list (a new
-  input-shape variant: the stall the `record` loop exists to close).
 
 Before the barrier each rank imports the kernels and does the per-process setup that no cache changes
-(Triton's ``triton_key`` and backend hash; torch's lazily loaded kernels for making inputs), as a server does
-before its first request, and CPU threads are split between the ranks; step 0 then differs between ranks only by
-what the cache decides: compile + autotune, or load from disk.
+(Triton's ``triton_key`` and backend hash; torch's lazily loaded kernels for making inputs; the NCCL communicator),
+as a server does before its first request; step 0 then differs between ranks only by what the cache decides:
+compile + autotune, or load from disk.
 
-The bundle comes from ``--bundle``, else ``WORK/bundle`` if ``bench/cold_start.py`` left one there, else it is
-built here (``prewarm build --mode device`` + pack, the scratch build dir deleted before any rank starts).
-``--layers`` (default 1) sets each step's GPU work only: every layer launches the same compiled variants, and
-four ranks time-slicing one GPU is an artefact of this box, not of a DP deployment.
+The bundle comes from ``--bundle``, else ``WORK/bundle`` if ``bench/serving_traffic.py --device-runs`` or
+``bench/cold_start.py`` left one there, else it is built here (``prewarm build --mode device`` + pack, the scratch
+build dir deleted before any rank starts). A bundle without autotune results (an offline build) makes every rank
+benchmark its autotuned kernels once in step 0: B then shows the spread of that, not zero.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
-import importlib
 import json
 import os
 import shutil
@@ -43,19 +41,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_ready, child_env, child_main, diff, fresh_dir,
-    init_device, install_bundle, load_spec, log, prepare_bundle, write_json,
+    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_ready, child_env, child_main, describe_bundle, diff,
+    fresh_dir, init_device, install_bundle, load_spec, log, open_traffic, prepare_bundle, run_calls, write_json,
 )
 
 B_LIMIT_S = 0.050
-SCENARIOS = ("A", "B", "A_variant")
+SCENARIOS = ("A", "B")
 
 
-def process_setup(torch) -> float:
+def process_setup(torch, device: str) -> float:
     """Per-process setup that no Triton cache changes, done before the barrier so that step 0 differs between
     ranks only by what the cache decides (compile + autotune, or load): Triton's ``triton_key`` (a hash of its own
     sources and libtriton), backend hash (``ptxas --version``) and lazy imports, and torch's lazily loaded kernels
-    for making the step's inputs (random numbers, casts, fills, host-to-device copies)."""
+    for making inputs (random numbers, casts, fills, host-to-device copies)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import make_backend
     from triton.runtime.cache import triton_key
@@ -64,52 +62,55 @@ def process_setup(torch) -> float:
     import triton.experimental.gluon  # noqa: F401  (imported by Triton's first argument specialization)
 
     triton_key()
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(device)
     make_backend(GPUTarget("cuda", major * 10 + minor, 32)).hash()
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        torch.randn(64, 64).to("cuda", dtype)
-    torch.rand(64).to("cuda")
-    torch.zeros(64, device="cuda")
-    torch.arange(64, dtype=torch.int32).to("cuda")
-    torch.cuda.synchronize()
+        torch.randn(64, 64).to(device, dtype)
+        torch.randn(64, 64, device=device, dtype=dtype)
+    torch.rand(64, device=device)
+    torch.zeros(64, device=device)
+    torch.arange(64, dtype=torch.int32).to(device)
+    torch.randint(0, 64, (64,), device=device)
+    torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
 def rank_main(args) -> dict:
-    """Child: one rank. Import kernels, join the group, then steps of (kernels, all_reduce)."""
-    torch = init_device()
+    """Child: one rank on its own GPU. Import kernels, join the group, then steps of (traffic, all_reduce)."""
+    device = f"cuda:{args.rank}"
+    torch = init_device(device)
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))  # 4 ranks share this box's cores
-    setup_s = process_setup(torch)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
+    setup_s = process_setup(torch, device)
     probes = Probes()
-    step_spec = json.loads(Path(args.spec).read_text())
-    variant_spec = json.loads(Path(args.variant_spec).read_text()) if args.variant_spec else None
-    serving = importlib.import_module("prewarm_kernels.kda.serving")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-                            world_size=args.world, timeout=datetime.timedelta(seconds=args.collective_timeout))
-    token = torch.zeros(1)
-    dist.all_reduce(token)  # connect before measuring
+    spec = json.loads(Path(args.spec).read_text())
+    traffic = open_traffic(spec, args.seed, args.calls * args.steps, device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world, timeout=datetime.timedelta(seconds=args.collective_timeout),
+                            device_id=torch.device(device))
+    token = torch.ones(1, device=device)
+    dist.all_reduce(token)  # build the communicator before measuring
+    torch.cuda.synchronize(device)
     dist.barrier()
     steps = []
     for step in range(args.steps):
-        spec = variant_spec if variant_spec is not None and step == args.variant_step else step_spec
         before = probes.snapshot()
         t0 = time.perf_counter()
-        for _ in range(spec["layers"]):
-            serving.run(spec, device="cuda")
-        torch.cuda.synchronize()
+        run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
         t1 = time.perf_counter()
         arrive = time.time()
         dist.all_reduce(token)
+        torch.cuda.synchronize(device)
         t2 = time.perf_counter()
         rec = {"step": step, "compute_s": round(t1 - t0, 6), "wait_s": round(t2 - t1, 6), "arrive_wall": arrive,
-               "variant": spec is variant_spec, **diff(probes.snapshot(), before)}
+               **diff(probes.snapshot(), before)}
         steps.append(rec)
-        log(f"rank {args.rank} step {step}: kernels {rec['compute_s']:.3f}s ({rec['compiles']} compiles, autotune "
+        log(f"rank {args.rank} step {step}: traffic {rec['compute_s']:.3f}s ({rec['compiles']} compiles, autotune "
             f"{rec['autotune_s']:.2f}s), waited {rec['wait_s']:.3f}s in all_reduce")
     dist.destroy_process_group()
-    return {"rank": args.rank, "cache_dir": probes.cache_dir, "setup_s": round(setup_s, 4), "steps": steps,
+    return {"rank": args.rank, "cache_dir": probes.cache_dir,
+            "gpu": torch.cuda.get_device_name(device), "setup_s": round(setup_s, 4), "steps": steps,
             **probes.details()}
 
 
@@ -119,7 +120,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_scenario(name: str, args, work: Path, bundle: Path, spec_file: Path, variant_file: Path) -> dict:
+def run_scenario(name: str, args, work: Path, bundle: Path, spec_file: Path) -> dict:
     world = args.ranks
     root = fresh_dir(work / f"dp-{name}")
     dirs = [root / f"rank{r}-cache" for r in range(world)]
@@ -134,12 +135,11 @@ def run_scenario(name: str, args, work: Path, bundle: Path, spec_file: Path, var
     procs = []
     for r in range(world):
         cmd = [sys.executable, str(me), "--child", "--rank", str(r), "--world", str(world), "--port", str(port),
-               "--spec", str(spec_file), "--steps", str(args.steps), "--result", str(root / f"rank{r}.json"),
-               "--collective-timeout", str(args.timeout)]
-        if name == "A_variant" and r == 0:
-            cmd += ["--variant-spec", str(variant_file), "--variant-step", str(args.variant_step)]
-        env = child_env(work, TRITON_CACHE_DIR=str(dirs[r]))
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the group is on loopback whatever the hostname resolves to
+               "--spec", str(spec_file), "--steps", str(args.steps), "--calls", str(args.calls), "--seed",
+               str(args.seed), "--result", str(root / f"rank{r}.json"), "--collective-timeout", str(args.timeout)]
+        # NVLink multicast stays off (the device machines' rule; a child gets it even if the caller's env lost it)
+        env = child_env(work, TRITON_CACHE_DIR=str(dirs[r]), NCCL_NVLS_ENABLE="0",
+                        TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env))
     codes = wait_all(procs, deadline=time.monotonic() + args.timeout + 60)
     ranks, errors = [], []
@@ -187,6 +187,7 @@ def summarize(name: str, ranks: list[dict], installs: list[float]) -> dict:
         })
     out = {
         "ranks": len(ranks),
+        "gpus": [r["gpu"] for r in ranks],
         "install_s": installs,
         "steps": steps,
         "max_wait_s": max(st["max_wait_s"] for st in steps),
@@ -195,7 +196,7 @@ def summarize(name: str, ranks: list[dict], installs: list[float]) -> dict:
         "compile_s_by_rank": [round(sum(st["compile_s"][r] for st in steps), 4) for r in range(len(ranks))],
         "autotune_s_by_rank": [round(sum(st["autotune_s"][r] for st in steps), 4) for r in range(len(ranks))],
         "setup_s_by_rank": [r["setup_s"] for r in ranks],
-        "rank0_compiles_by_kernel": ranks[0]["compiles_by_kernel"],
+        "compiled_by_rank": [r["compiled"] for r in ranks],
     }
     log(f"scenario {name}: max wait {out['max_wait_s']:.3f}s, per rank {out['max_wait_s_by_rank']}, "
         f"compiles per rank {out['compiles_by_rank']}")
@@ -211,19 +212,14 @@ def judge(res: dict) -> dict:
         a["cold_rank_compile_s"] = a["compile_s_by_rank"][0]
         a["cold_rank_autotune_s"] = a["autotune_s_by_rank"][0]
         crit["A: cold rank compiled"] = a["compiles_by_rank"][0] > 0
-        crit["A: warm ranks compiled nothing"] = not any(a["compiles_by_rank"][1:])
-        crit["A: warm ranks' max wait >= cold rank's compile time"] = warm_wait >= a["cold_rank_compile_s"]
+        crit["A: prewarmed ranks compiled nothing"] = not any(a["compiles_by_rank"][1:])
+        crit["A: prewarmed ranks' max wait >= cold rank's compile time"] = warm_wait >= a["cold_rank_compile_s"]
     if "B" in sc:
         b = sc["B"]
         crit["B: no rank compiled"] = not any(b["compiles_by_rank"])
-        crit["B: no autotune"] = not any(b["autotune_s_by_rank"])
-        crit[f"B: every rank's max wait per step <= {B_LIMIT_S * 1000:g} ms"] = b["max_wait_s"] <= B_LIMIT_S
-    if "A_variant" in sc:  # informational: shows what an unplanned shape costs, not a pass/fail goal
-        v, step = sc["A_variant"], res["variant_step"]
-        row = v["steps"][step]
-        v["variant_step_rank0_compiles"] = row["compiles"][0]
-        v["variant_step_rank0_compile_s"] = row["compile_s"][0]
-        v["variant_step_warm_ranks_max_wait_s"] = max(row["wait_s"][1:])
+        if res["bundle"]["autotune_results"]:  # an offline bundle autotunes in step 0 on every rank, by design
+            crit["B: no autotune"] = not any(b["autotune_s_by_rank"])
+            crit[f"B: every rank's max wait per step <= {B_LIMIT_S * 1000:g} ms"] = b["max_wait_s"] <= B_LIMIT_S
     for k, ok in crit.items():
         log(f"  {'PASS' if ok else 'FAIL'}  {k}")
     return crit
@@ -235,37 +231,34 @@ def orchestrate(args) -> dict:
     manifest = Path(args.manifest).resolve()
     res: dict = {"manifest": str(manifest.relative_to(REPO) if manifest.is_relative_to(REPO) else manifest),
                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ok": False, "scenarios": {},
-                 "ranks": args.ranks, "steps": args.steps, "variant_step": args.variant_step,
-                 "wait_definition": "seconds inside dist.all_reduce (gloo, CPU tensor) after this rank's kernels "
-                                    "finished and the device synchronized"}
+                 "ranks": args.ranks, "steps": args.steps, "calls_per_step": args.calls, "seed": args.seed,
+                 "backend": "nccl",
+                 "wait_definition": "seconds from entering dist.all_reduce (NCCL, CUDA tensor, one GPU per rank) "
+                                    "after this rank's calls ran and its device synchronized, until a synchronize "
+                                    "after it returned"}
     try:
+        import torch
+
+        if torch.cuda.device_count() < args.ranks:
+            raise RuntimeError(f"--ranks {args.ranks}: one GPU per rank, but {torch.cuda.device_count()} visible")
         bundle = Path(args.bundle).resolve() if args.bundle else work / "bundle"
         if bundle_ready(bundle):
-            res["prepare"] = {"bundle": str(bundle), "reused": True}
+            res["prepare"] = {"reused": True}
             log(f"using bundle {bundle}")
         elif args.bundle:
             raise RuntimeError(f"--bundle {bundle}: no index.json there")
         else:
             log("no bundle yet: device build + pack (the scratch build dir is deleted afterwards)")
             res["prepare"] = prepare_bundle(manifest, work, timeout=args.timeout)
-
-        spec = load_spec(manifest, layers=args.layers)
-        buckets = spec["decode_batch_buckets"]
-        step_spec = dict(spec, decode_batch_buckets=buckets[:1], draft_widths=[])
-        variant = copy.deepcopy(step_spec)
-        new_bucket = 4 * (1 << (max(buckets or [1]) - 1).bit_length())
-        variant["decode_batch_buckets"] = [new_bucket]
-        spec_file, variant_file = work / "dp-step-spec.json", work / "dp-variant-spec.json"
-        write_json(spec_file, step_spec)
-        write_json(variant_file, variant)
-        res["step_spec"], res["variant_decode_bucket"] = step_spec, new_bucket
-
+        res["bundle"] = describe_bundle(bundle)
+        spec_file = work / "dp-spec.json"
+        write_json(spec_file, load_spec(manifest))
         for name in args.scenarios.split(","):
             if name not in SCENARIOS:
                 raise ValueError(f"--scenarios: unknown {name!r} (known: {', '.join(SCENARIOS)})")
-            log(f"scenario {name}: {args.ranks} ranks, {args.steps} steps")
+            log(f"scenario {name}: {args.ranks} ranks, {args.steps} steps of {args.calls} calls")
             try:
-                res["scenarios"][name] = run_scenario(name, args, work, bundle, spec_file, variant_file)
+                res["scenarios"][name] = run_scenario(name, args, work, bundle, spec_file)
             except Exception as e:  # noqa: BLE001 - record it, run the other scenarios
                 res["scenarios"][name] = {"error": f"{type(e).__name__}: {e}"}
                 log(f"scenario {name} FAILED: {e}")
@@ -285,25 +278,24 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "dp_stall.json"))
     p.add_argument("--work-dir", default=str(DEFAULT_WORK))
     p.add_argument("--bundle", help="bundle dir to install (default: WORK/bundle, built if missing)")
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=2, help="one process per GPU")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--layers", type=int, default=1, help="layers per step (same compiled variants for any value)")
+    p.add_argument("--calls", type=int, default=16, help="calls of traffic per rank and step")
+    p.add_argument("--seed", type=int, default=100, help="traffic seed (every rank draws the same calls)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--variant-step", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300, help="seconds allowed to a build or a scenario")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--variant-spec", help=argparse.SUPPRESS)
     p.add_argument("--collective-timeout", type=float, default=300, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child_main(rank_main, args)
-    if not 0 <= args.variant_step < args.steps:
-        p.error("--variant-step must be a step index below --steps")
+    if args.ranks < 2 or args.steps < 1 or args.calls < 1:
+        p.error("--ranks must be >= 2, --steps and --calls >= 1")
     res = orchestrate(args)
     log(f"wrote {write_json(args.out, res)}")
     return 0 if res["ok"] else 1
