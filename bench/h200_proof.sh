@@ -10,7 +10,8 @@
 #   device bundle (cold vs warm, same traffic). Estimate from the previous H200 figures: 5 x ~22 s (install 1.5 s,
 #   torch/CUDA init ~8 s, first step ~9 s of autotune on an offline bundle, later steps) + device build and pack
 #   ~110 s + 2 x ~12 s + cold_start ~150 s (install + verify ~15 s, warm ~12 s, cold ~120 s) = ~400 s.
-#   The device bundle comes back as device-bundle.tar (for the dp-stall run).
+#   The device bundle comes back as device-bundle.tar (for the dp-stall run); the key dir of every compile, if any,
+#   as compiled-keys.tar (explain each here: `prewarm explain compiled/<bundle>-<seed>/<key> --plan MANIFEST`).
 # dp-stall: bench/dp_stall.py, 2 ranks on 2 GPUs over NCCL, scenarios A (rank 0 cold) and B (both prewarmed);
 #   BUNDLE is the device-bundle.tar (or dir) of the traffic run; without one a device bundle is built here (~110 s).
 #
@@ -45,9 +46,12 @@ case $mode in
     [ -f "$bundle/index.json" ] || { echo "h200_proof: traffic needs a bundle dir (no $bundle/index.json)" >&2; exit 2; }
     seeds=$(( $(date +%s) % 100000 ))
     seeds=$(seq -s, "$seeds" $((seeds + 4)))
+    rm -rf "$work/compiled"
     $py bench/serving_traffic.py --bundle "$bundle" --seeds "$seeds" --device-runs 2 --expect-zero \
-      --work-dir "$work" --out "$out/serving_traffic.json" 2>&1 | tee "$out/serving_traffic.log"
+      --keep-compiled "$work/compiled" --work-dir "$work" --out "$out/serving_traffic.json" 2>&1 \
+      | tee "$out/serving_traffic.log"
     rc_traffic=${PIPESTATUS[0]}
+    [ -d "$work/compiled" ] && tar -cf "$out/compiled-keys.tar" -C "$work" compiled
     [ -f "$work/bundle/index.json" ] && tar -cf "$out/device-bundle.tar" -C "$work" bundle
     left=$((570 - SECONDS))
     if [ -f "$work/bundle/index.json" ] && [ $left -gt 150 ]; then

@@ -97,6 +97,9 @@ def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, spec_fil
                 f"{len(run['new_cache_files'])} new cache files")
             for c in run["compiled"]:
                 log(f"  COMPILED {c['kernel']} during {c['during']} (key {c['key']})")
+            if run["compiled"] and args.keep_compiled:  # for `prewarm explain KEY_DIR --plan M` elsewhere
+                for key in {c["key"] for c in run["compiled"] if c["key"]}:
+                    shutil.copytree(node / key, Path(args.keep_compiled) / f"{label}-{seed}" / key)
         except Exception as e:  # noqa: BLE001 - record it, run the next seed
             run["error"] = f"{type(e).__name__}: {e}"
             log(f"{label} seed {seed} FAILED: {run['error']}")
@@ -179,6 +182,8 @@ def main() -> int:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving_traffic.json"))
     p.add_argument("--timeout", type=float, default=420, help="seconds allowed to each process or build")
     p.add_argument("--expect-zero", action="store_true", help="exit 1 if any process compiled or failed")
+    p.add_argument("--keep-compiled", metavar="DIR",
+                   help="copy the key dir of every compile into DIR/<bundle>-<seed>/ (to run `prewarm explain` on)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
