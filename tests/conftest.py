@@ -1,4 +1,5 @@
-"""Shared fixtures: a small REAL Triton cache, and real servers on loopback (moto's S3 server, OpenSSH sshd).
+"""Shared fixtures: a small REAL Triton cache, and real servers on loopback (moto's S3 server, OpenSSH sshd, the
+reference OCI registry).
 
 Nothing is skipped: a missing ``sshd`` (apt package ``openssh-server``) or ``moto_server`` fails the tests
 that need them.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -214,3 +216,91 @@ def cli_env(s3_server, sshd) -> dict:
     return env
 
 
+
+
+@dataclass
+class RegistryServer:
+    """The reference OCI registry (distribution, Debian's ``docker-registry``) on loopback, storage in a tmp dir."""
+
+    proc: subprocess.Popen
+    port: int
+    root: Path  # the filesystem storage root
+    log: Path
+
+    def url(self, ref: str) -> str:
+        """``oci://127.0.0.1:PORT/<ref>`` (ref = REPO:TAG or REPO@sha256:...)."""
+        return f"oci://127.0.0.1:{self.port}/{ref}"
+
+    def blob_path(self, digest: str) -> Path:
+        """Where the registry keeps a blob's bytes (distribution's filesystem layout)."""
+        hexdigest = digest.removeprefix("sha256:")
+        return self.root / "docker/registry/v2/blobs/sha256" / hexdigest[:2] / hexdigest / "data"
+
+    def requests(self) -> list[tuple[str, str, int]]:
+        """(method, URI, status) of every request the registry answered, from its own log."""
+        out = []
+        for line in self.log.read_text().splitlines():
+            if 'msg="response completed"' in line:
+                fields = dict(re.findall(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S+)', line))
+                out.append((fields["http.request.method"], fields["http.request.uri"].strip('"'),
+                            int(fields["http.response.status"])))
+        return out
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def start_registry(d: Path) -> RegistryServer:
+    exe = shutil.which("docker-registry") or shutil.which("registry")
+    if exe is None:
+        raise RuntimeError("docker-registry not found: install the apt package docker-registry (bash .ci/setup)")
+    d.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    (d / "config.yml").write_text(textwrap.dedent(
+        f"""
+        version: 0.1
+        log:
+          level: info
+          accesslog:
+            disabled: true
+        storage:
+          filesystem:
+            rootdirectory: {d / "storage"}
+          delete:
+            enabled: true
+        http:
+          addr: 127.0.0.1:{port}
+        """
+    ))
+    log = d / "registry.log"
+    with open(log, "wb") as f:  # a file, not a pipe: a long test would fill a pipe and stall the server
+        proc = subprocess.Popen([exe, "serve", str(d / "config.yml")], stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"docker-registry exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                _stop(proc)
+                raise RuntimeError(f"docker-registry did not listen on 127.0.0.1:{port} within 30 s") from None
+            time.sleep(0.1)
+    return RegistryServer(proc, port, d / "storage", log)
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory):
+    """An OCI registry for the whole session (tests use their own repositories)."""
+    server = start_registry(tmp_path_factory.mktemp("registry"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_registry(tmp_path_factory):
+    """A private OCI registry a test may stop or tamper with."""
+    server = start_registry(tmp_path_factory.mktemp("own-registry"))
+    yield server
+    server.stop()
