@@ -20,7 +20,7 @@ from typing import Callable
 from filelock import FileLock
 from triton.runtime.cache import FileCacheManager
 
-from . import __version__, fingerprint, tritoncompat
+from . import __version__, devices, fingerprint, tritoncompat
 from .errors import EnvironmentProblem
 from .manifest import Manifest, load
 from .plan import Compile, expand_all, plan, resolve
@@ -153,7 +153,7 @@ def build(
     except OSError as e:
         raise EnvironmentProblem(f"--cache-dir {cache}: cannot create it: {e.strerror}") from e
     workers = max(1, workers or os.cpu_count() or 1)
-    target = get_target(m.backend, m.arch, mode)
+    target = get_target(m.backend, m.arch, mode, devices.manifest_device(m))
     with FileLock(str(meta / "build.lock")):
         target.activate()
         planned = plan(m)

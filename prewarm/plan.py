@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import tritoncompat
+from . import devices, tritoncompat
 from .errors import ManifestError
 from .manifest import KernelSource, Manifest
+from .targets import activate_profile
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ def plan(manifest: Manifest) -> Plan:
         from .npu import activate_offline
 
         activate_offline(manifest.arch)
+    device = devices.manifest_device(manifest)
+    if device is not None:  # before any provider imports a library that asks the device for its properties
+        activate_profile(manifest.backend, manifest.arch, device)
     requests: dict[str, Request] = {}
     for source in manifest.kernels:
         for req in _from_source(manifest, source):
@@ -182,10 +186,57 @@ def load_record(path: str, source: str | None = None) -> list[Request]:
                 f"{path}:{n}: kernel {kernel} was defined in a script run as __main__: expected kernels in an "
                 f"importable module (a build process must import it by name)"
             )
+        data = _this_hosts(data, f"{path}:{n}")
         label = entry.get("label") or f"{name.rsplit('.', 1)[-1]} [{describe_specialization(data)}]"
         req = Request(kernel, label, source or path, specialization=data)
         out.setdefault(req.ident, req)
     return list(out.values())
+
+
+def _this_hosts(data: str, where: str) -> str:
+    """Recorded specialization data with the recording machine's paths replaced by this host's.
+
+    CUDA options carry the absolute path of libdevice (``extern_libs``, filled in by ``CUDAOptions.__post_init__``
+    from the recording host's install). Triton's key hashes that file's content (``CUDAOptions.hash``:
+    ``file_hash(path)``), not its path, and the fingerprint ensures the same triton here, so this host's libdevice
+    gives the same key. Any other absolute path in the options that this host lacks cannot be replaced: it is named
+    (a ManifestError), never left for the compiler to fail on."""
+    obj = json.loads(data)
+    options = obj.get("options", {})
+    local = _local_extern_libs(options)
+    replaced: dict[str, str] = {}
+    for name, value in options.items():
+        if name == "extern_libs" and value:
+            for pair in value:
+                lib, lib_path = pair
+                if lib in local and lib_path != local[lib]:
+                    replaced[lib_path] = pair[1] = local[lib]
+                elif not Path(lib_path).exists():
+                    raise ManifestError(
+                        f"{where}: option extern_libs {lib!r} = {lib_path!r}: no such file on this host, and this "
+                        f"host's Triton has no {lib!r} of its own to use instead: expected the library at that path"
+                    )
+        elif isinstance(value, str) and value.startswith("/") and not Path(value).exists():
+            raise ManifestError(f"{where}: option {name} = {value!r}: a path that does not exist on this host: "
+                                f"expected options without machine-specific paths, or the file at that path")
+    if not replaced:
+        return data
+    key = json.dumps(obj.get("key"))  # the in-memory cache key repeats str(options)
+    for old, new in replaced.items():
+        key = key.replace(json.dumps(old)[1:-1], json.dumps(new)[1:-1])
+    obj["key"] = json.loads(key)
+    return json.dumps(obj)
+
+
+def _local_extern_libs(options: dict) -> dict[str, str]:
+    """The libraries this host's Triton fills into a backend's options when none are given ({} for none)."""
+    if options.get("backend_name") != "cuda":
+        return {}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return {}
+    return dict(CUDAOptions().extern_libs)
 
 
 # --- references and argument encoding ---------------------------------------------------------------------------

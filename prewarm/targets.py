@@ -31,6 +31,7 @@ class Target(ABC):
 
     backend: str
     arch: str
+    device_profile: str | None = None  # a prewarm.devices profile name: device queries answer as that device
     mode: ClassVar[str] = ""
 
     @abstractmethod
@@ -100,6 +101,10 @@ class CudaOfflineTarget(Target):
         current = driver._active  # .active would create the CUDA driver
         if not (isinstance(current, OfflineDriver) and current.target == wanted.target):
             driver.set_active(wanted)
+        if self.device_profile:
+            from . import devices
+
+            devices.activate(devices.lookup(self.device_profile, "target"))
 
     def compile(self, fn: Any, specialization_data: str) -> Any:
         """Compile, then build the kernel's launcher into the cache too (the node then runs no C compiler)."""
@@ -206,8 +211,9 @@ def _load_plugins(backend: str) -> None:
             pass
 
 
-def get_target(backend: str, arch: str, mode: str = "auto") -> Target:
-    """The target that builds ``backend``/``arch`` in ``mode`` (offline | device | auto)."""
+def get_target(backend: str, arch: str, mode: str = "auto", device_profile: str | None = None) -> Target:
+    """The target that builds ``backend``/``arch`` in ``mode`` (offline | device | auto); an offline target
+    answers device queries as ``device_profile`` (a :mod:`prewarm.devices` name) in every process it activates."""
     if mode not in MODES:
         raise ManifestError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
     _load_plugins(backend)
@@ -217,4 +223,17 @@ def get_target(backend: str, arch: str, mode: str = "auto") -> Target:
     if cls is None:
         have = ", ".join(f"{b}/{m}" for b, m in sorted(_REGISTRY))
         raise EnvironmentProblem(f"no build target for backend {backend!r} in mode {mode!r} (available: {have})")
-    return cls(backend=backend, arch=arch)
+    return cls(backend=backend, arch=arch, device_profile=device_profile)
+
+
+def activate_profile(backend: str, arch: str, device_profile: str) -> None:
+    """Plan processes: device queries answer as ``device_profile`` unless a real device answers them (a device
+    build on the node). With no driver chosen yet, the backend's target-only driver is installed first."""
+    from triton.runtime.driver import driver
+
+    from . import devices
+
+    if isinstance(driver._active, OfflineDriver):
+        devices.activate(devices.lookup(device_profile, "target"))
+    elif driver._active is None and backend == "cuda" and _auto_mode("cuda") == "offline":
+        CudaOfflineTarget(backend, arch, device_profile).activate()

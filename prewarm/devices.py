@@ -1,0 +1,306 @@
+"""Device profiles: the properties a library reads from the accelerator, for planning and building without one.
+
+Libraries pick kernels, block sizes and autotune lists from the device (fla-core asks ``torch.cuda`` for the name,
+capability and opt-in shared memory at import, and Triton's ``driver.active.utils.get_device_properties`` for
+the SM count). A manifest's ``[target] device = "H200"`` names a profile; :func:`activate` makes this process
+answer those queries with it, so a library imports and plans as it would on the node. Only plan and build
+processes call it (the CLI's, and each build worker through its target); nothing else in the project does, so a
+node's runtime, ``prewarm record`` and ``verify`` see the real device or none.
+
+Every figure names its source: ``measured`` (on the device, with :data:`MEASURE_COMMAND`) or ``documented``
+(the vendor's public specification). Replace documented figures by measured ones when a device is at hand.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import ManifestError
+
+# Run on the device (one line); paste its output into the profile and mark the fields measured (with the date).
+MEASURE_COMMAND = (
+    "python -c \"import json,torch,triton; p=torch.cuda.get_device_properties(0); "
+    "print(json.dumps({'torch': {a: getattr(p, a) for a in dir(p) if not a.startswith('_')}, "
+    "'capability': torch.cuda.get_device_capability(0), "
+    "'triton': triton.runtime.driver.active.utils.get_device_properties(0)}, default=str))\""
+)
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a device answers to the queries libraries make when they choose kernels. CUDA fields follow
+    ``torch.cuda.get_device_properties``; Ascend's follow triton-ascend's ``get_device_properties``."""
+
+    name: str  # torch.cuda.get_device_name (CUDA) / the SoC name (Ascend)
+    backend: str  # "cuda" | "npu"
+    arch: str  # what the manifest's [target] arch must say: "sm_90", "Ascend910_9391"
+    sources: dict[str, str]  # field -> "documented: ..." / "measured: ..."
+    capability: tuple[int, int] = (0, 0)
+    multi_processor_count: int = 0
+    shared_memory_per_block: int = 0
+    shared_memory_per_block_optin: int = 0
+    shared_memory_per_multiprocessor: int = 0
+    L2_cache_size: int = 0
+    regs_per_multiprocessor: int = 0
+    max_registers_per_block: int = 0
+    max_threads_per_multi_processor: int = 0
+    max_threads_per_block: int = 0
+    warp_size: int = 0
+    total_memory: int = 0
+    clock_rate: int = 0  # kHz, as CUDA reports it
+    memory_clock_rate: int = 0  # kHz
+    memory_bus_width: int = 0  # bits
+    num_aicore: int = 0  # Ascend: AI (cube) cores
+    num_vectorcore: int = 0  # Ascend: vector cores
+    ub_size: int = 0  # Ascend: unified buffer per core, bytes
+
+    def torch_properties(self) -> "CudaProperties":
+        return CudaProperties(
+            name=self.name, major=self.capability[0], minor=self.capability[1], total_memory=self.total_memory,
+            multi_processor_count=self.multi_processor_count, shared_memory_per_block=self.shared_memory_per_block,
+            shared_memory_per_block_optin=self.shared_memory_per_block_optin,
+            shared_memory_per_multiprocessor=self.shared_memory_per_multiprocessor, L2_cache_size=self.L2_cache_size,
+            regs_per_multiprocessor=self.regs_per_multiprocessor, warp_size=self.warp_size,
+            max_threads_per_multi_processor=self.max_threads_per_multi_processor,
+            max_threads_per_block=self.max_threads_per_block, clock_rate=self.clock_rate // 1000,
+            memory_clock_rate=self.memory_clock_rate // 1000, memory_bus_width=self.memory_bus_width,
+        )  # fmt: skip
+
+    def triton_properties(self) -> dict[str, int]:
+        """What Triton's driver ``utils.get_device_properties(device)`` returns on this device."""
+        if self.backend == "npu":  # triton-ascend 3.2's NPUUtils.get_device_properties
+            return {"max_shared_mem": 1, "num_aicore": self.num_aicore, "num_vectorcore": self.num_vectorcore}
+        return {"max_shared_mem": self.shared_memory_per_block_optin, "max_num_regs": self.max_registers_per_block,
+                "multiprocessor_count": self.multi_processor_count, "warpSize": self.warp_size,
+                "sm_clock_rate": self.clock_rate, "mem_clock_rate": self.memory_clock_rate,
+                "mem_bus_width": self.memory_bus_width}  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CudaProperties:
+    """Stands in for ``torch._C._CudaDeviceProperties`` (same attribute names; clock rates in MHz as torch's)."""
+
+    name: str
+    major: int
+    minor: int
+    total_memory: int
+    multi_processor_count: int
+    shared_memory_per_block: int
+    shared_memory_per_block_optin: int
+    shared_memory_per_multiprocessor: int
+    L2_cache_size: int
+    regs_per_multiprocessor: int
+    warp_size: int
+    max_threads_per_multi_processor: int
+    max_threads_per_block: int
+    clock_rate: int
+    memory_clock_rate: int
+    memory_bus_width: int
+    is_integrated: int = 0
+    is_multi_gpu_board: int = 0
+    gcnArchName: str = "NVIDIA"
+    uuid: str = field(default="00000000-0000-0000-0000-000000000000")
+
+
+_HOPPER_GUIDE = "documented: NVIDIA Hopper Tuning Guide (cc 9.0: 228 KB smem/SM, 227 KB opt-in per block)"
+_CUDA_GUIDE = "documented: CUDA C Programming Guide, technical specifications per compute capability"
+_CC = "documented: NVIDIA CUDA GPUs compute capability table"
+_HOPPER_CUDA = {
+    "capability": _CC, "shared_memory_per_block": _CUDA_GUIDE, "regs_per_multiprocessor": _CUDA_GUIDE,
+    "max_registers_per_block": _CUDA_GUIDE, "max_threads_per_multi_processor": _CUDA_GUIDE,
+    "max_threads_per_block": _CUDA_GUIDE, "warp_size": _CUDA_GUIDE, "shared_memory_per_block_optin": _HOPPER_GUIDE,
+    "shared_memory_per_multiprocessor": _HOPPER_GUIDE,
+}  # fmt: skip
+_CUDA_COMMON = dict(shared_memory_per_block=48 * KiB, regs_per_multiprocessor=64 * KiB, max_registers_per_block=64 * KiB,
+                    max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32)  # fmt: skip
+
+PROFILES: dict[str, DeviceProfile] = {
+    "H200": DeviceProfile(
+        name="NVIDIA H200", backend="cuda", arch="sm_90", capability=(9, 0), multi_processor_count=132,
+        shared_memory_per_block_optin=227 * KiB, shared_memory_per_multiprocessor=228 * KiB, L2_cache_size=50 * MiB,
+        total_memory=141 * 10**9, clock_rate=1_980_000, memory_clock_rate=2_619_000, memory_bus_width=6144,
+        **_CUDA_COMMON,
+        sources={
+            **_HOPPER_CUDA,
+            "name": "measured: torch.cuda.get_device_name(0) on the H200 (bench/results/cold_start.json)",
+            "multi_processor_count": "documented: NVIDIA H200 = GH100 SXM5 configuration, 132 SMs (Hopper whitepaper)",
+            "L2_cache_size": "documented: Hopper whitepaper, 50 MB L2 (H100/H200 SXM5)",
+            "total_memory": "documented: NVIDIA H200 datasheet, 141 GB HBM3e (torch reports a little less)",
+            "clock_rate": "documented: H100/H200 SXM5 max boost 1980 MHz",
+            "memory_clock_rate": "unverified: derived from 4.8 TB/s over a 6144-bit bus; measure",
+            "memory_bus_width": "unverified: 6 HBM3e stacks x 1024 bits; measure",
+        },
+    ),
+    "H100": DeviceProfile(
+        name="NVIDIA H100 80GB HBM3", backend="cuda", arch="sm_90", capability=(9, 0), multi_processor_count=132,
+        shared_memory_per_block_optin=227 * KiB, shared_memory_per_multiprocessor=228 * KiB, L2_cache_size=50 * MiB,
+        total_memory=80 * GiB, clock_rate=1_980_000, memory_clock_rate=2_619_000, memory_bus_width=5120,
+        **_CUDA_COMMON,
+        sources={
+            **_HOPPER_CUDA,
+            "name": "documented: the SXM5 80 GB board's device name",
+            "multi_processor_count": "documented: Hopper whitepaper, H100 SXM5 132 SMs",
+            "L2_cache_size": "documented: Hopper whitepaper, 50 MB L2",
+            "total_memory": "documented: H100 SXM5 datasheet, 80 GB HBM3",
+            "clock_rate": "documented: H100 SXM5 max boost 1980 MHz",
+            "memory_clock_rate": "documented: Hopper whitepaper, HBM3 at 2619 MHz (3.35 TB/s)",
+            "memory_bus_width": "documented: Hopper whitepaper, 5 HBM3 stacks, 5120-bit",
+        },
+    ),
+    "A100": DeviceProfile(
+        name="NVIDIA A100-SXM4-80GB", backend="cuda", arch="sm_80", capability=(8, 0), multi_processor_count=108,
+        shared_memory_per_block_optin=163 * KiB, shared_memory_per_multiprocessor=164 * KiB, L2_cache_size=40 * MiB,
+        total_memory=80 * GiB, clock_rate=1_410_000, memory_clock_rate=1_593_000, memory_bus_width=5120,
+        **_CUDA_COMMON,
+        sources={
+            **_HOPPER_CUDA,
+            "shared_memory_per_block_optin": "documented: Ampere Tuning Guide (cc 8.0: 163 KB opt-in per block)",
+            "shared_memory_per_multiprocessor": "documented: Ampere Tuning Guide (cc 8.0: 164 KB per SM)",
+            "name": "documented: the SXM4 80 GB board's device name",
+            "multi_processor_count": "documented: Ampere whitepaper, A100 108 SMs",
+            "L2_cache_size": "documented: Ampere whitepaper, 40 MB L2",
+            "total_memory": "documented: A100 80GB datasheet",
+            "clock_rate": "documented: A100 boost 1410 MHz",
+            "memory_clock_rate": "documented: A100 80GB HBM2e, 2.0 TB/s over 5120 bits",
+            "memory_bus_width": "documented: Ampere whitepaper, 5120-bit",
+        },
+    ),
+    "B200": DeviceProfile(
+        name="NVIDIA B200", backend="cuda", arch="sm_100", capability=(10, 0), multi_processor_count=148,
+        shared_memory_per_block_optin=227 * KiB, shared_memory_per_multiprocessor=228 * KiB, L2_cache_size=126 * MiB,
+        total_memory=180 * 10**9, clock_rate=1_965_000, memory_clock_rate=3_996_000, memory_bus_width=8192,
+        **_CUDA_COMMON,
+        sources={
+            **_HOPPER_CUDA,
+            "shared_memory_per_block_optin": "documented: Blackwell Tuning Guide (cc 10.0: 227 KB opt-in per block)",
+            "shared_memory_per_multiprocessor": "documented: Blackwell Tuning Guide (cc 10.0: 228 KB per SM)",
+            "name": "documented: HGX B200 device name",
+            "multi_processor_count": "documented: Blackwell B200, 148 SMs (2 dies x 74)",
+            "L2_cache_size": "unverified: 126 MB as reported for B200; measure",
+            "total_memory": "documented: HGX B200, 180 GB HBM3e per GPU",
+            "clock_rate": "unverified: boost clock; measure",
+            "memory_clock_rate": "unverified: derived from 8 TB/s over 8192 bits; measure",
+            "memory_bus_width": "unverified: 8 HBM3e stacks x 1024 bits; measure",
+        },
+    ),
+    "Ascend910B": DeviceProfile(
+        name="Ascend910B2", backend="npu", arch="Ascend910B2", num_aicore=24, num_vectorcore=48, ub_size=192 * KiB,
+        sources={
+            "name": "documented: CANN SoC name", "arch": "documented: CANN SoC name",
+            "num_aicore": "documented: Ascend 910B2, 24 AI (cube) cores",
+            "num_vectorcore": "documented: 2 vector cores per AI core (triton-ascend: num_aicore * 2)",
+            "ub_size": "documented: CANN Ascend C docs, 192 KB unified buffer per core on A2",
+        },
+    ),
+    "Ascend910_93": DeviceProfile(
+        name="Ascend910_9391", backend="npu", arch="Ascend910_9391", num_aicore=24, num_vectorcore=48,
+        ub_size=192 * KiB,
+        sources={
+            "name": "documented: CANN SoC name of the A3 (Atlas 800T A3) die",
+            "arch": "documented: CANN SoC name",
+            "num_aicore": "documented: Atlas A3, 24 AI (cube) cores per die",
+            "num_vectorcore": "documented: 2 vector cores per AI core (triton-ascend: num_aicore * 2)",
+            "ub_size": "documented: CANN Ascend C docs, 192 KB unified buffer per core on A3",
+        },
+    ),
+}
+ALIASES = {"A3": "Ascend910_93", "Ascend910_9391": "Ascend910_93", "910B": "Ascend910B", "Ascend910B2": "Ascend910B"}
+
+
+def lookup(name: str, where: str) -> DeviceProfile:
+    """The profile ``name`` names (or an alias of it), or a ManifestError naming ``where`` and the known names."""
+    profile = PROFILES.get(ALIASES.get(name, name))
+    if profile is None:
+        known = ", ".join(sorted({*PROFILES, *ALIASES}))
+        raise ManifestError(f"{where}: device = {name!r}: expected one of {known}")
+    return profile
+
+
+def manifest_device(manifest) -> str | None:
+    """The profile name a manifest's ``[target] device`` gives (None: none), checked against its backend and
+    arch. Read from the manifest's own field when it has one, else from its TOML."""
+    name = getattr(manifest, "device", None)
+    if name is None:
+        try:
+            name = tomllib.loads(manifest.path.read_text()).get("target", {}).get("device")
+        except (OSError, tomllib.TOMLDecodeError):
+            name = None
+    if name is None:
+        return None
+    where = f"{manifest.path}: target.device"
+    if not isinstance(name, str):
+        raise ManifestError(f"{where} = {name!r}: expected a device profile name")
+    profile = lookup(name, f"{manifest.path}: target")
+    arch = manifest.arch.lower().removesuffix("a").replace("sm", "sm_").replace("__", "_")
+    if profile.backend != manifest.backend or arch != profile.arch.lower():
+        raise ManifestError(f"{where} = {name!r}: that device is {profile.backend} {profile.arch}, but the manifest "
+                            f"targets {manifest.backend} {manifest.arch}: expected a device of the target's arch")
+    return ALIASES.get(name, name)
+
+
+# --- answering the queries in this process -----------------------------------------------------------------------
+
+_SAVED: dict[str, Any] = {}  # torch.cuda attribute -> the function activate() replaced
+_ACTIVE: list[DeviceProfile] = []
+
+
+class ProfileUtils:
+    """The part of a Triton driver's ``utils`` that libraries query for device properties."""
+
+    def __init__(self, profile: DeviceProfile):
+        self.profile = profile
+
+    def get_device_properties(self, device=0) -> dict[str, int]:
+        return self.profile.triton_properties()
+
+
+def active() -> DeviceProfile | None:
+    """The profile this process answers device queries with (None: the real device, or none)."""
+    return _ACTIVE[0] if _ACTIVE else None
+
+
+def activate(profile: DeviceProfile) -> None:
+    """From now on, in this process: torch.cuda's device queries (CUDA profiles) and the active target-only
+    Triton driver's ``utils.get_device_properties`` answer as ``profile``. Idempotent; :func:`deactivate` undoes.
+    Call only where a target-only driver is active (plan and build processes), never on a node."""
+    from triton.runtime.driver import driver
+
+    from .targets import OfflineDriver
+
+    current = driver._active  # .active would create the real driver
+    if not isinstance(current, OfflineDriver):
+        raise RuntimeError("a device profile answers only under a target-only driver (none is active)")
+    current.utils = ProfileUtils(profile)
+    _ACTIVE[:] = [profile]
+    if profile.backend != "cuda":
+        return
+    import torch
+
+    props = profile.torch_properties()
+    answers = {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "get_device_name": lambda device=None: profile.name,
+        "get_device_capability": lambda device=None: profile.capability,
+        "get_device_properties": lambda device=None: props,
+    }
+    for name, fn in answers.items():
+        _SAVED.setdefault(name, getattr(torch.cuda, name))
+        setattr(torch.cuda, name, fn)
+
+
+def deactivate() -> None:
+    """Put back what :func:`activate` replaced (the driver's ``utils`` goes with the driver)."""
+    import torch
+
+    for name, fn in _SAVED.items():
+        setattr(torch.cuda, name, fn)
+    _SAVED.clear()
+    _ACTIVE.clear()

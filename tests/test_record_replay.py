@@ -1,0 +1,108 @@
+"""Replaying a recording made on another machine: its machine-specific option values (libdevice's absolute path)
+become this host's, so it builds into the same key dirs as a local recording; what cannot be made local is named."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+
+from prewarm.build import build  # noqa: E402
+from prewarm.cli import main  # noqa: E402
+from prewarm.errors import ManifestError  # noqa: E402
+from prewarm.plan import load_record  # noqa: E402
+
+MANIFEST = """
+[target]
+backend = "cuda"
+arch = "sm_90"
+
+[model]
+kda_heads = 4
+head_k_dim = 64
+head_v_dim = 64
+
+[[kernels]]
+record = "{record}"
+"""
+ELSEWHERE = "/opt/h200-node/venv/lib/python3.12/site-packages/triton/backends/nvidia/lib/libdevice.10.bc"
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A real `prewarm record` of the toy app (3 processes) and the cache the app itself compiled into."""
+    tmp = tmp_path_factory.mktemp("replay")
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TRITON_CACHE_DIR")}
+    os.environ["PYTHONPATH"] = str(FIXTURES)
+    os.environ["TRITON_CACHE_DIR"] = str(tmp / "app-cache")
+    try:
+        code = main(["record", "-o", str(tmp / "local.jsonl"), "--", sys.executable, "-m", "prewarm_toy.record_app"])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert code == 0
+    return tmp
+
+
+def rewrite_options(src: Path, dst: Path, change) -> None:
+    """Each line of ``src`` with ``change(options)`` applied to its specialization data's options, as another
+    machine's recorder would have written it."""
+    lines = []
+    for line in src.read_text().splitlines():
+        entry = json.loads(line)
+        data = json.loads(entry["specialization_data"])
+        change(data["options"])
+        entry["specialization_data"] = json.dumps(data)
+        lines.append(json.dumps(entry))
+    dst.write_text("\n".join(lines) + "\n")
+
+
+def manifest(tmp: Path, record: str) -> Path:
+    path = tmp / f"{Path(record).stem}.toml"
+    path.write_text(MANIFEST.format(record=record))
+    return path
+
+
+def test_a_recording_with_another_hosts_libdevice_builds_into_the_local_recordings_keys(recorded):
+    tmp = recorded
+
+    def elsewhere(options):
+        assert [lib for lib, _ in options["extern_libs"]] == ["libdevice"]
+        options["extern_libs"] = [["libdevice", ELSEWHERE]]
+
+    rewrite_options(tmp / "local.jsonl", tmp / "remote.jsonl", elsewhere)
+    assert not Path(ELSEWHERE).exists() and ELSEWHERE in (tmp / "remote.jsonl").read_text()
+    # replayed, the remote recording is the very same requests as the local one
+    assert [r.ident for r in load_record(str(tmp / "remote.jsonl"))] == \
+        [r.ident for r in load_record(str(tmp / "local.jsonl"))]
+    report = build(manifest(tmp, "remote.jsonl"), tmp / "built-remote", workers=1, mode="offline")
+    assert report.ok and report.count("compiled") == 3
+    # the key dirs the app compiled into on this host: a server here would find every kernel
+    assert sorted(r.key for r in report.results) == sorted(p.name for p in (tmp / "app-cache").iterdir())
+
+
+def test_a_path_that_cannot_be_made_local_is_named_with_file_line_and_option(recorded, capsys):
+    tmp = recorded
+
+    def foreign_lib(options):
+        options["extern_libs"] = [["libdevice", ELSEWHERE], ["libvendor", "/opt/vendor/libvendor.bc"]]
+
+    rewrite_options(tmp / "local.jsonl", tmp / "vendor.jsonl", foreign_lib)
+    code = main(["build", str(manifest(tmp, "vendor.jsonl")), "--cache-dir", str(tmp / "built-vendor")])
+    err = capsys.readouterr().err
+    assert code == ManifestError.exit_code
+    assert f"{tmp / 'vendor.jsonl'}:1: option extern_libs 'libvendor' = '/opt/vendor/libvendor.bc'" in err
+    assert "Traceback" not in err
+    assert not (tmp / "built-vendor").exists() or not any(p.name != ".prewarm" for p in (tmp / "built-vendor").iterdir())
+
+
+def test_any_other_absolute_path_option_missing_here_is_named(recorded):
+    tmp = recorded
+    rewrite_options(tmp / "local.jsonl", tmp / "dump.jsonl", lambda o: o.update(instrumentation_mode="/h200/dump.so"))
+    with pytest.raises(ManifestError, match=r"dump\.jsonl:1: option instrumentation_mode = '/h200/dump.so'"):
+        load_record(str(tmp / "dump.jsonl"))
