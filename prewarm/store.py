@@ -79,6 +79,10 @@ class Store(ABC):
     def list_objects(self) -> set[str]:
         """Names of the objects present (an empty set for a new store)."""
 
+    def missing(self, names: set[str]) -> set[str]:
+        """Which of these objects the store lacks (an OCI registry cannot list: it asks blob by blob)."""
+        return names - self.list_objects()
+
     def read_optional(self, name: str) -> bytes | None:
         try:
             return self.read(name)
@@ -158,6 +162,10 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
         return LocalStore(url)
     if protocol == "file":
         return LocalStore(fsspec.core.strip_protocol(url))
+    if protocol == "oci":
+        from .oci import open_oci  # oras is imported only where a registry is used
+
+        return open_oci(url, storage_options)
     cls = ObjectStore if protocol in OBJECT_PROTOCOLS else FsspecStore
     return retry(lambda: cls(url, storage_options), f"{url}: connect")
 
@@ -202,8 +210,8 @@ def _push_one(
         store = open_store(url, storage_options)
         index_bytes = (bundle_dir / INDEX).read_bytes()
         index = parse_index(index_bytes, str(bundle_dir / INDEX))
-        have = attempt(store.list_objects, "list objects")
-        todo = [e.object for e in index.entries if e.object not in have]
+        lacking = attempt(lambda: store.missing({e.object for e in index.entries}), "look up objects")
+        todo = [e.object for e in index.entries if e.object in lacking]
         res.present = len(index.entries) - len(todo)
         todo = sorted(set(todo))
         if progress:
