@@ -140,6 +140,7 @@ def load(path: str | Path) -> Manifest:
         arch = t.get("arch", str, "a CUDA arch like 'sm_90'", check=lambda v: re.fullmatch(r"sm_?\d{2,3}a?", v))
     else:
         arch = t.get("arch", str, "an Ascend SoC name like 'Ascend910_9391'", check=lambda v: bool(v.strip()))
+    t.get("device", str, "a device profile name from prewarm.devices (H200, H100, A100, B200, Ascend910B, A3)", None)
     t.done()
 
     m = top.table_of("model")
