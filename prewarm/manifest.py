@@ -51,19 +51,27 @@ class Manifest:
     head_k_dim: int
     head_v_dim: int
     layers: int
-    dtype: str
+    dtypes: dict[str, tuple[str, ...]]  # role -> the dtypes a deployment passes for it: "activation" (q, k, v), "gate" (g)
     gate_lower_bound: float | None
     prefill: bool
     decode_batch_buckets: tuple[int, ...]
     draft_widths: tuple[int, ...]
+    fused_gate: bool  # the server passes the raw gate with A_log / dt_bias (activated in-kernel)
+    qk_l2norm: bool  # the server asks for the in-kernel L2 norm of q and k
     kernels: tuple[KernelSource, ...]
 
     @property
     def heads_per_rank(self) -> int:
         return self.heads // self.attention_tp
 
+    @property
+    def dtype(self) -> str:
+        """The (first) activation dtype."""
+        return self.dtypes["activation"][0]
+
     def spec(self) -> dict[str, Any]:
-        """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives."""
+        """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives. ``dtype`` (the first
+        activation dtype) predates ``dtypes`` (every declared dtype per role: plan their cross product)."""
         return {
             "backend": self.backend,
             "arch": self.arch,
@@ -71,10 +79,13 @@ class Manifest:
             "head_k_dim": self.head_k_dim,
             "head_v_dim": self.head_v_dim,
             "dtype": self.dtype,
+            "dtypes": {role: list(names) for role, names in self.dtypes.items()},
             "gate_lower_bound": self.gate_lower_bound,
             "prefill": self.prefill,
             "decode_batch_buckets": list(self.decode_batch_buckets),
             "draft_widths": list(self.draft_widths),
+            "fused_gate": self.fused_gate,
+            "qk_l2norm": self.qk_l2norm,
             "layers": self.layers,
         }
 
@@ -100,6 +111,15 @@ class _Reader:
         if not isinstance(value, types) or bad_bool or (check is not None and not check(value)):
             raise self.fail(key, value, expected)
         return value
+
+    def names(self, key: str, allowed: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
+        """A string or a non-empty list of distinct strings, each one of ``allowed``."""
+        expected = f"one of {', '.join(allowed)}, or a non-empty list of distinct ones"
+        value = self.get(key, (str, list), expected, list(default))
+        values = [value] if isinstance(value, str) else value
+        if not values or len(set(map(str, values))) != len(values) or any(v not in allowed for v in values):
+            raise self.fail(key, value, expected)
+        return tuple(values)
 
     def ints(self, key: str, default: list[int]) -> tuple[int, ...]:
         expected = "a list of distinct positive integers"
@@ -167,13 +187,19 @@ def load(path: str | Path) -> Manifest:
     p.done()
 
     d = top.table_of("dtypes")
-    dtype = d.get("activation", str, f"one of {', '.join(DTYPES)}", "bfloat16", check=lambda v: v in DTYPES)
+    activation = d.names("activation", DTYPES, ("bfloat16",))
+    dtypes = {"activation": activation, "gate": d.names("gate", DTYPES, activation)}
     d.done()
 
     s = top.table_of("serving")
     prefill = s.get("prefill", bool, "true or false", True)
     buckets = s.ints("decode_batch_buckets", [])
     drafts = s.ints("draft_widths", [])
+    fused_gate = s.get("fused_gate", bool, "true or false", True)
+    qk_l2norm = s.get("qk_l2norm", bool, "true or false", True)
+    if glb is not None and not fused_gate:
+        raise s.fail("fused_gate", fused_gate, "true when model.gate_lower_bound is set (the bound applies to the "
+                     "gate activated in-kernel)")
     s.done()
 
     kernels_raw = top.get("kernels", list, "an array of [[kernels]] tables", [])
@@ -188,9 +214,9 @@ def load(path: str | Path) -> Manifest:
             digest.update(Path(k.ref).read_bytes())
     return Manifest(
         path=path, name=name, digest=digest.hexdigest(), backend=backend, arch=arch, heads=heads,
-        attention_tp=attention_tp, head_k_dim=head_k_dim, head_v_dim=head_v_dim, layers=layers, dtype=dtype,
+        attention_tp=attention_tp, head_k_dim=head_k_dim, head_v_dim=head_v_dim, layers=layers, dtypes=dtypes,
         gate_lower_bound=None if glb is None else float(glb), prefill=prefill, decode_batch_buckets=buckets,
-        draft_widths=drafts, kernels=kernels,
+        draft_widths=drafts, fused_gate=fused_gate, qk_l2norm=qk_l2norm, kernels=kernels,
     )  # fmt: skip
 
 

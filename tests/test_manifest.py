@@ -52,13 +52,55 @@ def test_kimi_k3_ascend_spec_has_six_heads_per_rank():
 def test_kimi_linear_h200_spec():
     spec = load(REPO / "manifests/kimi-linear-h200.toml").spec()
     assert (spec["backend"], spec["arch"], spec["heads"], spec["gate_lower_bound"]) == ("cuda", "sm_90", 32, None)
-    assert set(spec) == {"backend", "arch", "heads", "head_k_dim", "head_v_dim", "dtype", "gate_lower_bound",
-                         "prefill", "decode_batch_buckets", "draft_widths", "layers"}
+    assert set(spec) == {"backend", "arch", "heads", "head_k_dim", "head_v_dim", "dtype", "dtypes", "gate_lower_bound",
+                         "prefill", "decode_batch_buckets", "draft_widths", "fused_gate", "qk_l2norm", "layers"}
+    assert spec["dtype"] == "bfloat16"
+    assert spec["dtypes"] == {"activation": ["bfloat16"], "gate": ["bfloat16", "float32"]}
+    assert spec["fused_gate"] is True and spec["qk_l2norm"] is True
 
 
 def test_attention_tp_divides_heads(tmp_path):
     m = load(write(tmp_path, GOOD))
     assert m.attention_tp == 4 and m.heads_per_rank == 8 and m.spec()["dtype"] == "bfloat16"
+
+
+def test_dtypes_default_and_lists(tmp_path):
+    """No [dtypes]: bf16 for both roles; gate defaults to the activation dtype(s); each role a string or a list."""
+    assert load(write(tmp_path, GOOD)).spec()["dtypes"] == {"activation": ["bfloat16"], "gate": ["bfloat16"]}
+    text = GOOD + '[dtypes]\nactivation = ["bfloat16", "float16"]\n'
+    spec = load(write(tmp_path, text)).spec()
+    assert spec["dtypes"] == {"activation": ["bfloat16", "float16"], "gate": ["bfloat16", "float16"]}
+    assert spec["dtype"] == "bfloat16"  # the first activation dtype, for providers that predate "dtypes"
+    spec = load(write(tmp_path, GOOD + '[dtypes]\nactivation = "float16"\ngate = "float32"\n')).spec()
+    assert spec["dtypes"] == {"activation": ["float16"], "gate": ["float32"]}
+
+
+@pytest.mark.parametrize(
+    "table, key, expected",
+    [
+        ('activation = "bf16"', "dtypes.activation = 'bf16'", "one of bfloat16, float16, float32"),
+        ("activation = []", "dtypes.activation = []", "a non-empty list of distinct ones"),
+        ('gate = ["float32", "float32"]', "dtypes.gate = ['float32', 'float32']", "distinct"),
+        ("gate = 32", "dtypes.gate = 32", "one of bfloat16, float16, float32"),
+        ('beta = "bfloat16"', "dtypes.beta = 'bfloat16'", "no such key here (known: activation, gate)"),
+    ],
+)
+def test_bad_dtypes_name_file_key_value_and_expectation(tmp_path, table, key, expected):
+    path = write(tmp_path, GOOD + f"[dtypes]\n{table}\n")
+    with pytest.raises(ManifestError) as e:
+        load(path)
+    msg = str(e.value)
+    assert str(path) in msg and key in msg and expected in msg
+
+
+def test_serving_switches(tmp_path):
+    spec = load(write(tmp_path, GOOD.replace("[serving]", "[serving]\nfused_gate = false\nqk_l2norm = false"))).spec()
+    assert (spec["fused_gate"], spec["qk_l2norm"]) == (False, False)
+    bound = GOOD.replace("head_v_dim = 128", "head_v_dim = 128\ngate_lower_bound = -5.0")
+    with pytest.raises(ManifestError, match=r"serving.fused_gate = False: expected true when model.gate_lower_bound"):
+        load(write(tmp_path, bound.replace("[serving]", "[serving]\nfused_gate = false")))
+    with pytest.raises(ManifestError, match=r"serving.qk_l2norm = 'yes': expected true or false"):
+        load(write(tmp_path, GOOD.replace("[serving]", '[serving]\nqk_l2norm = "yes"')))
 
 
 def test_heads_that_do_not_divide_name_file_heads_and_tp(tmp_path):

@@ -127,4 +127,5 @@ def test_plan_table_shows_the_kda_labels_verbatim():
     manifest = Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml"
     out = subprocess.run([sys.executable, "-m", "prewarm.cli", "plan", str(manifest)], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "300"}, check=True).stdout
-    assert "decode[bs=16]/recurrent" in out and "verify[bs=64,draft=4]/recurrent" in out
+    assert "decode[act=bfloat16,gate=float32]/recurrent" in out
+    assert "verify[draft=4,act=bfloat16,gate=float32]/recurrent" in out

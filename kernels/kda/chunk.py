@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from .common import check, layout
+from .common import activations, as_fp32, layout
 from .cumsum import chunk_cumsum
 from .intra import chunk_intra
 from .l2norm import l2norm_rstd
 from .output import chunk_output
 from .recompute import chunk_recompute
 from .solve import chunk_solve
-from .state import check_initial_state, chunk_state
+from .state import chunk_state, initial_states
 
 
 def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -21,22 +21,21 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward over fixed-length [B, T, ...] or packed varlen (B == 1, ``cu_seqlens`` [N+1]) batches.
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay, or the raw gate when ``A_log`` [H] and
-    ``dt_bias`` [H*K] are given (activated in the cumsum kernel; ``lower_bound`` selects the bounded sigmoid gate);
-    beta: [B, T, H]. ``initial_state`` is a pool [P, H, K, V] indexed per sequence by ``initial_state_indices``
-    [N] (or holds exactly N states). Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).
+    q, k: [B, T, H, K]; v: [B, T, H, V] (one float dtype: the activation dtype); g: [B, T, H, K] log-decay, or the
+    raw gate when ``A_log`` [H] and ``dt_bias`` [H*K] are given (activated in the cumsum kernel; ``lower_bound``
+    selects the bounded sigmoid gate); beta: [B, T, H], any float dtype (used in fp32, as A_log and dt_bias).
+    ``initial_state`` is an fp32 pool [P, H, K, V] indexed per sequence by ``initial_state_indices`` [N] (int32 or
+    int64; or the pool holds exactly N states). Views and unaligned tensors are accepted (copied once, see
+    ``common.canonical``). Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).
     Pass ``cu_seqlens`` on the CPU: the chunk index is built there, and a device tensor would cost a sync.
     """
     L = layout(k, v, cu_seqlens)
-    check("q", q, (L.B, L.T, L.H, L.K))
-    check("v", v, (L.B, L.T, L.H, L.V))
-    check("beta", beta, (L.B, L.T, L.H))
-    if q.dtype != k.dtype or v.dtype != k.dtype:
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    check_initial_state(initial_state, initial_state_indices, L)
+    q, k, v = activations(q, k, v, (L.B, L.T, L.H, L.K), (L.B, L.T, L.H, L.V))
+    beta = as_fp32("beta", beta, (L.B, L.T, L.H))
+    initial_state, initial_state_indices = initial_states(initial_state, initial_state_indices, L)
     scale = L.K ** -0.5 if scale is None else float(scale)
     q_rstd, k_rstd = (l2norm_rstd(q), l2norm_rstd(k)) if use_qk_l2norm else (None, None)
-    G = chunk_cumsum(g, cu_seqlens, A_log, dt_bias, lower_bound, _layout=L)
+    G = chunk_cumsum(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, _layout=L)
     Akk, Aqk = chunk_intra(q, k, G, beta, scale, q_rstd=q_rstd, k_rstd=k_rstd, _layout=L)
     Ai = chunk_solve(Akk, _layout=L)
     w, u, kg = chunk_recompute(k, v, beta, G, Ai, k_rstd=k_rstd, _layout=L)

@@ -10,9 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BT, check, chunk_bounds, layout
-
-GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
+from .common import AUTOTUNE_CACHE, BT, canonical, chunk_bounds, gate, layout
 
 CONFIGS = [
     triton.Config({"BS": BS}, num_warps=num_warps, num_stages=num_stages)
@@ -24,13 +22,11 @@ PINNED = {"BS": 64, "num_warps": 4, "num_stages": 3}
 
 
 @triton.autotune(configs=CONFIGS, key=["H", "K", "GATE"], **AUTOTUNE_CACHE)
-@triton.jit(do_not_specialize=["T"])
-def kda_cumsum_kernel(g, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, T, H: tl.constexpr,
-                      K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,
-                      IS_VARLEN: tl.constexpr):
-    i_s, i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+@triton.jit
+def kda_cumsum_kernel(g, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, H: tl.constexpr,
+                      K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr):
+    i_s, i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_t * BT + tl.arange(0, BT)
     o_s = i_s * BS + tl.arange(0, BS)
     m_s = o_s < K
@@ -38,8 +34,8 @@ def kda_cumsum_kernel(g, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bou
     offs = ((bos + o_t) * H + i_h)[:, None] * K + o_s[None, :]
     b_g = tl.load(g + offs, mask=m, other=0.0).to(tl.float32)
     if GATE != 0:
-        b_g = b_g + tl.load(dt_bias + i_h * K + o_s, mask=m_s, other=0.0).to(tl.float32)[None, :]
-        b_a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        b_g = b_g + tl.load(dt_bias + i_h * K + o_s, mask=m_s, other=0.0)[None, :]
+        b_a = tl.exp(tl.load(A_log + i_h))
         if GATE == 1:
             # softplus, linear above 20 (the clamp keeps exp finite on the branch that is not taken)
             b_sp = tl.where(b_g > 20.0, b_g, tl.log(1.0 + tl.exp(tl.minimum(b_g, 20.0))))
@@ -58,20 +54,10 @@ def chunk_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None = None, A_log:
                  dt_bias: torch.Tensor | None = None, lower_bound: float | None = None, *, _layout=None) -> torch.Tensor:
     """fp32 chunk-local cumsum of g [B, T, H, K]; with A_log [H] and dt_bias [H*K] the gate is activated in-kernel."""
     L = _layout or layout(g, None, cu_seqlens)
-    check("g", g, (L.B, L.T, L.H, L.K))
-    gate = GATE_NONE
-    if A_log is not None or dt_bias is not None:
-        if A_log is None or dt_bias is None:
-            raise ValueError("the fused gate needs both A_log [H] and dt_bias [H*K]")
-        check("A_log", A_log, (L.H,))
-        check("dt_bias", dt_bias, (L.H * L.K,))
-        gate = GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND
-    elif lower_bound is not None:
-        raise ValueError("lower_bound applies only to the fused gate (pass A_log and dt_bias)")
-    if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
-        raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
+    g = canonical("g", g, (L.B, L.T, L.H, L.K))
+    gt = gate(A_log, dt_bias, lower_bound, L.H, L.K)
     G = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    dispatch("cumsum", lambda meta: (triton.cdiv(L.K, meta["BS"]), L.NT, L.B * L.H),
-             g, A_log, dt_bias, G, L.cu_seqlens, L.chunk_indices, float(lower_bound or 0.0), L.T,
-             H=L.H, K=L.K, BT=BT, GATE=gate, IS_VARLEN=L.index is not None)
+    dispatch("cumsum", lambda meta: (triton.cdiv(L.K, meta["BS"]), L.NT, L.H),
+             g, gt.A_log, gt.dt_bias, G, L.cu_seqlens, L.chunk_indices, gt.lower_bound,
+             H=L.H, K=L.K, BT=BT, GATE=gt.kind)
     return G

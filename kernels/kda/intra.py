@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BC, BT, check, check_rstd, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BC, BT, as_fp32, canonical, check_rstd, chunk_bounds, layout
 
 INTER_CONFIGS = [
     triton.Config({"BK": BK}, num_warps=num_warps, num_stages=num_stages)
@@ -47,7 +47,7 @@ def _col_t(k, G, o_c, o_k, m_k, b_gn, HK):
 def _store_row(Aqk, Akk, beta, o_c, m_c, o_i, HBT, H, b_q0, b_k0, b_q1, b_k1, b_q2, b_k2, scale,
                BC: tl.constexpr, R: tl.constexpr):
     """Store the off-diagonal blocks of row sub-chunk R (R blocks) and zero its blocks above the diagonal."""
-    b_b = tl.load(beta + o_c * H, mask=m_c, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + o_c * H, mask=m_c, other=0.0)
     m = m_c[:, None] & (o_i[None, :] >= 0)
     p = o_c[:, None] * HBT + o_i[None, :]
     if R >= 1:
@@ -66,13 +66,12 @@ def _store_row(Aqk, Akk, beta, o_c, m_c, o_i, HBT, H, b_q0, b_k0, b_q1, b_k1, b_
 
 
 @triton.autotune(configs=INTER_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
-@triton.jit(do_not_specialize=["T"])
-def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale, T,
+@triton.jit
+def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                           NORM_QK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+                           NORM_QK: tl.constexpr):
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     base = (bos * H + i_h)
     q += base * K
     k += base * K
@@ -166,14 +165,13 @@ def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, 
 
 
 @triton.autotune(configs=INTRA_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
-@triton.jit(do_not_specialize=["T"])
-def kda_intra_diag_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale, T,
+@triton.jit
+def kda_intra_diag_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                          NORM_QK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_tc, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+                          NORM_QK: tl.constexpr):
+    i_tc, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_t, i_c = i_tc // (BT // BC), i_tc % (BT // BC)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+    i_t, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     i_r = i_t * BT + i_c * BC
     if i_r >= T:
         return
@@ -208,7 +206,7 @@ def kda_intra_diag_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, c
         rk = tl.load(k_rstd + base + o_c * H, mask=m_c, other=0.0)
         b_aqk *= rq[:, None] * rk[None, :]
         b_akk *= rk[:, None] * rk[None, :]
-    b_b = tl.load(beta + base + o_c * H, mask=m_c, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + base + o_c * H, mask=m_c, other=0.0)
     p_A = base * BT + o_c[:, None] * (H * BT) + (i_c * BC + o_i)[None, :]
     m_A = m_c[:, None] & (o_i[None, :] >= 0)
     tl.store(Aqk + p_A, b_aqk * scale, mask=m_A)
@@ -222,19 +220,19 @@ register("intra_diag", Entry(kda_intra_diag_kernel, INTRA_PINNED))
 def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, scale: float,
                 cu_seqlens: torch.Tensor | None = None, q_rstd: torch.Tensor | None = None,
                 k_rstd: torch.Tensor | None = None, *, _layout=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Akk, Aqk), each [B, T, H, 64] fp32, from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H].
-
-    With ``q_rstd``/``k_rstd`` (fp32 [B, T, H], from :func:`l2norm_rstd`) q and k count as L2-normalised."""
+    """(Akk, Aqk), each [B, T, H, 64] fp32, from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H] (any float
+    dtype: read as fp32). With ``q_rstd``/``k_rstd`` (fp32 [B, T, H], from :func:`l2norm_rstd`) q and k count as
+    L2-normalised."""
     L = _layout or layout(k, None, cu_seqlens)
-    check("q", q, (L.B, L.T, L.H, L.K))
-    check("k", k, (L.B, L.T, L.H, L.K))
-    check("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
-    check("beta", beta, (L.B, L.T, L.H))
+    q = canonical("q", q, (L.B, L.T, L.H, L.K))
+    k = canonical("k", k, (L.B, L.T, L.H, L.K))
+    G = canonical("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
+    beta = as_fp32("beta", beta, (L.B, L.T, L.H))
     Akk = torch.empty(L.B, L.T, L.H, BT, dtype=torch.float32, device=k.device)
     Aqk = torch.empty_like(Akk)
-    norm = check_rstd(q_rstd, k_rstd, L)
-    args = (q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, L.cu_seqlens, L.chunk_indices, float(scale), L.T)
-    kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, NORM_QK=norm, IS_VARLEN=L.index is not None)
-    dispatch("intra_inter", lambda meta: (L.NT, L.B * L.H), *args, **kw)
-    dispatch("intra_diag", lambda meta: (L.NT * (BT // BC), L.B * L.H), *args, BK=triton.next_power_of_2(L.K), **kw)
+    q_rstd, k_rstd = check_rstd(q_rstd, k_rstd, L)
+    args = (q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, L.cu_seqlens, L.chunk_indices, float(scale))
+    kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, NORM_QK=q_rstd is not None)
+    dispatch("intra_inter", lambda meta: (L.NT, L.H), *args, **kw)
+    dispatch("intra_diag", lambda meta: (L.NT * (BT // BC), L.H), *args, BK=triton.next_power_of_2(L.K), **kw)
     return Akk, Aqk

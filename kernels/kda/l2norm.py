@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE
+from .common import AUTOTUNE_CACHE, FLOAT_DTYPES, canonical
 
 CONFIGS = [triton.Config({"BR": BR}, num_warps=num_warps) for BR in [16, 64] for num_warps in [2, 4]]
 PINNED = {"BR": 16, "num_warps": 4, "num_stages": 3}
@@ -30,9 +30,8 @@ register("l2norm", Entry(kda_l2norm_kernel, PINNED))
 
 
 def l2norm_rstd(x: torch.Tensor) -> torch.Tensor:
-    """fp32 [*x.shape[:-1]]: 1 / sqrt(sum over the last dim of x^2 + 1e-6)."""
-    if not x.is_contiguous():
-        raise ValueError("l2norm: input must be contiguous")
+    """fp32 [*x.shape[:-1]]: 1 / sqrt(sum over the last dim of x^2 + 1e-6); x any float dtype, views copied."""
+    x = canonical("l2norm input", x, tuple(x.shape), FLOAT_DTYPES)
     D = x.shape[-1]
     R = x.numel() // D
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BT, check, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BT, canonical, chunk_bounds, layout
 
 CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=2)
@@ -17,17 +17,12 @@ PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 
 
 @triton.autotune(configs=CONFIGS, key=["H", "K", "V"], **AUTOTUNE_CACHE)
-@triton.jit(do_not_specialize=["T", "NT"])
-def kda_output_kernel(q, G, h, Aqk, v_new, q_rstd, o, cu_seqlens, chunk_indices, scale, T, NT,
+@triton.jit
+def kda_output_kernel(q, G, h, Aqk, v_new, q_rstd, o, cu_seqlens, chunk_indices, scale,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, NORM_Q: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_v, i_tg, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    if IS_VARLEN:
-        i_ch = i_tg  # chunks are numbered globally in h
-    else:
-        i_ch = i_b * NT + i_tg
-    i_t, bos, T = chunk_bounds(i_tg, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+                      BV: tl.constexpr, NORM_Q: tl.constexpr):
+    i_v, i_ch, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_ch, cu_seqlens, chunk_indices)  # h numbers the chunks globally, like the grid
     base = bos * H + i_h
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -65,15 +60,14 @@ def chunk_output(q: torch.Tensor, G: torch.Tensor, h: torch.Tensor, Aqk: torch.T
                  _layout=None) -> torch.Tensor:
     """o [B, T, H, V] in v_new's dtype; ``q_rstd`` L2-normalises q."""
     L = _layout or layout(q, v_new, cu_seqlens)
-    check("q", q, (L.B, L.T, L.H, L.K))
-    check("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
-    check("Aqk", Aqk, (L.B, L.T, L.H, BT), (torch.float32,))
-    NT_seq = triton.cdiv(L.T, BT)
-    check("h", h, (L.B, L.NT if L.index is not None else NT_seq, L.H, L.K, L.V))
+    q = canonical("q", q, (L.B, L.T, L.H, L.K))
+    G = canonical("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
+    Aqk = canonical("Aqk", Aqk, (L.B, L.T, L.H, BT), (torch.float32,))
+    h = canonical("h", h, (L.NT, L.H, L.K, L.V))
+    v_new = canonical("v_new", v_new, (L.B, L.T, L.H, L.V))
     if q_rstd is not None:
-        check("q_rstd", q_rstd, (L.B, L.T, L.H), (torch.float32,))
+        q_rstd = canonical("q_rstd", q_rstd, (L.B, L.T, L.H), (torch.float32,))
     o = torch.empty_like(v_new)
-    dispatch("output", lambda meta: (triton.cdiv(L.V, meta["BV"]), L.NT, L.B * L.H), q, G, h, Aqk, v_new, q_rstd,
-             o, L.cu_seqlens, L.chunk_indices, float(scale), L.T, NT_seq,
-             H=L.H, K=L.K, V=L.V, BT=BT, NORM_Q=q_rstd is not None, IS_VARLEN=L.index is not None)
+    dispatch("output", lambda meta: (triton.cdiv(L.V, meta["BV"]), L.NT, L.H), q, G, h, Aqk, v_new, q_rstd,
+             o, L.cu_seqlens, L.chunk_indices, float(scale), H=L.H, K=L.K, V=L.V, BT=BT, NORM_Q=q_rstd is not None)
     return o

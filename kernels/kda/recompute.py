@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BT, check, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BT, as_fp32, canonical, chunk_bounds, layout
 
 CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=2)
@@ -20,20 +20,19 @@ PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 
 
 @triton.autotune(configs=CONFIGS, key=["H", "K", "V"], **AUTOTUNE_CACHE)
-@triton.jit(do_not_specialize=["T"])
-def kda_recompute_kernel(k, v, beta, G, Ai, k_rstd, w, u, kg, cu_seqlens, chunk_indices, T, H: tl.constexpr,
+@triton.jit
+def kda_recompute_kernel(k, v, beta, G, Ai, k_rstd, w, u, kg, cu_seqlens, chunk_indices, H: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         NORM_K: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+                         NORM_K: tl.constexpr):
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     base = bos * H + i_h
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     i_last = tl.minimum(i_t * BT + BT, T) - 1
     b_A = tl.load(Ai + base * BT + o_t[:, None] * (H * BT) + tl.arange(0, BT)[None, :],
                   mask=m_t[:, None], other=0.0)
-    b_b = tl.load(beta + base + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + base + o_t * H, mask=m_t, other=0.0)
     if NORM_K:
         b_rk = tl.load(k_rstd + base + o_t * H, mask=m_t, other=0.0)
     for i_k in range(tl.cdiv(K, BK)):
@@ -64,15 +63,14 @@ def chunk_recompute(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: tor
                     cu_seqlens: torch.Tensor | None = None, k_rstd: torch.Tensor | None = None, *, _layout=None):
     """(w [B,T,H,K], u [B,T,H,V], kg [B,T,H,K]) in k's / v's dtype; ``k_rstd`` L2-normalises k."""
     L = _layout or layout(k, v, cu_seqlens)
-    check("k", k, (L.B, L.T, L.H, L.K))
-    check("v", v, (L.B, L.T, L.H, L.V))
-    check("beta", beta, (L.B, L.T, L.H))
-    check("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
-    check("Ainv", Ai, (L.B, L.T, L.H, BT), (torch.float32,))
+    k = canonical("k", k, (L.B, L.T, L.H, L.K))
+    v = canonical("v", v, (L.B, L.T, L.H, L.V))
+    beta = as_fp32("beta", beta, (L.B, L.T, L.H))
+    G = canonical("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
+    Ai = canonical("Ainv", Ai, (L.B, L.T, L.H, BT), (torch.float32,))
     if k_rstd is not None:
-        check("k_rstd", k_rstd, (L.B, L.T, L.H), (torch.float32,))
+        k_rstd = canonical("k_rstd", k_rstd, (L.B, L.T, L.H), (torch.float32,))
     w, kg, u = torch.empty_like(k), torch.empty_like(k), torch.empty_like(v)
-    dispatch("recompute", lambda meta: (L.NT, L.B * L.H), k, v, beta, G, Ai, k_rstd, w, u, kg, L.cu_seqlens,
-             L.chunk_indices, L.T, H=L.H, K=L.K, V=L.V, BT=BT, NORM_K=k_rstd is not None,
-             IS_VARLEN=L.index is not None)
+    dispatch("recompute", lambda meta: (L.NT, L.H), k, v, beta, G, Ai, k_rstd, w, u, kg, L.cu_seqlens,
+             L.chunk_indices, H=L.H, K=L.K, V=L.V, BT=BT, NORM_K=k_rstd is not None)
     return w, u, kg

@@ -1,10 +1,12 @@
 """The serving mix of one KDA layer, as launches to plan (``launches``) or to run for real (``run``).
 
 Both go through the same call builder, so the launches recorded on ``meta`` tensors are exactly the ones a real
-run makes: prefill is one packed varlen ``chunk_kda_fwd`` (fused gate, in-kernel q/k L2 norm, initial states from
-a pool by index, final state out); decode is one recurrent call per batch bucket (1 token per sequence); verify is
-one recurrent call per (decode bucket, draft width): the token bucket next_pow2(bs * draft) is a constexpr of the
-recurrent kernel, so every pair is its own compiled variant and all of them are planned.
+run makes. For every declared (activation dtype, gate dtype) pair: prefill is one packed varlen ``chunk_kda_fwd``
+(initial states from a pool by index, final state out), decode one recurrent call, verify one recurrent call per
+draft width > 1; the fused gate and the in-kernel q/k L2 norm as the spec declares. Nothing else varies a compiled
+variant: the wrappers canonicalize every other argument (see ``common``), and batch sizes, sequence counts and
+lengths are never specialized, so one call of each kind stands for all of them. ``run`` makes the same calls on a
+device, so a device build autotunes every planned autotune key (Triton's key includes the argument dtypes).
 """
 from __future__ import annotations
 
@@ -17,20 +19,32 @@ from ..launch import Launch, capture
 from .chunk import chunk_kda_fwd
 from .recurrent import recurrent_kda
 
-# Representative packed prefill: lengths 1, 63, 64, 65 and a longer one. Lengths are runtime values (T is not
-# specialized), so they do not change what compiles; they only have to be valid.
+# Representative packed prefill: lengths 1, 63, 64, 65 and a longer one. Lengths are runtime values (read from
+# cu_seqlens in-kernel), so they do not change what compiles; they only have to be valid.
 PREFILL_CU_SEQLENS = (0, 1, 64, 128, 193, 449)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _REQUIRED = ("backend", "heads", "head_k_dim", "head_v_dim", "dtype", "prefill", "decode_batch_buckets",
              "draft_widths")
 
 
+def dtype_pairs(spec: dict) -> list[tuple[str, str]]:
+    """Every (activation, gate) dtype pair to plan: the cross product of ``spec["dtypes"]`` (a spec without it,
+    from before it existed, plans ``spec["dtype"]`` for both)."""
+    roles = spec.get("dtypes") or {}
+    activation = list(roles.get("activation") or [spec["dtype"]])
+    gate = list(roles.get("gate") or activation)
+    for role, names in (("activation", activation), ("gate", gate)):
+        bad = [n for n in names if n not in _DTYPES]
+        if bad:
+            raise ValueError(f"serving spec dtype {bad[0]!r} ({role}): expected one of {sorted(_DTYPES)}")
+    return [(a, g) for a in activation for g in gate]
+
+
 def _check(spec: dict) -> None:
     missing = [k for k in _REQUIRED if k not in spec]
     if missing:
         raise ValueError(f"serving spec is missing {missing}")
-    if spec["dtype"] not in _DTYPES:
-        raise ValueError(f"serving spec dtype {spec['dtype']!r}: expected one of {sorted(_DTYPES)}")
+    dtype_pairs(spec)
     for key in ("heads", "head_k_dim", "head_v_dim"):
         if not isinstance(spec[key], int) or spec[key] < 1:
             raise ValueError(f"serving spec {key} must be a positive int, got {spec[key]!r}")
@@ -44,52 +58,57 @@ def _check(spec: dict) -> None:
 def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
     """(label prefix, thunk) for every call of the serving mix, tensors built on ``device`` (meta: shapes only)."""
     H, K, V = spec["heads"], spec["head_k_dim"], spec["head_v_dim"]
-    dt = _DTYPES[spec["dtype"]]
     lb = spec.get("gate_lower_bound")
-    lb = None if lb is None else float(lb)
+    fused, l2norm = spec.get("fused_gate", True), spec.get("qk_l2norm", True)
     buckets = sorted(set(spec["decode_batch_buckets"]))
     drafts = sorted(set(d for d in spec["draft_widths"] if d > 1))
     pool_size = max(buckets + [len(PREFILL_CU_SEQLENS) - 1])
     gen = torch.Generator(device="cpu").manual_seed(0)
 
-    def randn(*shape, dtype=dt):
+    def randn(*shape, dtype):
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device, dtype)
 
-    def rand(*shape):
-        return torch.rand(*shape, generator=gen, dtype=torch.float32).to(device)
-
-    A_log = randn(H, dtype=torch.float32) * 0.5
-    dt_bias = randn(H * K, dtype=torch.float32) * 0.5
+    gate = {"A_log": randn(H, dtype=torch.float32) * 0.5, "dt_bias": randn(H * K, dtype=torch.float32) * 0.5,
+            "lower_bound": None if lb is None else float(lb)} if fused else {}
     pool = torch.zeros(pool_size, H, K, V, dtype=torch.float32, device=device)
+    pairs = dtype_pairs(spec)
 
-    def layer_inputs(T: int):
-        return randn(1, T, H, K), randn(1, T, H, K), randn(1, T, H, V), randn(1, T, H, K), rand(1, T, H)
+    def layer_inputs(T: int, act: torch.dtype, gdt: torch.dtype):
+        """q, k, v, g, beta: beta in the activation dtype, as many models produce it (the wrapper makes it fp32)."""
+        g = randn(1, T, H, K, dtype=gdt) if fused else -torch.rand(1, T, H, K, generator=gen).to(device, gdt)
+        beta = torch.rand(1, T, H, generator=gen).to(device, act)
+        return randn(1, T, H, K, dtype=act), randn(1, T, H, K, dtype=act), randn(1, T, H, V, dtype=act), g, beta
 
-    if spec["prefill"]:
-        cu = torch.tensor(PREFILL_CU_SEQLENS, dtype=torch.int32)  # small index tensor: real, on the CPU
-        N = len(PREFILL_CU_SEQLENS) - 1
+    for act_name, gate_name in pairs:
+        act, gdt = _DTYPES[act_name], _DTYPES[gate_name]
+        tag = "" if len(pairs) == 1 else f"act={act_name},gate={gate_name}"
 
-        def prefill():
-            q, k, v, g, beta = layer_inputs(PREFILL_CU_SEQLENS[-1])
-            idx = torch.arange(N, dtype=torch.int32).to(device)
-            return chunk_kda_fwd(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
-                                 output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True, A_log=A_log,
-                                 dt_bias=dt_bias, lower_bound=lb)
-        yield "prefill", prefill
+        def label(kind: str, *extra: str) -> str:
+            inside = ",".join([*extra, tag] if tag else extra)
+            return f"{kind}[{inside}]" if inside else kind
 
-    def recurrent(bs: int, draft: int):
-        def call():
-            q, k, v, g, beta = layer_inputs(bs * draft)
-            idx = torch.arange(bs, dtype=torch.int32).to(device)
-            return recurrent_kda(q, k, v, g, beta, pool, idx, draft_width=draft, use_qk_l2norm=True, A_log=A_log,
-                                 dt_bias=dt_bias, lower_bound=lb)
-        return call
+        if spec["prefill"]:
+            def prefill(act=act, gdt=gdt):
+                cu = torch.tensor(PREFILL_CU_SEQLENS, dtype=torch.int32)  # small index tensor: real, on the CPU
+                q, k, v, g, beta = layer_inputs(PREFILL_CU_SEQLENS[-1], act, gdt)
+                idx = torch.arange(len(PREFILL_CU_SEQLENS) - 1, dtype=torch.int32).to(device)
+                return chunk_kda_fwd(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
+                                     output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2norm, **gate)
+            yield label("prefill"), prefill
+        if not buckets:
+            continue
 
-    for bs in buckets:
-        yield f"decode[bs={bs}]", recurrent(bs, 1)
-    for bs in buckets:
+        def recurrent(draft: int, act=act, gdt=gdt):
+            def call():
+                bs = buckets[-1]  # any batch size compiles the same variant: N is a runtime int, never specialized
+                q, k, v, g, beta = layer_inputs(bs * draft, act, gdt)
+                idx = torch.arange(bs, dtype=torch.int32).to(device)
+                return recurrent_kda(q, k, v, g, beta, pool, idx, draft_width=draft, use_qk_l2norm=l2norm, **gate)
+            return call
+
+        yield label("decode"), recurrent(1)
         for d in drafts:
-            yield f"verify[bs={bs},draft={d}]", recurrent(bs, d)
+            yield label("verify", f"draft={d}"), recurrent(d)
 
 
 def _kernel_name(kernel) -> str:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BC, BT, check, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BC, BT, canonical, chunk_bounds, layout
 
 CONFIGS = [triton.Config({}, num_warps=num_warps, num_stages=2) for num_warps in [1, 2, 4]]
 PINNED = {"num_warps": 4, "num_stages": 3}
@@ -42,12 +42,10 @@ def _put(Ai, b, i_r, c, T, o_i, HBT, BC: tl.constexpr):
 
 
 @triton.autotune(configs=CONFIGS, key=["H"], **AUTOTUNE_CACHE)
-@triton.jit(do_not_specialize=["T"])
-def kda_solve_kernel(A, Ai, cu_seqlens, chunk_indices, T, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                     IS_VARLEN: tl.constexpr):
-    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_t, bos, T = chunk_bounds(i_t, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)
+@triton.jit
+def kda_solve_kernel(A, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     A += (bos * H + i_h) * BT
     Ai += (bos * H + i_h) * BT
     HBT = H * BT
@@ -100,8 +98,7 @@ register("solve", Entry(kda_solve_kernel, PINNED))
 def chunk_solve(Akk: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *, _layout=None) -> torch.Tensor:
     """(I + Akk)^-1 per chunk: [B, T, H, 64] fp32 in, same shape out (zero above the diagonal)."""
     L = _layout or layout(Akk, None, cu_seqlens)
-    check("Akk", Akk, (L.B, L.T, L.H, BT), (torch.float32,))
+    Akk = canonical("Akk", Akk, (L.B, L.T, L.H, BT), (torch.float32,))
     Ai = torch.empty_like(Akk)
-    dispatch("solve", lambda meta: (L.NT, L.B * L.H), Akk, Ai, L.cu_seqlens, L.chunk_indices, L.T,
-             H=L.H, BT=BT, BC=BC, IS_VARLEN=L.index is not None)
+    dispatch("solve", lambda meta: (L.NT, L.H), Akk, Ai, L.cu_seqlens, L.chunk_indices, H=L.H, BT=BT, BC=BC)
     return Ai

@@ -59,9 +59,7 @@ def test_select_default_keeps_autotune_lists(pk):
 def test_serving_launches_follow_selection(pk, backend):
     launches = pk.serving.launches({**SPEC, "backend": backend})
     labels = [rec.label for rec in launches]
-    assert labels == [f"prefill/{n}" for n in PREFILL] + [
-        "decode[bs=1]/recurrent", "decode[bs=16]/recurrent",
-        "verify[bs=1,draft=4]/recurrent", "verify[bs=16,draft=4]/recurrent"]
+    assert labels == [f"prefill/{n}" for n in PREFILL] + ["decode/recurrent", "verify[draft=4]/recurrent"]
     for rec in launches:
         name = rec.label.split("/")[1]
         sel = pk.backend.select(name, backend)
@@ -74,8 +72,8 @@ def test_serving_launches_follow_selection(pk, backend):
         for key, value in sel.launch_kwargs.items():
             assert rec.kwargs[key] == value
     verify = [r for r in launches if r.label.startswith("verify")]
-    assert [(r.kwargs["T_BUCKET"], r.kwargs["DRAFT"]) for r in verify] == [(4, 4), (64, 4)]
-    assert launches[2].kwargs["GATE"] == 2 and launches[2].kwargs["IS_VARLEN"]
+    assert [r.kwargs["DRAFT"] for r in verify] == [4]
+    assert launches[2].kwargs["GATE"] == 2
     again = pk.serving.launches({**SPEC, "backend": backend})
     assert [(r.label, r.kernel, r.kwargs, r.grid if not callable(r.grid) else None) for r in again] == \
            [(r.label, r.kernel, r.kwargs, r.grid if not callable(r.grid) else None) for r in launches]
@@ -106,3 +104,42 @@ def test_serving_spec_errors(pk):
         pk.serving.launches({"backend": "cuda"})
     with pytest.raises(ValueError, match="dtype"):
         pk.serving.launches({**SPEC, "dtype": "int8"})
+    with pytest.raises(ValueError, match=r"'int8' \(gate\)"):
+        pk.serving.launches({**SPEC, "dtypes": {"activation": ["bfloat16"], "gate": ["int8"]}})
+
+
+def test_serving_plans_the_cross_product_of_declared_dtypes(pk):
+    """activation x gate dtypes: kernels that read g (cumsum, recurrent) get one request per pair, the others
+    one per activation dtype; beta, A_log and dt_bias reach every kernel as fp32 whatever the pair."""
+    spec = {**SPEC, "dtypes": {"activation": ["bfloat16", "float16"], "gate": ["bfloat16", "float32"]}}
+    launches = pk.serving.launches(spec)
+    pairs = [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "bfloat16"), ("float16", "float32")]
+    expected = [f"{kind}[{extra}act={a},gate={g}]/{name}" for a, g in pairs
+                for kind, extra, names in [("prefill", "", PREFILL), ("decode", "", ["recurrent"]),
+                                           ("verify", "draft=4,", ["recurrent"])] for name in names]
+    assert [r.label for r in launches] == expected
+
+    def signature(rec):  # what tells compiled variants apart: argument dtypes and constexprs
+        return (rec.label.split("/")[1], tuple(str(a.dtype) if hasattr(a, "dtype") else type(a).__name__
+                                                for a in rec.args), tuple(sorted(rec.kwargs.items())))
+
+    distinct = {signature(r) for r in launches}
+    by_kernel = {}
+    for name, *_ in distinct:
+        by_kernel[name] = by_kernel.get(name, 0) + 1
+    # cumsum reads g only: one variant per gate dtype; solve reads fp32 only; recurrent reads both
+    assert by_kernel == {"l2norm": 2, "cumsum": 2, "intra_inter": 2, "intra_diag": 2, "solve": 1, "recompute": 2,
+                         "state": 2, "output": 2, "recurrent": 8}
+    for rec in launches:
+        name = rec.label.split("/")[1]
+        fp32_roles = {"cumsum": [1, 2], "intra_inter": [3], "intra_diag": [3], "recompute": [2],
+                      "recurrent": [4, 5, 6]}.get(name, [])
+        assert all(rec.args[i].dtype == torch.float32 for i in fp32_roles), rec.label
+
+
+def test_serving_declared_switches(pk):
+    """fused_gate / qk_l2norm from the spec decide GATE and the L2-norm launches (defaults: both on)."""
+    plain = pk.serving.launches({**SPEC, "fused_gate": False, "qk_l2norm": False, "gate_lower_bound": None})
+    assert [r.label for r in plain][:3] == ["prefill/cumsum", "prefill/intra_inter", "prefill/intra_diag"]
+    assert {r.kwargs["GATE"] for r in plain if "GATE" in r.kwargs} == {0}
+    assert not any(r.kwargs.get("USE_QK_L2NORM") or r.kwargs.get("NORM_QK") for r in plain)

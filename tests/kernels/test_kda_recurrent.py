@@ -68,24 +68,28 @@ def test_fused_gate_and_l2norm(pk, lower_bound):
     assert pk.max_err(o, o_ref) <= TOL and pk.max_err(pool, final_ref) <= TOL
 
 
-def test_bucket_and_draft_are_constexprs(pk):
-    """One compiled variant per (token bucket, draft width): the launch carries both as constexprs."""
+def test_batch_size_is_never_a_variant_only_the_draft_width(pk):
+    """Any number of sequences runs one compiled variant per draft width: N is a runtime int that Triton does not
+    specialize (not a constexpr, in do_not_specialize), while the grid still follows the token bucket."""
     H, K, V = 2, 16, 16
     pool = torch.zeros(8, H, K, V, device="meta")
     seen = []
-    for n, d in [(3, 1), (4, 1), (5, 1), (3, 4)]:
+    for n, d in [(1, 1), (3, 1), (16, 1), (17, 1), (3, 4), (5, 4)]:
         q = torch.empty(1, n * d, H, K, device="meta")
         with pk.launch.capture() as recs:
             pk.recurrent.recurrent_kda(q, q, q, q, torch.empty(1, n * d, H, device="meta"), pool,
                                        torch.empty(n, dtype=torch.int32, device="meta"), draft_width=d)
         (rec,) = recs
-        seen.append((rec.kwargs["T_BUCKET"], rec.kwargs["DRAFT"], rec.grid))
-    assert seen == [(4, 1, (1, 8)), (4, 1, (1, 8)), (8, 1, (1, 16)), (16, 4, (1, 8))]
+        seen.append((rec.kwargs["DRAFT"], rec.args[-1], rec.grid))
+        assert rec.args[-1] == n and sorted(rec.kwargs) == ["BK", "BV", "DRAFT", "GATE", "H", "K", "USE_QK_L2NORM",
+                                                             "V", "num_stages", "num_warps"]
+    assert [s[0] for s in seen] == [1, 1, 1, 1, 4, 4]
+    assert [s[2] for s in seen] == [(1, 2), (1, 8), (1, 32), (1, 64), (1, 8), (1, 16)]
 
 
 def test_bad_inputs(pk):
     q, k, v, g, beta, pool = pk.make_inputs(1, 6, 2, 16, 16, pool=4)
     with pytest.raises(ValueError, match="6 tokens but 4 sequences x draft_width 1"):
         pk.recurrent.recurrent_kda(q, k, v, g, beta, pool, torch.arange(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="state_pool must be fp32"):
+    with pytest.raises(ValueError, match=r"state_pool must be an fp32 pool \[P, H=2, K=16, V=16\], got torch.float16"):
         pk.recurrent.recurrent_kda(q, k, v, g, beta, pool.half(), torch.arange(6, dtype=torch.int32))
