@@ -85,17 +85,17 @@ class Explanation:
         """One line: what a table cell or a log line shows."""
         if self.nearest is None:
             return f"no {'planned' if self.sides[0] == 'planned' else 'cached'} compile of {self.kernel}"
+        if not self.differences and self.sides[0] == "planned":
+            return f"planned: {self.nearest.label}" + (f" ({self.note})" if self.note else "")
         if not self.differences:
-            return f"{self.sides[0]}: {self.nearest.label}"
+            return f"nearest in the cache: {self.nearest.label}, {self.note}"
         return f"nearest {self.nearest.label}: " + "; ".join(d.format(self.sides) for d in self.differences)
 
     def __str__(self) -> str:
-        if self.nearest is None:
-            lines = [self.summary()]
-        elif not self.differences:
-            lines = [f"{self.sides[0]}: {self.nearest.label}"]
-        else:
-            lines = [f"nearest: {self.nearest.label}"] + [f"  {d.format(self.sides)}" for d in self.differences]
+        """The nearest's label first, then one line per difference."""
+        if self.nearest is None or not self.differences:
+            return self.summary() + (f"\n  ({self.note})" if self.note and self.nearest is None else "")
+        lines = [f"nearest: {self.nearest.label}"] + [f"  {d.format(self.sides)}" for d in self.differences]
         return "\n".join(lines + ([f"  ({self.note})"] if self.note else []))
 
 
@@ -235,9 +235,8 @@ def explain_miss(c: Compile, cache_dir: str | os.PathLike) -> Explanation:
         return Explanation(c.specialization, spec.name, None, (), sides=_MISS_SIDES,
                            note=f"the cache holds no compile of {spec.function}: it was not built into this bundle")
     return Explanation(c.specialization, spec.name, nearest, tuple(diffs), sides=_MISS_SIDES,
-                       note="" if diffs else "the nearest entry matches in every recorded field: its key differs by "
-                                             "something a key dir does not record (a constexpr value, the kernel's "
-                                             "source or line number, the triton build)")
+                       note="" if diffs else "the same in every field a key dir records: a constexpr value, the "
+                                             "kernel's source or line, or the triton build differs")
 
 
 @functools.lru_cache(maxsize=8)

@@ -25,6 +25,7 @@ from pathlib import Path
 from triton.runtime.cache import FileCacheManager
 
 from . import tritoncompat
+from .explain import Explanation, explain_miss
 from .manifest import load
 from .plan import Compile, Request, decode, expand_all, plan, resolve
 from .targets import Target, get_target
@@ -63,9 +64,11 @@ class RequestResult:
     key: str | None  # the cache key dir Triton looks in (None when the key could not be computed)
     hit: bool
     detail: str
+    explanation: Explanation | None = None  # a MISS: the cache's nearest entry of the kernel and what differs
 
     def to_json(self) -> dict:
-        return {"label": self.label, "kernel": self.kernel, "key": self.key, "hit": self.hit, "detail": self.detail}
+        return {"label": self.label, "kernel": self.kernel, "key": self.key, "hit": self.hit, "detail": self.detail,
+                "explanation": self.explanation.to_json() if self.explanation is not None else None}
 
 
 @dataclass
@@ -167,8 +170,14 @@ def probe(c: Compile, cache_dir: str) -> RequestResult:
 
 
 def probe_all(compiles: list[Compile], cache_dir: str) -> list[RequestResult]:
+    """Hit or miss for each compile; each miss explained against the cache's nearest entry of its kernel."""
     with tritoncompat.cache_scope(os.path.abspath(cache_dir), ProbeCacheManager):
-        return [probe(c, cache_dir) for c in compiles]
+        results = [probe(c, cache_dir) for c in compiles]
+    for c, r in zip(compiles, results):
+        if not r.hit and r.key is not None:
+            r.explanation = explain_miss(c, cache_dir)
+            r.detail = f"{r.detail}; {r.explanation.summary()}"
+    return results
 
 
 class _NoBenchmark(Exception):
