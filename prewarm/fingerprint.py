@@ -41,6 +41,11 @@ WHY = {
 }
 
 
+# Factors read from a visible device: UNKNOWN where there is none (a build box, a CI machine); not compared then.
+DEVICE_FACTORS = ("target.arch", "ascend.soc")
+MISSING = "(not recorded)"  # a side has no value at all for the factor
+
+
 @dataclass(frozen=True)
 class Mismatch:
     factor: str
@@ -48,6 +53,7 @@ class Mismatch:
     node: str
     blocking: bool
     why: str
+    gap: bool = False  # not a difference of values: a side does not know the factor (--allow-missing-factors)
 
     def __str__(self) -> str:
         return f"{self.factor}: bundle has {self.built!r}, this node has {self.node!r} ({self.why})"
@@ -135,19 +141,30 @@ def _cuda_arch() -> str:
 
 
 def compare(built: dict[str, str], node: dict[str, str]) -> list[Mismatch]:
-    """Each factor that differs. A factor UNKNOWN on either side is not a mismatch (it could not be checked)."""
+    """Each factor that differs, failing closed: a blocking factor the bundle lacks or records as UNKNOWN, one this
+    node cannot determine, and a factor this node does not know at all are blocking gaps. Only a device factor
+    (``DEVICE_FACTORS``) UNKNOWN on a side is not compared; an unset ``env.*`` var is simply absent."""
     out = []
     for factor in sorted(set(built) | set(node)):
-        b, n = built.get(factor, "unset" if factor.startswith("env.") else UNKNOWN), node.get(
-            factor, "unset" if factor.startswith("env.") else UNKNOWN
-        )
-        if b == n or UNKNOWN in (b, n):
+        unset = UNSET if factor.startswith("env.") else MISSING
+        b, n = built.get(factor, unset), node.get(factor, unset)
+        if b == n:
             continue
-        why = WHY.get(factor) or (
-            "a codegen env var: Triton folds it into its key" if factor.startswith("env.")
-            else ASCEND_ENV_WHY if factor.startswith("ascend.env.") else "differs"
-        )
-        out.append(Mismatch(factor, b, n, is_blocking(factor), why))
+        if n == MISSING:
+            out.append(Mismatch(factor, b, n, True, "a factor this node does not have: cannot be checked", gap=True))
+        elif UNKNOWN in (b, n) and factor in DEVICE_FACTORS or not is_blocking(factor) and (
+                b == MISSING or UNKNOWN in (b, n)):
+            continue
+        elif b in (MISSING, UNKNOWN) or n == UNKNOWN:
+            side = "this node cannot determine it" if n == UNKNOWN else "the bundle does not record it"
+            out.append(Mismatch(factor, b, n, True, f"{side}, and it decides whether the cache is right for this node",
+                                gap=True))
+        else:
+            why = WHY.get(factor) or (
+                "a codegen env var: Triton folds it into its key" if factor.startswith("env.")
+                else ASCEND_ENV_WHY if factor.startswith("ascend.env.") else "differs"
+            )
+            out.append(Mismatch(factor, b, n, is_blocking(factor), why))
     return out
 
 
