@@ -41,7 +41,7 @@ from pathlib import Path
 import zstandard
 
 from . import __version__
-from .errors import IntegrityError, UnsafeBundleError
+from .errors import IntegrityError, PrewarmError, UnsafeBundleError
 
 FORMAT = 1
 INDEX = "index.json"
@@ -55,6 +55,9 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_=-]{0,127}$")
 _OBJECT_RE = re.compile(r"^[0-9a-f]{64}\.tar\.zst$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _UNSAFE_PATH = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|[\\\x00]")  # an empty, "." or ".." part; a backslash; NUL
+_RUNTIME_MODULE = re.compile(
+    r"(?:__triton_launcher|cuda_utils|launcher_cxx11abi\w*|npu_utils)(?:\.[\w-]+)*\.so|precompiled\.h(?:\.gch)?")
+NAME_MAX = 255  # bytes per path component on every filesystem a cache lives on
 
 
 @dataclass(frozen=True)
@@ -129,11 +132,24 @@ def check_rel_path(path: str, where: str) -> str:
     """A bundle path must be relative, normalized and stay inside its entry: refuse anything else."""
     if _UNSAFE_PATH.search(path):
         raise UnsafeBundleError(f"{where}: unsafe path {path!r} (must be relative, without '..' or empty parts)")
+    try:
+        parts = path.encode("utf-8").split(b"/")
+    except UnicodeEncodeError:
+        raise UnsafeBundleError(f"{where}: path {path!r} is not valid Unicode (a lone surrogate)") from None
+    if max(map(len, parts)) > NAME_MAX or len(parts) > 64:
+        raise UnsafeBundleError(f"{where}: path {path[:80]!r}... has a name over {NAME_MAX} bytes or over 64 parts")
     return path
 
 
 def is_group(path: str) -> bool:
     return path.rsplit("/", 1)[-1].startswith(GROUP_PREFIX) and path.endswith(".json")
+
+
+def is_runtime_module(files: tuple[FileRecord, ...]) -> bool:
+    """An entry holding only C modules the runtime builds with the host compiler (CUDA: a kernel signature's
+    ``__triton_launcher`` or ``cuda_utils``; Ascend: ``launcher_cxx11abi*``, ``npu_utils``, the precompiled
+    header): two builds of the same source, hence the same key, differ byte for byte."""
+    return bool(files) and all(_RUNTIME_MODULE.fullmatch(f.path) for f in files)
 
 
 def relative_group(
@@ -318,8 +334,8 @@ def parse_index(data: bytes, where: str) -> Index:
     try:
         doc = json.loads(data)
         assert isinstance(doc, dict)
-    except (ValueError, AssertionError) as e:
-        raise IntegrityError(f"{where}: index is not a JSON object ({e}): corrupted") from None
+    except (ValueError, AssertionError, RecursionError) as e:
+        raise IntegrityError(f"{where}: index is not a JSON object ({type(e).__name__}: {e}): corrupted") from None
     body = {k: v for k, v in doc.items() if k != "checksum"}
     # canonical bytes begin with '{"checksum":"<64 hex>",' (the first key in sorted order): the rest is the body
     head = b'{"checksum":"' + str(doc.get("checksum")).encode() + b'",'
@@ -333,9 +349,11 @@ def parse_index(data: bytes, where: str) -> Index:
     fp = doc.get("fingerprint")
     _expect(isinstance(fp, dict) and all(isinstance(v, str) for v in fp.values()), where, "fingerprint")
     manifest = doc.get("manifest")
-    _expect(manifest is None or isinstance(manifest, dict), where, "manifest")
+    _expect(manifest is None or isinstance(manifest, dict) and all(isinstance(v, str) for v in manifest.values()),
+            where, "manifest")
+    _expect(isinstance(doc.get("entries"), list), where, "entries is not a list")
     entries, keys = [], set()
-    for i, e in enumerate(doc.get("entries") or []):
+    for i, e in enumerate(doc["entries"]):
         at = f"entries[{i}]"
         _expect(isinstance(e, dict), where, at)
         key, obj = e.get("key"), e.get("object")
@@ -345,8 +363,9 @@ def parse_index(data: bytes, where: str) -> Index:
         _expect(isinstance(obj, str) and bool(_OBJECT_RE.match(obj)), where, f"{at}.object {obj!r}")
         for n in ("object_size", "tar_size"):
             _expect(isinstance(e.get(n), int) and e[n] >= 0, where, f"{at}.{n}")
+        _expect(isinstance(e.get("files"), list), where, f"{at}.files is not a list")
         files, paths = [], set()
-        for f in e.get("files") or ():  # hot loop (16k files in a big cache): messages built only on failure
+        for f in e["files"]:  # hot loop (16k files in a big cache): messages built only on failure
             path, sha, size = (f.get("path"), f.get("sha256"), f.get("size")) if isinstance(f, dict) else (0, 0, 0)
             if type(path) is not str or type(sha) is not str or type(size) is not int or size < 0:
                 _expect(False, where, f"{key}: file record {f!r}")
@@ -355,6 +374,11 @@ def parse_index(data: bytes, where: str) -> Index:
                 _expect(False, where, f"{key}/{path}: listed twice or sha256 {sha!r} malformed")
             paths.add(path)
             files.append(FileRecord(path, sha, size))
+        for path in paths:  # "a" and "a/b" cannot both be files
+            head = path.rpartition("/")[0]
+            while head:
+                _expect(head not in paths, where, f"{key}/{head} is listed as a file and as a directory")
+                head = head.rpartition("/")[0]
         # a tar of these files can never be smaller than their data: a lie here is caught on unpack anyway
         _expect(e["tar_size"] >= sum(f.size for f in files), where, f"{key}: tar_size below its files' sizes")
         entries.append(Entry(key, obj, e["object_size"], e["tar_size"], tuple(files)))
@@ -364,81 +388,150 @@ def parse_index(data: bytes, where: str) -> Index:
     return index
 
 
-def _decompress_bounded(obj: bytes, limit: int, where: str) -> bytes:
-    """Decompress at most ``limit`` bytes: an object that expands beyond its declared size is refused."""
-    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(obj))
-    out = reader.read(limit + 1)
-    while len(out) <= limit:
-        more = reader.read(limit + 1 - len(out))
-        if not more:
-            break
-        out += more
-    if len(out) != limit:
-        got = f"more than {limit}" if len(out) > limit else str(len(out))
-        raise UnsafeBundleError(f"{where}: decompresses to {got} bytes, the index declares {limit}")
-    return out
+CHUNK = 1 << 20  # every object and file is streamed in pieces of this size: memory stays O(CHUNK)
+MAX_INDEX_BYTES = 256 << 20  # an index of 16k files is ~3 MB; nothing larger is read
+MAX_GROUP_BYTES = 16 << 20  # group files are small JSON: they are validated in memory
 
 
-def open_object(obj: bytes, entry: Entry, where: str) -> dict[str, tuple[bytes, int]]:
-    """Check one object against its entry and return {path: (bytes, mode)}; refuse anything but plain files.
+class _Reader:
+    """Reads at most ``limit`` bytes from ``f`` (``too_long()`` is raised beyond), hashing what passes."""
 
-    Checks: the object's sha256 is its name, it decompresses to exactly ``tar_size``, every member is a plain
-    regular file without setuid/setgid/sticky bits at a safe path, the members are exactly the listed files,
-    each of the listed size. The object's sha256 (named by the checksummed, optionally signed index) pins every
-    byte of every member, so the per-file hashes are not recomputed here: they are what `verify` checks later.
+    def __init__(self, f, limit: int, too_long):
+        self.f, self.limit, self.too_long, self.n, self.sha = f, limit, too_long, 0, hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        size = CHUNK if size is None or size < 0 else size
+        data = self.f.read(max(0, min(size, self.limit + 1 - self.n)))
+        self.n += len(data)
+        if self.n > self.limit:
+            raise self.too_long()
+        self.sha.update(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(CHUNK):
+            pass
+
+
+def open_regular(path: str | os.PathLike, where: str | None = None):
+    """Open a local file for reading, refusing anything but a regular file (a FIFO would hang, /dev/zero never
+    ends) before a byte is read. IntegrityError naming ``where``; FileNotFoundError when absent."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{where or path}: not a regular file (mode {st.st_mode:o}): refused before reading")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_bounded(f, limit: int, where: str) -> bytes:
+    """All of ``f``, refusing more than ``limit`` bytes (an index, a signature, a receipt)."""
+    with f:
+        return b"".join(iter(_Reader(f, limit, lambda: IntegrityError(f"{where}: larger than {limit} bytes")).read,
+                             b""))
+
+
+def unpack_object(stream, entry: Entry, dest: str, final_dir: str, where: str) -> int:
+    """Check one object against its entry while writing its files into a fresh ``dest`` dir; returns its size.
+
+    One pass, O(CHUNK) memory: the object is read up to ``object_size`` (its sha256 must be its name), decompressed
+    up to ``tar_size`` (an object cannot expand beyond what the index declares), parsed as a stream of members, each
+    a plain regular file without setuid/setgid/sticky bits at a safe path, listed in the index, of the listed size
+    and sha256; the members are exactly the listed files. Group files must be in relative form and are written
+    pointing at ``final_dir`` (where the entry will live). Files are created with O_EXCL|O_NOFOLLOW. Any failure
+    leaves a partial ``dest``: the caller stages into a dir it removes. A corrupted object is reported as such (its
+    hash) rather than by whatever its corruption broke first.
     """
     where = f"{where} (entry {entry.key})"
-    digest = hashlib.sha256(obj).hexdigest()
-    if digest + ".tar.zst" != entry.object:
-        raise IntegrityError(f"{where}: object {entry.object} has sha256 {digest}: corrupted or tampered")
+    obj = f"object {entry.object}"
+    raw = _Reader(stream, entry.object_size,
+                  lambda: IntegrityError(f"{where}: {obj} is larger than the {entry.object_size} bytes the index lists"))
     try:
-        raw = _decompress_bounded(obj, entry.tar_size, f"{where}: object {entry.object}")
-    except zstandard.ZstdError as e:
-        raise IntegrityError(f"{where}: object {entry.object} is not valid zstd ({e})") from None
+        tar_stream = _Reader(zstandard.ZstdDecompressor().stream_reader(raw, read_size=CHUNK, closefd=False),
+                             entry.tar_size, lambda: UnsafeBundleError(
+                                 f"{where}: {obj} decompresses to more than {entry.tar_size} bytes, the index declares "
+                                 f"{entry.tar_size}"))
+        _unpack_members(tar_stream, entry, dest, final_dir, where, obj)
+        tar_stream.drain()  # the tar's zero blocks up to exactly tar_size
+        if tar_stream.n != entry.tar_size:
+            raise UnsafeBundleError(f"{where}: {obj} decompresses to {tar_stream.n} bytes, the index declares "
+                                    f"{entry.tar_size}")
+        raw.drain()
+    except (PrewarmError, zstandard.ZstdError, tarfile.TarError, EOFError) as e:
+        _check_object_hash(raw, entry, where, obj)  # corruption first: it explains whatever broke
+        if isinstance(e, PrewarmError):
+            raise
+        raise IntegrityError(f"{where}: {obj} is not a valid zstd-compressed tar ({type(e).__name__}: {e})") from None
+    _check_object_hash(raw, entry, where, obj)
+    return raw.n
+
+
+def check_object(stream, entry: Entry, where: str) -> None:
+    """IntegrityError unless ``stream`` holds exactly ``entry``'s object (size and sha256); read in pieces."""
+    with stream:
+        obj = f"object {entry.object}"
+        _check_object_hash(_Reader(stream, entry.object_size, lambda: IntegrityError(
+            f"{where}: {obj} is larger than the {entry.object_size} bytes the index lists")), entry, where, obj)
+
+
+def _check_object_hash(raw: _Reader, entry: Entry, where: str, obj: str) -> None:
+    raw.drain()  # bounded by object_size (raises beyond)
+    digest = raw.sha.hexdigest()
+    if digest + ".tar.zst" != entry.object or raw.n != entry.object_size:
+        raise IntegrityError(f"{where}: {obj} has sha256 {digest} and {raw.n} bytes (the index lists "
+                             f"{entry.object_size}): corrupted or tampered")
+
+
+def _unpack_members(tar_stream: _Reader, entry: Entry, dest: str, final_dir: str, where: str, obj: str) -> None:
     expected = {f.path: f for f in entry.files}
-    out: dict[str, tuple[bytes, int]] = {}
-    try:
-        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar:
-            for m in tar:
-                path = check_rel_path(m.name, f"{where}: member")
-                if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):  # not sparse/contiguous either
-                    kind = "symlink" if m.issym() else "hardlink" if m.islnk() else "device/fifo/dir/sparse"
-                    raise UnsafeBundleError(f"{where}: member {path!r} is a {kind}, only regular files are allowed")
-                if m.mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX):
-                    raise UnsafeBundleError(f"{where}: member {path!r} has setuid/setgid/sticky mode {m.mode:o}")
-                if path not in expected or path in out:
-                    raise UnsafeBundleError(f"{where}: member {path!r} is not listed in the index (or repeated)")
-                data = raw[m.offset_data : m.offset_data + m.size]  # a plain file's bytes, in place
-                if len(data) != expected[path].size:
-                    raise IntegrityError(f"{where}: {path} is {len(data)} bytes, the index lists {expected[path].size}")
-                out[path] = (data, 0o755 if m.mode & 0o111 else 0o644)
-    except tarfile.TarError as e:
-        raise IntegrityError(f"{where}: object {entry.object} is not a valid tar ({e})") from None
-    if missing := sorted(set(expected) - set(out)):
-        raise IntegrityError(f"{where}: object {entry.object} lacks {', '.join(missing)}")
-    names = {p.rsplit("/", 1)[-1] for p in out}
-    for path, (data, _) in out.items():
-        if is_group(path):
-            rel, outside = relative_group(data, entry.key, names, f"{where}: {path}")
-            if outside or rel != data:
-                why = f"points outside its entry: {', '.join(outside)}" if outside else "is not in relative form"
-                raise UnsafeBundleError(f"{where}: group {path} {why}")
-    return out
-
-
-def write_entry(files: dict[str, tuple[bytes, int]], dest: str, final_dir: str) -> None:
-    """Write a checked entry into a fresh ``dest`` dir; group files point at ``final_dir`` (where it will live)."""
+    names = {p.rsplit("/", 1)[-1] for p in expected}
+    seen: set[str] = set()
     os.mkdir(dest, 0o755)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    for path, (data, mode) in sorted(files.items()):
-        if "/" in path:
-            os.makedirs(os.path.join(dest, os.path.dirname(path)), 0o755, exist_ok=True)
-        if is_group(path):
-            data = absolute_group(data, final_dir)
-        fd = os.open(os.path.join(dest, path), flags, mode)
-        try:
-            with memoryview(data) as view:
-                while view:
-                    view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+    with tarfile.open(fileobj=tar_stream, mode="r|", bufsize=CHUNK) as tar:
+        for m in tar:
+            path = check_rel_path(m.name, f"{where}: member")
+            if m.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):  # not sparse/contiguous either
+                kind = "symlink" if m.issym() else "hardlink" if m.islnk() else "device/fifo/dir/sparse"
+                raise UnsafeBundleError(f"{where}: member {path!r} is a {kind}, only regular files are allowed")
+            if m.mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX):
+                raise UnsafeBundleError(f"{where}: member {path!r} has setuid/setgid/sticky mode {m.mode:o}")
+            if path not in expected or path in seen:
+                raise UnsafeBundleError(f"{where}: member {path!r} is not listed in the index (or repeated)")
+            seen.add(path)
+            rec = expected[path]
+            if m.offset_data + m.size > entry.tar_size:
+                raise UnsafeBundleError(f"{where}: {obj} decompresses to more than {entry.tar_size} bytes, the index "
+                                        f"declares {entry.tar_size} (member {path!r} alone is {m.size})")
+            if m.size != rec.size:
+                raise IntegrityError(f"{where}: {path} is {m.size} bytes, the index lists {rec.size}")
+            if "/" in path:
+                os.makedirs(os.path.join(dest, os.path.dirname(path)), 0o755, exist_ok=True)
+            src = tar.extractfile(m)
+            sha = hashlib.sha256()
+            if is_group(path):
+                if m.size > MAX_GROUP_BYTES:
+                    raise UnsafeBundleError(f"{where}: group {path} is {m.size} bytes (at most {MAX_GROUP_BYTES})")
+                data = src.read()
+                sha.update(data)
+                rel, outside = relative_group(data, entry.key, names, f"{where}: {path}")
+                if outside or rel != data:
+                    why = f"points outside its entry: {', '.join(outside)}" if outside else "is not in relative form"
+                    raise UnsafeBundleError(f"{where}: group {path} {why}")
+                chunks = [absolute_group(data, final_dir)]
+            else:
+                chunks = iter(lambda: src.read(CHUNK), b"")
+            fd = os.open(os.path.join(dest, path), flags, 0o755 if m.mode & 0o111 else 0o644)
+            try:
+                for chunk in chunks:
+                    if not is_group(path):
+                        sha.update(chunk)
+                    with memoryview(chunk) as view:
+                        while view:
+                            view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            if sha.hexdigest() != rec.sha256:
+                raise IntegrityError(f"{where}: {path} has sha256 {sha.hexdigest()}, the index lists {rec.sha256}")
+    if missing := sorted(set(expected) - seen):
+        raise IntegrityError(f"{where}: {obj} lacks {', '.join(missing)}")

@@ -186,7 +186,8 @@ def cmd_push(args) -> int:
                 tasks[url] = bar.add_task(f"push {escape(url)}", total=total)
             bar.update(tasks[url], completed=done, total=total)
 
-        results = push(args.bundle, args.urls, attempts=args.retries + 1, progress=progress)
+        results = push(args.bundle, args.urls, attempts=args.retries + 1, progress=progress,
+                       verify_remote=args.verify_remote)
     failed = [r for r in results if not r.ok]
     if args.json:
         emit_json({"ok": not failed, "targets": [vars(r) for r in results]})
@@ -208,7 +209,8 @@ def cmd_install(args) -> int:
     with progress_bar(args) as bar:
         task = bar.add_task("install (fetch, check, stage)", total=None)
         r = install(args.source, args.cache_dir, trusted_keys=args.trust, require_signature=args.require_signature,
-                    allow_fingerprint_mismatch=args.allow_fingerprint_mismatch, workers=args.workers,
+                    allow_fingerprint_mismatch=args.allow_fingerprint_mismatch,
+                    allow_missing_factors=args.allow_missing_factors, workers=args.workers,
                     lock_timeout=args.lock_timeout,
                     progress=lambda done, total: bar.update(task, completed=done, total=total))
     if args.json:
@@ -231,8 +233,7 @@ def cmd_verify(args) -> int:
     from .verify import verify
 
     r = verify(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust,
-               require_signature=args.require_signature, check_fingerprint=not args.no_fingerprint,
-               allow_no_reference=bool(args.plan))
+               require_signature=args.require_signature, check_fingerprint=not args.no_fingerprint)
     hit = None
     if args.plan:
         from .willhit import check
@@ -457,6 +458,21 @@ def cmd_lower(args) -> int:
 # --- parser --------------------------------------------------------------------------------------------------
 
 
+def _number(kind: type, lo: float, hi: float):
+    """An argparse type: a ``kind`` number within [lo, hi] (no negative worker counts, no endless lock waits)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not lo <= value <= hi:  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"{text} is out of range ({lo} to {hi})")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prewarm", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"prewarm {__version__}")
@@ -478,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = verb("build", cmd_build, "compile a manifest's requests into a Triton cache dir")
     sp.add_argument("manifest")
     sp.add_argument("--cache-dir", required=True)
-    sp.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
+    sp.add_argument("--workers", type=_number(int, 1, 1024), default=None, help="compile processes (default: CPU count)")
     sp.add_argument("--mode", choices=("offline", "device", "auto"), default="auto",
                     help="offline: no accelerator (target-only driver); device: compile and run once on it")
 
@@ -494,7 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = verb("push", cmd_push, "copy a bundle to one or more stores (any fsspec URL)")
     sp.add_argument("bundle")
     sp.add_argument("urls", nargs="*", help="fsspec or oci:// URLs of the bundle's location (default: the default store)")
-    sp.add_argument("--retries", type=int, default=3, help="retries per operation on transient errors")
+    sp.add_argument("--retries", type=_number(int, 0, 100), default=3, help="retries per operation on transient errors")
+    sp.add_argument("--verify-remote", action=argparse.BooleanOptionalAction, default=None,
+                    help="check the objects a store already has (size, sha256) and resend bad ones (default: file://)")
     sp.add_argument("--insecure", action="store_true", help="plain HTTP to a loopback OCI registry (tests)")
 
     sp = verb("install", cmd_install, "install a bundle into a node's cache dir, atomically")
@@ -503,8 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY", help="trusted signer (repeat)")
     sp.add_argument("--require-signature", action="store_true", help="refuse an unsigned bundle")
     sp.add_argument("--allow-fingerprint-mismatch", action="store_true", help="install despite toolchain mismatch")
-    sp.add_argument("--workers", type=int, help="parallel object fetches (default: cores, 2 to 8)")
-    sp.add_argument("--lock-timeout", type=float, default=600, help="seconds to wait for another install")
+    sp.add_argument("--allow-missing-factors", action="store_true",
+                    help="install a bundle whose fingerprint lacks a blocking factor or carries one this node lacks")
+    sp.add_argument("--workers", type=_number(int, 1, 1024), help="parallel object fetches (default: cores, 2 to 8)")
+    sp.add_argument("--lock-timeout", type=_number(float, 0, 86400), default=600,
+                    help="seconds to wait for another install")
     sp.add_argument("--insecure", action="store_true", help="plain HTTP to a loopback OCI registry (tests)")
 
     sp = verb("verify", cmd_verify, "check a cache dir: integrity, compatibility, will-hit")

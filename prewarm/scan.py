@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .bundle import META_DIR, list_entries, parse_index
+from .bundle import list_entries
 from .errors import IntegrityError
 from .fingerprint import TOOLCHAIN_RECORD
 from .install import read_receipts
@@ -66,8 +66,8 @@ def scan(cache_dir: str | os.PathLike) -> CacheScan:
         raise IntegrityError(f"{cache}: cache dir does not exist")
     present = {p.name for p in list_entries(cache)[0]}
     bundles, named = [], set()
-    for receipt in read_receipts(cache):
-        index = parse_index(receipt["index"].encode(), f"{cache / META_DIR} receipt {receipt.get('index_digest')}")
+    for r in read_receipts(cache):
+        index, receipt = r.index, r.doc
         keys = {e.key for e in index.entries}
         named |= keys
         manifest = index.manifest or {}

@@ -13,6 +13,8 @@ dir's name).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
+import io
 import os
 import threading
 import time
@@ -24,8 +26,8 @@ from typing import Callable
 
 import fsspec
 
-from .bundle import INDEX, OBJECTS, SIGNATURE, parse_index
-from .errors import PrewarmError, StoreError
+from .bundle import INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, check_object, open_regular, parse_index, read_bounded
+from .errors import IntegrityError, PrewarmError, StoreError
 
 # Protocols whose PUT is atomic by itself (no partial object is ever visible): written directly.
 OBJECT_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"}
@@ -83,6 +85,11 @@ class Store(ABC):
         """Which of these objects the store lacks (an OCI registry cannot list: it asks blob by blob)."""
         return names - self.list_objects()
 
+    def open(self, name: str):
+        """A readable binary stream of the blob (read in pieces); FileNotFoundError when absent. Stores that can
+        hold things other than plain files refuse them here, before reading (a FIFO would hang the reader)."""
+        return io.BytesIO(self.read(name))
+
     def read_optional(self, name: str) -> bytes | None:
         try:
             return self.read(name)
@@ -98,17 +105,28 @@ class LocalStore(Store):
         self.url = str(self.root)
 
     def read(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+        with self.open(name) as f:
+            return f.read()
+
+    def open(self, name: str):
+        try:
+            return open_regular(self.root / name, join(self.url, name))
+        except NotADirectoryError:  # a file where a dir of the path should be: nothing by that name here
+            raise FileNotFoundError(errno.ENOENT, "not found", str(self.root / name)) from None
 
     def write(self, name: str, data: bytes) -> None:
         dest = self.root / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full or failing disk keeps no temp files
+            raise
 
     def list_objects(self) -> set[str]:
         try:
@@ -132,12 +150,26 @@ class FsspecStore(Store):
     def read(self, name: str) -> bytes:
         return self.fs.cat_file(join(self.path, name))
 
+    def open(self, name: str):
+        path = join(self.path, name)
+        info = self.fs.info(path)  # FileNotFoundError when absent
+        if info.get("type") != "file":
+            raise IntegrityError(f"{join(self.url, name)}: not a regular file ({info.get('type')}): refused")
+        return self.fs.open(path, "rb")
+
     def write(self, name: str, data: bytes) -> None:
         dest = join(self.path, name)
         self.fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
         tmp = f"{dest}.{uuid.uuid4().hex}.tmp"
-        self.fs.pipe_file(tmp, data)
-        self.fs.mv(tmp, dest)
+        try:
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, dest)
+        except BaseException:
+            try:
+                self.fs.rm_file(tmp)
+            except Exception:
+                pass  # the connection itself failed: nothing more can be removed now
+            raise
 
     def list_objects(self) -> set[str]:
         path = join(self.path, OBJECTS)
@@ -151,6 +183,9 @@ class FsspecStore(Store):
 
 class ObjectStore(FsspecStore):
     """Object stores (S3, GCS, Azure): a PUT is atomic, so objects are written directly."""
+
+    def open(self, name: str):
+        return self.fs.open(join(self.path, name), "rb")  # an object store holds objects only
 
     def write(self, name: str, data: bytes) -> None:
         self.fs.pipe_file(join(self.path, name), data)
@@ -178,7 +213,8 @@ class PushResult:
     url: str
     ok: bool = False
     sent: int = 0
-    present: int = 0  # objects the target already had
+    present: int = 0  # objects the target already had (intact, where checked)
+    repaired: int = 0  # objects the target had that did not match their name or size: sent again
     bytes_sent: int = 0
     retries: int = 0
     seconds: float = 0.0
@@ -186,9 +222,8 @@ class PushResult:
     errors: list[str] = field(default_factory=list)  # each transient error that was retried
 
 
-def _push_one(
-    bundle_dir: Path, url: str, storage_options: dict | None, attempts: int, backoff: float, progress, workers: int
-) -> PushResult:
+def _push_one(bundle_dir: Path, url: str, storage_options: dict | None, attempts: int, backoff: float, progress,
+              workers: int, verify_remote: bool | None) -> PushResult:
     res = PushResult(url)
     t0 = time.monotonic()
     lock = threading.Lock()  # the counters are updated from the object-sending threads
@@ -208,17 +243,34 @@ def _push_one(
     store = None
     try:
         store = open_store(url, storage_options)
-        index_bytes = (bundle_dir / INDEX).read_bytes()
-        index = parse_index(index_bytes, str(bundle_dir / INDEX))
-        lacking = attempt(lambda: store.missing({e.object for e in index.entries}), "look up objects")
-        todo = [e.object for e in index.entries if e.object in lacking]
-        res.present = len(index.entries) - len(todo)
-        todo = sorted(set(todo))
+        where = str(bundle_dir / INDEX)
+        index_bytes = read_bounded(open_regular(bundle_dir / INDEX, where), MAX_INDEX_BYTES, where)
+        index = parse_index(index_bytes, where)
+        entries = {e.object: e for e in index.entries}
+        have = set(entries) - attempt(lambda: store.missing(set(entries)), "look up objects")
+        if verify_remote if verify_remote is not None else isinstance(store, LocalStore):
+
+            def intact(name: str) -> bool:
+                try:
+                    attempt(lambda: check_object(store.open(f"{OBJECTS}/{name}"), entries[name], url),
+                            f"check {OBJECTS}/{name}")
+                    return True
+                except (IntegrityError, FileNotFoundError):
+                    return False
+
+            with cf.ThreadPoolExecutor(workers) as pool:
+                bad = {n for n, ok in zip(sorted(have), pool.map(intact, sorted(have))) if not ok}
+            res.repaired = len(bad)
+            have -= bad
+        todo = sorted(set(entries) - have)
+        res.present = len(have)
         if progress:
             progress(url, 0, len(todo))
 
         def send(name: str) -> None:
-            data = (bundle_dir / OBJECTS / name).read_bytes()
+            local = str(bundle_dir / OBJECTS / name)
+            data = read_bounded(open_regular(local), entries[name].object_size, local)
+            check_object(io.BytesIO(data), entries[name], f"{bundle_dir} (local bundle; re-pack it)")
             attempt(lambda: store.write(f"{OBJECTS}/{name}", data), f"write {OBJECTS}/{name}")
             with lock:
                 res.sent += 1
@@ -250,8 +302,13 @@ def push(
     backoff: float = 0.25,
     workers: int = 4,
     progress: Callable[[str, int, int], None] | None = None,
+    verify_remote: bool | None = None,
 ) -> list[PushResult]:
     """Push one bundle to every URL concurrently; a result per URL, in the order given.
+
+    Every local object is checked against the index before it is sent. ``verify_remote`` (default: for local and
+    ``file://`` stores, where it costs a local read) also checks the objects a store already has, by size and
+    sha256, and sends bad ones again; otherwise an object present by name is trusted.
 
     ``progress(url, objects sent, objects to send)`` once the target's listing is known, then after each object
     (from worker threads)."""
@@ -262,6 +319,7 @@ def push(
         urls = [join(default_store_root(), bundle_name(bundle_dir))]
     with cf.ThreadPoolExecutor(len(urls)) as pool:
         futures = [
-            pool.submit(_push_one, bundle_dir, u, storage_options, attempts, backoff, progress, workers) for u in urls
+            pool.submit(_push_one, bundle_dir, u, storage_options, attempts, backoff, progress, workers, verify_remote)
+            for u in urls
         ]
         return [f.result() for f in futures]

@@ -1,11 +1,15 @@
 """Check a cache dir against what was installed into it (its receipts) or against a bundle.
 
 Integrity: every listed file is hashed (group files in their relative form, since install rewrote them to
-absolute paths); files that differ are *modified*, absent ones *missing*, files inside a listed entry that the
-index does not name *unexpected*. Any group file in the cache (listed entry or not) whose children are not
-files of its own entry points *outside*: Triton would read another dir's files or drop them and recompile.
-Key dirs no receipt names (compiled on the node, other bundles) are counted, never failed: install merges.
-Compatibility: each fingerprint factor of the bundle(s) against this node, mismatches explained.
+absolute paths); files that differ (or are links, FIFOs, dirs) are *modified*, absent ones *missing*, anything
+inside a listed entry that the index does not name (stray files, links, Triton's ``tmp.pid_*`` leftovers)
+*unexpected*. Any group file in the cache (listed entry or not) whose children are not files of its own entry
+points *outside*: Triton would read another dir's files or drop them and recompile. Where bundles share a key the
+latest receipt (by sequence number) says what is installed. Key dirs no receipt names (compiled on the node) are
+counted, never failed: install merges. Fails closed: an unreadable receipt is an IntegrityError naming it; a dir
+with no receipt and no ``--bundle`` has unknown integrity (IntegrityError), except a build's own output dir (its
+build record says so: only its group files are checked; will-hit does the rest).
+Compatibility: each fingerprint factor of the bundle(s) against this node's own, mismatches explained.
 """
 from __future__ import annotations
 
@@ -18,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import fingerprint
-from .bundle import GROUP_PREFIX, META_DIR, Entry, is_group, list_entries, parse_index, relative_group
+from .bundle import GROUP_PREFIX, META_DIR, list_entries, read_build_record, relative_group
 from .errors import FingerprintMismatch, IntegrityError
-from .install import default_cache_dir, node_fingerprint, read_bundle, read_receipts
+from .install import check_entry, default_cache_dir, installed_files, node_fingerprint, read_bundle, read_receipts
 
 @dataclass
 class FactorRow:
@@ -70,63 +74,6 @@ class VerifyReport:
         return doc
 
 
-def _read(path: str) -> bytes | None:
-    """Whole-file read: Triton cache files are small, and one read per file keeps per-file overhead low."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        return None
-    try:
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            return f.read()
-    except IsADirectoryError:
-        return b"\0(a directory)"
-
-
-def _listing(base: str, prefix: str = "") -> list[str]:
-    """Files under an entry dir, relative, skipping Triton's own in-flight ``tmp.pid_*`` dirs."""
-    out = []
-    try:
-        it = list(os.scandir(base))
-    except (FileNotFoundError, NotADirectoryError):
-        return out
-    for d in it:
-        if d.is_dir(follow_symlinks=False):
-            if not d.name.startswith("tmp.pid_"):
-                out += _listing(d.path, f"{prefix}{d.name}/")
-        else:
-            out.append(prefix + d.name)
-    return out
-
-
-def _check_entry(cache_dir: str, entry: Entry) -> tuple[list[str], list[str], list[str], list[str], int]:
-    """(modified, missing, unexpected, groups outside, bytes hashed) for one listed entry."""
-    base = f"{cache_dir}/{entry.key}/"
-    modified, missing, outside, hashed = [], [], [], 0
-    names = {f.path.rsplit("/", 1)[-1] for f in entry.files}
-    for f in entry.files:
-        rel = f"{entry.key}/{f.path}"
-        data = _read(base + f.path)
-        if data is None:
-            missing.append(rel)
-            continue
-        if is_group(f.path):
-            try:
-                data, out = relative_group(data, entry.key, names, base + f.path, base.rstrip("/"))
-            except IntegrityError:
-                modified.append(rel)
-                continue
-            if out:  # reported as pointing outside, not also as modified
-                outside += [f"{rel} -> {p}" for p in out]
-                continue
-        hashed += len(data)
-        if len(data) != f.size or hashlib.sha256(data).hexdigest() != f.sha256:  # GIL released: parallel
-            modified.append(rel)
-    listed = {f.path for f in entry.files}
-    unexpected = sorted(f"{entry.key}/{n}" for n in _listing(base) if n not in listed)
-    return modified, missing, unexpected, outside, hashed
-
-
 def _foreign_groups_outside(entry_dir: Path) -> list[str]:
     """Children of an unlisted entry's group files that are not files of that entry."""
     out = []
@@ -141,7 +88,7 @@ def _foreign_groups_outside(entry_dir: Path) -> list[str]:
 
 
 def compare_factors(built: dict[str, str]) -> list[FactorRow]:
-    node = node_fingerprint(built)
+    node = node_fingerprint()
     diffs = {m.factor: m for m in fingerprint.compare(built, node)}
     rows = []
     for factor in sorted(set(built) | set(node)):
@@ -165,49 +112,45 @@ def verify(
     storage_options: dict | None = None,
     check_fingerprint: bool = True,
     workers: int | None = None,
-    allow_no_reference: bool = False,
 ) -> VerifyReport:
-    """Integrity of ``cache_dir`` against its install receipts (or ``bundle``) and compatibility with this node.
-
-    ``allow_no_reference``: a dir that no bundle was installed into (a build's output) is not an error; its
-    entries are then only checked for group files pointing outside (will-hit, when asked, does the rest).
-    """
+    """Integrity of ``cache_dir`` against its install receipts (or ``bundle``) and compatibility with this node."""
     cache_dir = Path(os.path.abspath(cache_dir or default_cache_dir()))
     if not cache_dir.is_dir():
-        raise IntegrityError(f"{cache_dir}: cache dir does not exist")
+        raise IntegrityError(f"{cache_dir}: cache dir does not exist or is not a directory")
     if bundle:
         b = read_bundle(
             bundle, trusted_keys=trusted_keys, require_signature=require_signature, storage_options=storage_options
         )
         indexes, against = [b.index], [bundle]
+        entries = {e.key: e.files for e in b.index.entries}
     else:
-        receipts = sorted(read_receipts(cache_dir), key=lambda r: r.get("installed_at", ""))
-        if not receipts and not allow_no_reference:
-            raise IntegrityError(
-                f"{cache_dir}: no install receipt in {cache_dir / META_DIR / 'receipts'} and no --bundle given: "
-                "nothing to verify against"
-            )
-        indexes = [parse_index(str(r.get("index", "")).encode(), f"receipt {r.get('index_digest')}") for r in receipts]
-        against = [f"receipt {r.get('index_digest')}" for r in receipts]
-    entries: dict[str, Entry] = {}
-    for idx in indexes:  # later installs win where two bundles carry the same key
-        entries.update({e.key: e for e in idx.entries})
+        receipts = read_receipts(cache_dir)
+        indexes = [r.index for r in receipts]
+        against = [f"receipt {r.path.stem[:16]}... (install #{r.seq})" for r in receipts]
+        entries = installed_files(receipts)
+        if not receipts:
+            if not read_build_record(cache_dir):
+                raise IntegrityError(
+                    f"{cache_dir}: integrity unknown: no install receipt in {cache_dir / META_DIR / 'receipts'} (and "
+                    f"no build record: not a build's output dir); give the bundle it came from with --bundle"
+                )
+            against = ["build record: a build's output, no bundle installed (group files checked)"]
     report = VerifyReport(str(cache_dir), against, entries=len(entries))
     # hashlib releases the GIL, but where "cores" are hyperthreads or busy, threads slow hashing down (measured
     # on the 2-core CI box, 517 MB: 1 thread 1.60 s, 2 threads 1.75 s, 4 threads 2.44 s): half the cores, and
     # no pool at all for one
     workers = workers or max(1, (os.cpu_count() or 2) // 2)
-    check = functools.partial(_check_entry, str(cache_dir))
+    check = functools.partial(check_entry, str(cache_dir))
     with cf.ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
-        results = pool.map(check, entries.values()) if pool else map(check, entries.values())
-        for e, (mod, miss, unexp, out, hashed) in zip(entries.values(), results):
-            report.modified += mod
-            report.missing += miss
-            report.unexpected += unexp
-            report.groups_outside += out
-            report.bytes_hashed += hashed
-            report.files += len(e.files)
-            report.entries_ok += not (mod or miss or unexp or out)
+        results = pool.map(check, entries, entries.values()) if pool else map(check, entries, entries.values())
+        for files, c in zip(entries.values(), results):
+            report.modified += c.modified
+            report.missing += c.missing
+            report.unexpected += c.unexpected
+            report.groups_outside += c.outside
+            report.bytes_hashed += c.hashed
+            report.files += len(files)
+            report.entries_ok += c.clean
     others = [d for d in list_entries(cache_dir)[0] if d.name not in entries]
     report.other_entries = len(others)
     for d in others:
@@ -219,10 +162,7 @@ def verify(
                 seen.append(idx.fingerprint)
                 report.factors += compare_factors(idx.fingerprint)
         # A dir filled under another Ascend toolchain would be reused silently (not in Triton's key).
-        backends = {idx.fingerprint.get("target.backend") for idx in indexes} or {None}
-        for backend in backends:
-            node = fingerprint.current(backend)
-            for m in fingerprint.cache_dir_toolchain_conflict(cache_dir, node):
-                report.factors.append(FactorRow(m.factor, m.built, m.node, "mismatch", m.why))
+        for m in fingerprint.cache_dir_toolchain_conflict(cache_dir, node_fingerprint()):
+            report.factors.append(FactorRow(m.factor, m.built, m.node, "mismatch", m.why))
     return report
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from prewarm import bundle, fingerprint, install
+from prewarm import bundle, fingerprint, install, npu
 from prewarm.errors import FingerprintMismatch, IntegrityError
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "cann"))
@@ -30,6 +31,9 @@ def toolchain(tmp_path, monkeypatch):
     standin.make_bishengir(bindir)
     monkeypatch.setenv("ASCEND_HOME_PATH", str(home))
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    # an Ascend node: install and verify take the backend from the node, never from the bundle (this env's
+    # upstream Triton would say cuda)
+    monkeypatch.setattr(fingerprint, "detect_backend", lambda: "npu")
     return tmp_path
 
 
@@ -225,3 +229,48 @@ def test_install_refuses_to_mix_toolchains_in_one_cache_dir(toolchain):
     standin.make_bishengir(toolchain / "bin", version="8.5.0")
     with pytest.raises(FingerprintMismatch, match="ascend.bishengir.version: the cache dir has"):
         install.install(str(make_bundle(toolchain / "b", npu_fp())), node_cache, durable=False)
+
+
+# --- the serving process's codegen env ----------------------------------------------------------------------------
+
+
+SERVER = """
+import os, sys
+from prewarm import npu
+npu.check_serving_env(os.environ["PREWARM_GUARD"])  # what prewarm.guard runs when it arms
+print("serving")
+"""
+
+
+@pytest.mark.parametrize("mode", ["error", "warn"])
+def test_a_serving_process_with_another_all_blocks_parallel_is_refused_or_warned(toolchain, mode):
+    """Installed and verified under the build's env, then the server's rank exports TRITON_ALL_BLOCKS_PARALLEL=1
+    (its launcher would clamp the grid to the core count; the key does not change): the rank names the factor."""
+    node_cache = toolchain / "node-cache"
+    install.install(str(make_bundle(toolchain, npu_fp())), node_cache, durable=False)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(node_cache), "PREWARM_GUARD": mode}
+    run = lambda extra: subprocess.run([sys.executable, "-c", SERVER], env={**env, **extra}, capture_output=True,
+                                       text=True, timeout=120)
+    clean = run({})
+    assert clean.returncode == 0 and clean.stdout == "serving\n" and not clean.stderr, clean.stderr
+    p = run({"TRITON_ALL_BLOCKS_PARALLEL": "1"})
+    said = p.stderr
+    assert "ascend.env.TRITON_ALL_BLOCKS_PARALLEL: bundle has 'unset', this node has '1'" in said
+    if mode == "error":
+        assert p.returncode != 0 and "FingerprintMismatch" in said and "serving" not in p.stdout
+    else:
+        assert p.returncode == 0 and p.stdout == "serving\n" and "prewarm guard: warning:" in said
+
+
+def test_serving_check_covers_f32_default_and_reads_every_installed_bundle(toolchain, monkeypatch):
+    node_cache = toolchain / "node-cache"
+    install.install(str(make_bundle(toolchain / "a", npu_fp())), node_cache, durable=False)
+    assert npu.serving_env_mismatches(node_cache, {}) == []
+    found = npu.serving_env_mismatches(node_cache, {"TRITON_F32_DEFAULT": "hf32", "TRITON_DISABLE_FFTS": "1"})
+    assert {m.factor for m in found} == {"ascend.env.TRITON_F32_DEFAULT", "ascend.env.TRITON_DISABLE_FFTS"}
+    assert set(npu.SERVING_ENV) <= set(fingerprint.ASCEND_CODEGEN_ENV)
+    old = {k: v for k, v in npu_fp().items() if k != "ascend.env.TRITON_F32_DEFAULT"}  # built before it was a factor
+    install.install(str(make_bundle(toolchain / "b", old)), node_cache, durable=False, allow_fingerprint_mismatch=True)
+    assert npu.serving_env_mismatches(node_cache, {}) == []
+    assert [m.built for m in npu.serving_env_mismatches(node_cache, {"TRITON_F32_DEFAULT": "hf32"})] == [
+        "unset", "(not recorded)"]
