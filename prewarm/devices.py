@@ -111,8 +111,8 @@ class CudaProperties:
 _HOPPER_GUIDE = "documented: NVIDIA Hopper Tuning Guide (cc 9.0: 228 KB smem/SM, 227 KB opt-in per block)"
 _CUDA_GUIDE = "documented: CUDA C Programming Guide, technical specifications per compute capability"
 _CC = "documented: NVIDIA CUDA GPUs compute capability table"
-_HOPPER_CUDA = {
-    "capability": _CC, "shared_memory_per_block": _CUDA_GUIDE, "regs_per_multiprocessor": _CUDA_GUIDE,
+_CUDA_SOURCES = {
+    "capability": _CC, "arch": _CC, "shared_memory_per_block": _CUDA_GUIDE, "regs_per_multiprocessor": _CUDA_GUIDE,
     "max_registers_per_block": _CUDA_GUIDE, "max_threads_per_multi_processor": _CUDA_GUIDE,
     "max_threads_per_block": _CUDA_GUIDE, "warp_size": _CUDA_GUIDE, "shared_memory_per_block_optin": _HOPPER_GUIDE,
     "shared_memory_per_multiprocessor": _HOPPER_GUIDE,
@@ -127,7 +127,7 @@ PROFILES: dict[str, DeviceProfile] = {
         total_memory=141 * 10**9, clock_rate=1_980_000, memory_clock_rate=2_619_000, memory_bus_width=6144,
         **_CUDA_COMMON,
         sources={
-            **_HOPPER_CUDA,
+            **_CUDA_SOURCES,
             "name": "measured: torch.cuda.get_device_name(0) on the H200 (bench/results/cold_start.json)",
             "multi_processor_count": "documented: NVIDIA H200 = GH100 SXM5 configuration, 132 SMs (Hopper whitepaper)",
             "L2_cache_size": "documented: Hopper whitepaper, 50 MB L2 (H100/H200 SXM5)",
@@ -143,7 +143,7 @@ PROFILES: dict[str, DeviceProfile] = {
         total_memory=80 * GiB, clock_rate=1_980_000, memory_clock_rate=2_619_000, memory_bus_width=5120,
         **_CUDA_COMMON,
         sources={
-            **_HOPPER_CUDA,
+            **_CUDA_SOURCES,
             "name": "documented: the SXM5 80 GB board's device name",
             "multi_processor_count": "documented: Hopper whitepaper, H100 SXM5 132 SMs",
             "L2_cache_size": "documented: Hopper whitepaper, 50 MB L2",
@@ -159,7 +159,7 @@ PROFILES: dict[str, DeviceProfile] = {
         total_memory=80 * GiB, clock_rate=1_410_000, memory_clock_rate=1_593_000, memory_bus_width=5120,
         **_CUDA_COMMON,
         sources={
-            **_HOPPER_CUDA,
+            **_CUDA_SOURCES,
             "shared_memory_per_block_optin": "documented: Ampere Tuning Guide (cc 8.0: 163 KB opt-in per block)",
             "shared_memory_per_multiprocessor": "documented: Ampere Tuning Guide (cc 8.0: 164 KB per SM)",
             "name": "documented: the SXM4 80 GB board's device name",
@@ -177,7 +177,7 @@ PROFILES: dict[str, DeviceProfile] = {
         total_memory=180 * 10**9, clock_rate=1_965_000, memory_clock_rate=3_996_000, memory_bus_width=8192,
         **_CUDA_COMMON,
         sources={
-            **_HOPPER_CUDA,
+            **_CUDA_SOURCES,
             "shared_memory_per_block_optin": "documented: Blackwell Tuning Guide (cc 10.0: 227 KB opt-in per block)",
             "shared_memory_per_multiprocessor": "documented: Blackwell Tuning Guide (cc 10.0: 228 KB per SM)",
             "name": "documented: HGX B200 device name",

@@ -1,0 +1,113 @@
+"""Device profiles: inside a plan or build process torch.cuda's and Triton's device queries answer as the
+manifest's device; every other process (a node, `prewarm record`'s children, verify) is left as it was."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+
+from prewarm import devices
+from prewarm.errors import ManifestError
+from prewarm.manifest import load
+
+QUERIES = """
+import json, torch, triton
+p = torch.cuda.get_device_properties(0)
+print(json.dumps({
+    "available": torch.cuda.is_available(), "count": torch.cuda.device_count(),
+    "current": torch.cuda.current_device() if torch.cuda.is_available() else None,
+    "name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    "capability": list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
+    "optin": p.shared_memory_per_block_optin, "sms": p.multi_processor_count, "l2": p.L2_cache_size,
+    "triton": triton.runtime.driver.active.utils.get_device_properties(0),
+}))
+"""
+
+
+def run(prelude: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", prelude + QUERIES], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_build_process_answers_every_device_query_as_the_h200():
+    seen = run("from prewarm.targets import get_target; get_target('cuda', 'sm_90', 'offline', 'H200').activate()\n")
+    assert seen == {
+        "available": True, "count": 1, "current": 0, "name": "NVIDIA H200", "capability": [9, 0],
+        "optin": 232448, "sms": 132, "l2": 50 * 2**20,
+        "triton": {"max_shared_mem": 232448, "max_num_regs": 65536, "multiprocessor_count": 132, "warpSize": 32,
+                   "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 6144},
+    }  # fmt: skip
+
+
+def test_other_processes_see_the_real_machine_even_with_every_prewarm_module_imported():
+    done = subprocess.run([sys.executable, "-c", (
+        "import torch, prewarm.cli, prewarm.plan, prewarm.build, prewarm.record, prewarm.devices, prewarm.targets\n"
+        "print(torch.cuda.is_available(), torch.cuda.get_device_name.__module__)")],
+        capture_output=True, text=True)  # fmt: skip
+    assert done.stdout.split() == ["False", "torch.cuda"], done.stderr[-2000:]
+
+
+def test_deactivate_puts_torch_back():
+    import torch
+    from triton.runtime.driver import driver
+
+    from prewarm.targets import CudaOfflineTarget
+
+    saved, original = driver._active, torch.cuda.get_device_name
+    try:
+        CudaOfflineTarget("cuda", "sm_100", "B200").activate()
+        assert torch.cuda.get_device_capability() == (10, 0) and torch.cuda.is_available()
+        assert driver.active.utils.get_device_properties(0)["multiprocessor_count"] == 148
+    finally:
+        devices.deactivate()
+        driver._active = saved  # reset_active() would probe for a GPU: put back exactly what was there
+    assert torch.cuda.get_device_name is original and devices.active() is None
+
+
+def test_activating_without_a_target_only_driver_is_refused():
+    from triton.runtime.driver import driver
+
+    saved = driver._active
+    driver._active = None
+    try:
+        with pytest.raises(RuntimeError, match="target-only driver"):
+            devices.activate(devices.PROFILES["H200"])
+    finally:
+        driver._active = saved
+
+
+@pytest.mark.parametrize("name", sorted(devices.PROFILES))
+def test_every_figure_says_where_it_comes_from(name):
+    profile = devices.PROFILES[name]
+    figures = [f.name for f in fields(profile) if f.name not in ("sources", "backend")
+               and getattr(profile, f.name) not in (0, (0, 0), "")]  # fmt: skip
+    missing = [f for f in figures if not profile.sources.get(f, "").startswith(("measured:", "documented:",
+                                                                                "unverified:"))]
+    assert not missing, f"{name}: figures without a source: {missing}"
+
+
+def manifest_with(tmp_path, target: str):
+    path = tmp_path / "m.toml"
+    path.write_text(f"[target]\n{target}\n[model]\nkda_heads = 4\nhead_k_dim = 64\nhead_v_dim = 64\n"
+                    f"[[kernels]]\nprovider = \"prewarm_kernels.kda.serving\"\n")  # fmt: skip
+    return load(path)
+
+
+def test_the_manifest_names_the_profile_by_name_or_alias(tmp_path):
+    assert devices.manifest_device(manifest_with(tmp_path, 'backend = "cuda"\narch = "sm_90"\ndevice = "H200"')) \
+        == "H200"
+    assert devices.manifest_device(manifest_with(
+        tmp_path, 'backend = "npu"\narch = "Ascend910_9391"\ndevice = "A3"')) == "Ascend910_93"
+    assert devices.manifest_device(manifest_with(tmp_path, 'backend = "cuda"\narch = "sm_90"')) is None
+
+
+def test_an_unknown_device_or_one_of_another_arch_is_a_manifest_error(tmp_path):
+    with pytest.raises(ManifestError, match=r"m\.toml: target: device = 'H300': expected one of .*H200"):
+        devices.manifest_device(manifest_with(tmp_path, 'backend = "cuda"\narch = "sm_90"\ndevice = "H300"'))
+    with pytest.raises(ManifestError, match=r"target\.device = 'A100': that device is cuda sm_80, but the manifest "
+                                            r"targets cuda sm_90"):
+        devices.manifest_device(manifest_with(tmp_path, 'backend = "cuda"\narch = "sm_90"\ndevice = "A100"'))
