@@ -41,6 +41,7 @@ import os
 import re
 from dataclasses import dataclass
 
+import oras.auth
 import oras.container
 import oras.provider
 import oras.utils
@@ -125,6 +126,21 @@ class _Session(requests.Session):
         return super().request(*args, **kwargs)
 
 
+class _Auth(oras.auth.TokenAuth):
+    """oras's bearer-token auth, plus HTTP Basic for registries that challenge with it (htpasswd, some on-prem
+    ones): oras-py fixes one scheme up front, and its token flow would take a Basic realm's name for a token
+    server's host. Once challenged, the session sends the credentials with every request to this registry
+    (requests drops them on a redirect to another host, e.g. a blob in S3)."""
+
+    def authenticate_request(self, original: requests.Response, headers: dict, refresh: bool = False):
+        if not original.headers.get("Www-Authenticate", "").lower().startswith("basic"):
+            return super().authenticate_request(original, headers, refresh)
+        if not getattr(self, "_basic_auth", None):
+            return headers, False
+        self.session.headers["Authorization"] = f"Basic {self._basic_auth}"
+        return {**(headers or {}), "Authorization": f"Basic {self._basic_auth}"}, True
+
+
 class _Registry(oras.provider.Registry):
     """oras's client, its requests made once each: ``store.retry`` retries (bounded, logged in the push report)."""
 
@@ -133,8 +149,10 @@ class _Registry(oras.provider.Registry):
     def __init__(self, host: str, insecure: bool, timeout: float):
         super().__init__(hostname=host, insecure=insecure)
         cookies = self.session.cookies  # oras's policy: ignore every cookie (Harbor sets CSRF ones)
-        self.session = self.auth.session = _Session(timeout)
+        self.session = _Session(timeout)
         self.session.cookies = cookies
+        self.auth = _Auth()  # wired as oras.auth.get_auth_backend wires its own
+        self.auth.session, self.auth.prefix, self.auth._tls_verify = self.session, self.prefix, True
 
 
 def _auth_files() -> list[str]:

@@ -250,12 +250,15 @@ class RegistryServer:
         _stop(self.proc)
 
 
-def start_registry(d: Path) -> RegistryServer:
+def start_registry(d: Path, *, tls: tuple[Path, Path] | None = None, htpasswd: Path | None = None) -> RegistryServer:
+    """``tls``: (certificate, key) to serve HTTPS with; ``htpasswd``: require HTTP Basic auth from that file."""
     exe = shutil.which("docker-registry") or shutil.which("registry")
     if exe is None:
         raise RuntimeError("docker-registry not found: install the apt package docker-registry (bash .ci/setup)")
     d.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    tls_conf = f"\n  tls:\n    certificate: {tls[0]}\n    key: {tls[1]}" if tls else ""
+    auth_conf = f"auth:\n  htpasswd:\n    realm: prewarm-test\n    path: {htpasswd}" if htpasswd else ""
     (d / "config.yml").write_text(textwrap.dedent(
         f"""
         version: 0.1
@@ -268,10 +271,8 @@ def start_registry(d: Path) -> RegistryServer:
             rootdirectory: {d / "storage"}
           delete:
             enabled: true
-        http:
-          addr: 127.0.0.1:{port}
         """
-    ))
+    ) + f"http:\n  addr: 127.0.0.1:{port}{tls_conf}\n{auth_conf}\n")
     log = d / "registry.log"
     with open(log, "wb") as f:  # a file, not a pipe: a long test would fill a pipe and stall the server
         proc = subprocess.Popen([exe, "serve", str(d / "config.yml")], stdout=f, stderr=subprocess.STDOUT)
@@ -304,3 +305,17 @@ def own_registry(tmp_path_factory):
     server = start_registry(tmp_path_factory.mktemp("own-registry"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def registry_factory(tmp_path_factory):
+    """``start(tls=..., htpasswd=...)``: private registries with options, all stopped after the test."""
+    servers = []
+
+    def start(**options) -> RegistryServer:
+        servers.append(start_registry(tmp_path_factory.mktemp("registry"), **options))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()

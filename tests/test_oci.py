@@ -3,16 +3,24 @@ user would be: push to two repositories, dedup across tags, install, pinned dige
 goes away mid-push, 16 concurrent installs, and `oras pull` of what prewarm pushed."""
 from __future__ import annotations
 
+import base64
+import datetime
 import hashlib
+import ipaddress
 import json
 import multiprocessing
 import os
 import shutil
 from pathlib import Path
 
+import bcrypt
 import oras.client
 import pytest
 import requests
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from prewarm import fingerprint
 from prewarm.bundle import INDEX, META_DIR, OBJECTS, pack
@@ -245,3 +253,46 @@ def test_references_options_and_tls_are_checked_before_anything_is_sent(registry
     # TLS is the default: a plain-HTTP registry without --insecure is refused at once, with the hint
     p = run_cli("install", registry.url("tls/kimi:v1"), "--cache-dir", tmp_path / "node", check=StoreError.exit_code)
     assert "TLS failed" in p.stderr and "--insecure" in p.stderr
+
+
+def _self_signed(d: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (its own CA) and its key, made with cryptography."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prewarm test registry")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return d / "cert.pem", d / "key.pem"
+
+
+def test_tls_is_verified_and_credentials_come_from_the_docker_config(toy_cache_master, registry_factory, tmp_path):
+    (tmp_path / "htpasswd").write_text(f"alice:{bcrypt.hashpw(b's3cret', bcrypt.gensalt(4)).decode()}\n")
+    cert, key = _self_signed(tmp_path)
+    server = registry_factory(tls=(cert, key), htpasswd=tmp_path / "htpasswd")
+    pack(toy_cache_master, tmp_path / "bundle")
+    url = server.url("private/kimi:v1")
+    env = {k: v for k, v in os.environ.items() if k not in ("DOCKER_CONFIG", "REGISTRY_AUTH_FILE")}
+    env["HOME"] = str(tmp_path / "home")  # no ~/.docker/config.json of the machine's
+    # TLS on by default: an unknown CA is refused, nothing sent
+    p = run_cli("push", tmp_path / "bundle", url, "--json", env=env, check=StoreError.exit_code)
+    assert "CERTIFICATE_VERIFY_FAILED" in json.loads(p.stdout)["targets"][0]["error"]
+    # the CA trusted, no credentials: the registry's refusal, exit 10
+    env["REQUESTS_CA_BUNDLE"] = str(cert)
+    p = run_cli("push", tmp_path / "bundle", url, "--json", env=env, check=StoreError.exit_code)
+    assert "refused our credentials" in json.loads(p.stdout)["targets"][0]["error"]
+    # `docker login`'s file: push and install work
+    (tmp_path / "docker").mkdir()
+    auth = base64.b64encode(b"alice:s3cret").decode()
+    (tmp_path / "docker" / "config.json").write_text(json.dumps({"auths": {f"127.0.0.1:{server.port}":
+                                                                            {"auth": auth}}}))
+    env["DOCKER_CONFIG"] = str(tmp_path / "docker")
+    assert json.loads(run_cli("push", tmp_path / "bundle", url, "--json", env=env).stdout)["ok"]
+    res = json.loads(run_cli("install", url, "--cache-dir", tmp_path / "node", "--json", env=env).stdout)
+    assert res["installed"] == len(list((tmp_path / "bundle" / OBJECTS).iterdir()))
