@@ -300,16 +300,9 @@ def registry(tmp_path_factory):
 
 
 @pytest.fixture
-def own_registry(tmp_path_factory):
-    """A private OCI registry a test may stop or tamper with."""
-    server = start_registry(tmp_path_factory.mktemp("own-registry"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture
 def registry_factory(tmp_path_factory):
-    """``start(tls=..., htpasswd=...)``: private registries with options, all stopped after the test."""
+    """``start(tls=..., htpasswd=...)``: private registries a test may stop, tamper with or configure; all
+    stopped after the test."""
     servers = []
 
     def start(**options) -> RegistryServer:

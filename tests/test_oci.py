@@ -159,10 +159,11 @@ def test_pull_by_digest_and_a_moved_tag_is_reported(toy_cache_master, registry, 
 
 @pytest.mark.parametrize("what", ["object", "index"])
 def test_a_tampered_blob_in_the_registry_is_refused_and_the_cache_untouched(
-    toy_cache_master, own_registry, tmp_path, what
+    toy_cache_master, registry_factory, tmp_path, what
 ):
+    server = registry_factory()
     pack(toy_cache_master, tmp_path / "bundle")
-    url = own_registry.url("tamper/kimi:v1")
+    url = server.url("tamper/kimi:v1")
     [res] = push(tmp_path / "bundle", [url], storage_options=INSECURE)
     assert res.ok
     if what == "object":
@@ -170,7 +171,7 @@ def test_a_tampered_blob_in_the_registry_is_refused_and_the_cache_untouched(
         digest = name.removesuffix(".tar.zst")
     else:
         digest = hashlib.sha256((tmp_path / "bundle" / INDEX).read_bytes()).hexdigest()
-    blob = own_registry.blob_path(digest)
+    blob = server.blob_path(digest)
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0x01  # same size: the registry serves it as it is
     blob.write_bytes(bytes(data))
@@ -184,19 +185,23 @@ def test_a_tampered_blob_in_the_registry_is_refused_and_the_cache_untouched(
     assert {k: v for k, v in files_of(node).items() if not k.startswith(META_DIR)} == before
 
 
-def test_registry_stopped_mid_push_fails_that_target_only(toy_cache_master, own_registry, tmp_path):
+def test_registry_stopped_mid_push_fails_that_target_only(toy_cache_master, registry_factory, tmp_path):
+    server = registry_factory()
     pack(toy_cache_master, tmp_path / "bundle")
-    bad, good = own_registry.url("gone/kimi:v1"), f"file://{tmp_path / 'good'}"
+    bad, good = server.url("gone/kimi:v1"), f"file://{tmp_path / 'good'}"
 
     def stop_registry_after_first_object(url, done, total):
         if url == bad and done == 1:
-            own_registry.stop()
+            server.stop()
 
     res_bad, res_good = push(tmp_path / "bundle", [bad, good], storage_options=INSECURE, attempts=3, backoff=0.05,
                              workers=1, progress=stop_registry_after_first_object)
     assert res_good.ok and res_good.sent == len(list((tmp_path / "bundle" / OBJECTS).iterdir()))
     assert not res_bad.ok and res_bad.sent == 1 and res_bad.retries >= 2
     assert "failed after 3 attempts" in res_bad.error and bad in res_bad.error
+    # the manifest is PUT last: the half-pushed repository has blobs but no manifest, nothing installable
+    repo = server.root / "docker/registry/v2/repositories/gone/kimi"
+    assert (repo / "_layers").is_dir() and not (repo / "_manifests").exists()
 
     # the CLI, registry still down: exit 10, the registry named, the other target complete
     p = run_cli("push", tmp_path / "bundle", bad, f"file://{tmp_path / 'good2'}", "--insecure", "--retries", "1",
