@@ -124,16 +124,17 @@ def run_child(script: Path, args: list[str], env: dict[str, str], result: Path, 
     return data
 
 
-def prepare_bundle(manifest: Path, work: Path, timeout: float = 420) -> dict:
+def prepare_bundle(manifest: Path, work: Path, timeout: float = 420, fallback: bool = True) -> dict:
     """Build the manifest's cache on this GPU (device mode: compile, autotune, launchers) in a scratch dir, pack
-    it into ``work/bundle``, and delete the scratch dir so nothing can be read from the build path later."""
+    it into ``work/bundle``, and delete the scratch dir so nothing can be read from the build path later. Where the
+    device build fails: an offline build instead (``fallback``), else the error."""
     env = child_env(work)
     build_dir = fresh_dir(work / "build-cache")
     bundle = work / "bundle"
     shutil.rmtree(bundle, ignore_errors=True)
     mode = "device"
     rc, t_build = run_cli(["build", str(manifest), "--cache-dir", str(build_dir), "--mode", mode], env, timeout,
-                          check=False)
+                          check=not fallback)
     if rc != 0:  # still measure something: an offline build has every kernel but no autotune results
         log(f"device build exited {rc}: falling back to an offline build (the warm run will autotune)")
         mode = f"offline (device build exited {rc})"

@@ -192,6 +192,7 @@ def summarize(name: str, ranks: list[dict], installs: list[float]) -> dict:
         "steps": steps,
         "max_wait_s": max(st["max_wait_s"] for st in steps),
         "max_wait_s_by_rank": [max(st["wait_s"][r] for st in steps) for r in range(len(ranks))],
+        "total_wait_s_by_rank": [round(sum(st["wait_s"][r] for st in steps), 6) for r in range(len(ranks))],
         "compiles_by_rank": [sum(st["compiles"][r] for st in steps) for r in range(len(ranks))],
         "compile_s_by_rank": [round(sum(st["compile_s"][r] for st in steps), 4) for r in range(len(ranks))],
         "autotune_s_by_rank": [round(sum(st["autotune_s"][r] for st in steps), 4) for r in range(len(ranks))],
@@ -207,13 +208,15 @@ def judge(res: dict) -> dict:
     sc, crit = res["scenarios"], {}
     if "A" in sc:
         a = sc["A"]
-        warm_wait = max(a["max_wait_s_by_rank"][1:])
-        a["warm_ranks_max_wait_s"] = warm_wait
+        a["warm_ranks_max_wait_s"] = max(a["max_wait_s_by_rank"][1:])
+        a["warm_ranks_total_wait_s"] = min(a["total_wait_s_by_rank"][1:])
         a["cold_rank_compile_s"] = a["compile_s_by_rank"][0]
         a["cold_rank_autotune_s"] = a["autotune_s_by_rank"][0]
         crit["A: cold rank compiled"] = a["compiles_by_rank"][0] > 0
         crit["A: prewarmed ranks compiled nothing"] = not any(a["compiles_by_rank"][1:])
-        crit["A: prewarmed ranks' max wait >= cold rank's compile time"] = warm_wait >= a["cold_rank_compile_s"]
+        # the cold rank compiles whenever its traffic meets a new variant (any step): compare totals
+        crit["A: each prewarmed rank waited in all >= the cold rank's compile time"] = \
+            a["warm_ranks_total_wait_s"] >= a["cold_rank_compile_s"]
     if "B" in sc:
         b = sc["B"]
         crit["B: no rank compiled"] = not any(b["compiles_by_rank"])

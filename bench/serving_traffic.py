@@ -156,7 +156,7 @@ def orchestrate(args) -> dict:
     if args.device_runs:
         log("device bundle: prewarm build --mode device + pack on this GPU (the build dir is deleted afterwards)")
         try:
-            prepared = prepare_bundle(manifest, work, timeout=args.timeout)
+            prepared = prepare_bundle(manifest, work, timeout=args.timeout, fallback=False)
             res["bundles"]["device"] = describe_bundle(Path(prepared["bundle"])) | {"prepare": prepared}
             drive("device", Path(prepared["bundle"]), seeds[:args.device_runs], args, work, spec_file, res)
         except Exception as e:  # noqa: BLE001 - keep the first bundle's runs
