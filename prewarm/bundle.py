@@ -41,7 +41,7 @@ from pathlib import Path
 import zstandard
 
 from . import __version__
-from .errors import IntegrityError, PrewarmError, UnsafeBundleError
+from .errors import EnvironmentProblem, IntegrityError, PrewarmError, UnsafeBundleError
 
 FORMAT = 1
 INDEX = "index.json"
@@ -262,12 +262,15 @@ def pack_entry(entry_dir: Path) -> tuple[Entry, bytes]:
 
 def _write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full or read-only disk keeps no temp files
 
 
 def pack(
@@ -277,12 +280,21 @@ def pack(
     signing_key: str | os.PathLike | None = None,
     workers: int | None = None,
 ) -> PackResult:
-    """Cache dir -> bundle dir. Objects already in ``bundle_dir`` are reused; the index is written last."""
-    from . import fingerprint, signing
-
+    """Cache dir -> bundle dir. Objects already in ``bundle_dir`` with the same bytes are reused; the index is
+    written last. A local write or read failure (full or read-only disk) is an EnvironmentProblem."""
     cache_dir, bundle_dir = Path(cache_dir), Path(bundle_dir)
     if not cache_dir.is_dir():
         raise IntegrityError(f"{cache_dir}: not a directory (expected a Triton cache dir)")
+    try:
+        return _pack(cache_dir, bundle_dir, signing_key, workers)
+    except OSError as e:
+        raise EnvironmentProblem(f"{e.filename or bundle_dir}: {e.strerror} (packing {cache_dir} into {bundle_dir})"
+                                 ) from None
+
+
+def _pack(cache_dir: Path, bundle_dir: Path, signing_key: str | os.PathLike | None, workers: int | None) -> PackResult:
+    from . import fingerprint, signing
+
     record = read_build_record(cache_dir)
     fp = record.get("fingerprint")
     fp = {str(k): str(v) for k, v in fp.items()} if isinstance(fp, dict) else fingerprint.current()
@@ -295,8 +307,8 @@ def pack(
     def one(entry_dir: Path) -> tuple[Entry, bool]:
         entry, obj = pack_entry(entry_dir)
         dest = bundle_dir / OBJECTS / entry.object
-        if dest.exists() and dest.stat().st_size == len(obj):
-            return entry, False
+        if dest.is_file() and dest.stat().st_size == len(obj) and dest.read_bytes() == obj:
+            return entry, False  # an existing object is trusted only after comparing its bytes
         _write_atomic(dest, obj, durable=False)  # flushed all at once below, before the index
         return entry, True
 

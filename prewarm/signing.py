@@ -31,16 +31,25 @@ def keygen(name: str | os.PathLike, *, force: bool = False) -> tuple[Path, Path,
     if not force and (priv_path.exists() or pub_path.exists()):
         raise EnvironmentProblem(f"{priv_path} or {pub_path} already exists (pass --force to replace it)")
     key = Ed25519PrivateKey.generate()
-    priv_path.parent.mkdir(parents=True, exist_ok=True)
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    fd = os.open(priv_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    pub_path.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    )
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    try:
+        priv_path.parent.mkdir(parents=True, exist_ok=True)
+        for path, data, mode in ((priv_path, pem, 0o600), (pub_path, pub, 0o644)):
+            tmp = path.with_name(f".{path.name}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+    except OSError as e:  # a full or read-only disk: no half key pair is left behind
+        if not force:
+            priv_path.unlink(missing_ok=True)
+        raise EnvironmentProblem(f"{e.filename or priv_path}: {e.strerror} (writing the key pair)") from None
     return priv_path, pub_path, key_id(key.public_key())
 
 
@@ -81,7 +90,9 @@ def verify(data: bytes, signature: bytes | None, trusted: list[str | os.PathLike
     except Exception:
         raise SignatureError(f"{where}: index.json.sig is malformed (expected prewarm's ed25519 JSON)") from None
     keys = {key_id(k): k for k in (_load(p, private=False) for p in trusted)}
-    key = keys.get(doc.get("key_id"))
+    if not isinstance(doc.get("key_id"), str):
+        raise SignatureError(f"{where}: index.json.sig names no key id (key_id {doc.get('key_id')!r})")
+    key = keys.get(doc["key_id"])
     if key is None:
         raise SignatureError(
             f"{where}: signed by key {doc.get('key_id')!r}, which is not among the trusted keys ({', '.join(keys)})"

@@ -16,8 +16,8 @@ import pytest
 
 from prewarm import fingerprint
 from prewarm.bundle import INDEX, META_DIR, pack, parse_index
-from prewarm.errors import EnvironmentProblem, FingerprintMismatch, SignatureError
-from prewarm.install import install, receipt_path
+from prewarm.errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError
+from prewarm.install import install, read_receipts, receipt_path
 from prewarm.verify import verify
 
 from prewarm_helpers import run_cli, synthetic_cache
@@ -220,3 +220,134 @@ def test_write_failure_is_an_environment_problem_and_leaves_previous_cache(toy_b
     p.join()
     assert kind == "EnvironmentProblem" and "File too large" in msg and str(node) in msg
     assert snapshot(node) == before and not list((node / META_DIR).glob("staging-*"))
+
+
+# --- presence by content, non-reproducible C modules, repair (issue 13) ---------------------------------------
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def two_builds(tmp_path_factory):
+    """The toy manifest built twice, offline, for real, and packed: same keys, the same kernels and launchers, but
+    ``cuda_utils`` built twice by the host C compiler, so under one key with different bytes."""
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))  # the toy provider, importable by the build's worker processes
+    from prewarm.build import build
+
+    root = tmp_path_factory.mktemp("two-builds")
+    bundles = []
+    for name in ("a", "b"):
+        build(FIXTURES / "toy-cuda.toml", root / name, workers=2, mode="offline")
+        pack(root / name, root / f"bundle-{name}")
+        bundles.append(root / f"bundle-{name}")
+    return bundles
+
+
+def _cuda_utils(bundle: Path):
+    index = parse_index((bundle / INDEX).read_bytes(), "t")
+    (entry,) = [e for e in index.entries if e.files[0].path.startswith("cuda_utils")]
+    return entry
+
+
+def test_two_genuine_bundles_sharing_a_rebuilt_cuda_utils_install_in_either_order_and_verify_clean(
+        two_builds, tmp_path):
+    a, b = two_builds
+    ua, ub = _cuda_utils(a), _cuda_utils(b)
+    assert ua.key == ub.key and ua.files[0].sha256 != ub.files[0].sha256  # the C build is not reproducible
+    for first, second in ((a, b), (b, a)):
+        node = tmp_path / f"node-{first.name}"
+        install(str(first), node)
+        r = install(str(second), node)
+        assert (r.installed, r.kept, r.present) == (0, 1, r.entries)  # kept as built, recorded as it is on disk
+        report = verify(node)
+        assert report.ok, report.to_json()
+        assert _sha(node / ua.key / ua.files[0].path) == _cuda_utils(first).files[0].sha256
+        assert install(str(first), node).noop and install(str(second), node).noop  # install and verify agree
+        assert run_cli("verify", "--cache-dir", node).returncode == 0
+
+
+def test_a_same_size_flip_in_an_installed_file_is_repaired_by_reinstall(two_builds, tmp_path):
+    a, b = two_builds
+    node = tmp_path / "node"
+    install(str(a), node)
+    install(str(b), node)  # cuda_utils: a's bytes, kept, recorded by b's receipt
+    cubin = sorted(node.glob("*/*.cubin"))[0]
+    utils = next(node.glob("*/cuda_utils*.so"))
+    for path, repaired in ((cubin, cubin.read_bytes()), (utils, None)):
+        flipped = bytearray(path.read_bytes())
+        flipped[len(flipped) // 2] ^= 0x10
+        path.write_bytes(bytes(flipped))
+        report = verify(node)
+        assert report.modified == [path.relative_to(node).as_posix()] and report.exit_code == IntegrityError.exit_code
+        r = install(str(b), node)  # install said "nothing to do" here before: it checked names and sizes only
+        assert (r.noop, r.installed, r.replaced) == (False, 1, 1)
+        assert verify(node).ok
+        assert path.read_bytes() == repaired if repaired else _sha(path) == _cuda_utils(b).files[0].sha256
+    r = install(str(a), node)  # a's receipt now records b's cuda_utils as kept: verify and install still agree
+    assert (r.installed, r.kept, r.noop) == (0, 1, False) and install(str(a), node).noop
+    assert verify(node).ok
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_receipts_carry_a_sequence_not_a_timestamp(toy_bundle, triton_cache, tmp_path):
+    """Two installs within one second: the later one still wins where bundles share a key (and verify uses it)."""
+    other = synthetic_cache(tmp_path / "other", 2, seed=5)
+    pack(other, tmp_path / "other-bundle")
+    node = tmp_path / "node"
+    first = install(str(toy_bundle), node)
+    second = install(str(tmp_path / "other-bundle"), node)
+    seqs = {r.index.digest: r.seq for r in read_receipts(node)}
+    assert seqs == {first.index_digest: 1, second.index_digest: 2}
+    receipt = json.loads(receipt_path(node, second.index_digest).read_text())
+    assert receipt["seq"] == 2 and receipt["kept"] == {}
+    assert not list((node / META_DIR / "receipts").glob(".*.tmp"))  # written through a temp file, replaced
+
+
+# --- the fingerprint fails closed (issue 13) --------------------------------------------------------------------
+
+
+def _bundle_with_fingerprint(cache: Path, out: Path, fp: dict) -> Path:
+    (cache / META_DIR).mkdir(exist_ok=True)
+    (cache / META_DIR / "build.json").write_text(json.dumps({"fingerprint": fp}))
+    pack(cache, out)
+    return out
+
+
+@pytest.mark.parametrize("change, factor, why", [
+    ({"target.backend": "hip"}, "target.backend", "another backend"),  # the node's backend, never the bundle's
+    ({"triton.key": None}, "triton.key", "the bundle does not record it"),
+    ({"triton.key": "unknown"}, "triton.key", "the bundle does not record it"),
+    ({"cuda.ptxas": None, "python.abi": None}, "python.abi", "the bundle does not record it"),
+    ({"triton.backend_hash": "x"}, "triton.backend_hash", "a factor this node does not have"),
+])
+def test_fingerprint_gaps_and_foreign_backends_are_refused(triton_cache, tmp_path, change, factor, why):
+    fp = dict(fingerprint.current())
+    for k, v in change.items():
+        fp.pop(k) if v is None else fp.__setitem__(k, v)
+    bundle = _bundle_with_fingerprint(triton_cache, tmp_path / "bundle", fp)
+    node = tmp_path / "node"
+    p = run_cli("install", bundle, "--cache-dir", node, check=FingerprintMismatch.exit_code)
+    assert factor in p.stderr and why in p.stderr and "Traceback" not in p.stderr
+    assert not node.exists() or not snapshot(node)
+    gap = why != "another backend"
+    flag = "--allow-missing-factors" if gap else "--allow-fingerprint-mismatch"
+    assert flag in p.stderr
+    other = "--allow-fingerprint-mismatch" if gap else "--allow-missing-factors"
+    run_cli("install", bundle, "--cache-dir", node, other, check=FingerprintMismatch.exit_code)  # the other is not it
+    run_cli("install", bundle, "--cache-dir", node, flag)
+    assert verify(node).exit_code == FingerprintMismatch.exit_code  # verify still says so
+
+
+def test_an_empty_fingerprint_is_refused_naming_every_blocking_factor(triton_cache, tmp_path):
+    bundle = _bundle_with_fingerprint(triton_cache, tmp_path / "bundle", {})
+    with pytest.raises(FingerprintMismatch) as e:
+        install(str(bundle), tmp_path / "node")
+    for factor in ("triton.distribution", "triton.version", "triton.key", "python.abi", "target.backend",
+                   "cuda.ptxas"):
+        assert f"{factor}: bundle has '(not recorded)'" in str(e.value)
+    assert "target.arch" not in str(e.value)  # detected from a device: unknown here on both sides, not compared

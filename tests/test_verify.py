@@ -128,3 +128,57 @@ def test_plan_renders_will_hit_and_misses_set_the_exit_code(node, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert code == doc["exit_code"] == WillMissError.exit_code and not doc["ok"]
     assert doc["integrity_ok"] and doc["will_hit"]["misses"] > 0  # the toy cache holds none of the KDA kernels
+
+
+# --- verify fails closed (issue 13) -----------------------------------------------------------------------------
+
+
+def test_an_unreadable_receipt_is_an_error_naming_it_even_when_another_is_fine(node, tmp_path):
+    other = synthetic_cache(tmp_path / "other", 1, seed=3)
+    pack(other, tmp_path / "other-bundle")
+    install(str(tmp_path / "other-bundle"), node)
+    receipts = sorted((node / ".prewarm" / "receipts").glob("*.json"))
+    assert len(receipts) == 2
+    data = bytearray(receipts[0].read_bytes())
+    data[len(data) // 3] ^= 0x01  # one flipped byte
+    receipts[0].write_bytes(bytes(data))
+    cubin = sorted(node.glob("*/*.cubin"))[0]
+    cubin.write_bytes(cubin.read_bytes()[:-1] + b"X")  # and a modified binary it would have caught
+    with pytest.raises(IntegrityError, match=receipts[0].name):
+        verify(node)
+    p = run_cli("verify", "--cache-dir", node, check=IntegrityError.exit_code)
+    assert receipts[0].name in p.stderr and "Traceback" not in p.stderr
+
+
+def test_no_receipt_is_integrity_unknown_unless_a_bundle_or_a_build_record_says_what_the_dir_is(node, tmp_path):
+    manifest = Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml"
+    cubin = sorted(node.glob("*/*.cubin"))[0]
+    cubin.write_bytes(cubin.read_bytes()[:-1] + b"X")
+    shutil.rmtree(node / ".prewarm" / "receipts")
+    p = run_cli("verify", "--cache-dir", node, "--plan", manifest, check=IntegrityError.exit_code)
+    assert "integrity unknown" in p.stderr  # was exit 0 (then 5 for the plan) with a modified cubin
+    r = verify(node, bundle=str(tmp_path / "bundle"))
+    assert r.modified == [cubin.relative_to(node).as_posix()]
+    (node / ".prewarm" / "build.json").write_text(json.dumps({"manifest": {"name": "toy"}}))  # a build's output dir
+    r = verify(node)
+    assert r.integrity_ok and r.entries == 0 and "build record" in r.against[0]
+
+
+def test_links_fifos_and_tmp_leftovers_inside_entries_are_reported_never_a_traceback(node):
+    key_dirs = sorted(p for p in node.iterdir() if p.name != ".prewarm")
+    cubin = next(key_dirs[0].glob("*.cubin"))
+    cubin.unlink()
+    cubin.symlink_to("/etc/passwd")  # an installed file replaced by a symlink
+    ptx = next(key_dirs[1].glob("*.ptx"))
+    ptx.unlink()
+    os.mkfifo(ptx)  # a FIFO: verify must not hang on it
+    (key_dirs[2] / "tmp.pid_123_abc").mkdir()
+    (key_dirs[2] / "tmp.pid_123_abc" / "k.cubin").write_bytes(b"left by a killed process")
+    (key_dirs[3] / "extra.so").symlink_to("/etc/passwd")
+    r = verify(node)
+    rel = lambda p: p.relative_to(node).as_posix()  # noqa: E731
+    assert sorted(r.modified) == sorted([f"{rel(cubin)} (a symlink)", f"{rel(ptx)} (not a regular file)"])
+    assert sorted(r.unexpected) == sorted([f"{key_dirs[2].name}/tmp.pid_123_abc/k.cubin",
+                                           f"{key_dirs[3].name}/extra.so"])
+    p = run_cli("verify", "--cache-dir", node, check=IntegrityError.exit_code)
+    assert "Traceback" not in p.stderr
