@@ -202,6 +202,8 @@ def main() -> int:
         p.error(f"--seeds {args.seeds}: expected distinct seeds, at least one")
     if args.calls < 1 or args.steps < 1 or not 0 <= args.device_runs <= len(args.seeds):
         p.error("--calls and --steps must be >= 1, --device-runs between 0 and the number of seeds")
+    if args.device_runs and args.label == "device":
+        p.error("--label device is the name of the bundle --device-runs builds: give --bundle another label")
     res = orchestrate(args)
     log(f"wrote {write_json(args.out, res)}")
     for k, ok in res["criteria"].items():
