@@ -239,7 +239,8 @@ def cmd_verify(args) -> int:
         from .willhit import check
 
         hit = check(args.plan, r.cache_dir)
-    missed = hit is not None and (not hit.ok or (args.require_autotune and any(not a.present for a in hit.autotune)))
+    missed = hit is not None and (not hit.ok or (args.require_autotune and any(not a.present for a in hit.autotune))
+                                  or (args.require_launchers and any(not m.present for m in hit.modules)))
     code = r.exit_code or (WillMissError.exit_code if missed else 0)
     if args.json:
         emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code,
@@ -283,8 +284,9 @@ def _print_verify_summary(r, hit, args) -> None:
                     " (absent: benchmarked on first use; --require-autotune makes it fail)"))
         if hit.modules:
             have = sum(m.present for m in hit.modules)
-            line("C modules", ok if have == len(hit.modules) else info,
-                 f"{have} of {len(hit.modules)} in the cache (a launcher per kernel signature, and cuda_utils)")
+            line("C modules", ok if have == len(hit.modules) else (bad if args.require_launchers else info),
+                 f"{have} of {len(hit.modules)} in the cache (a launcher per kernel signature, and cuda_utils; on "
+                 f"Ascend npu_utils and the precompiled header)")
     for name, items in (("modified", r.modified), ("missing", r.missing), ("unexpected", r.unexpected),
                         ("group pointing outside", r.groups_outside)):
         for item in items[:20]:
@@ -308,7 +310,7 @@ def _print_verify_summary(r, hit, args) -> None:
     for m in hit.modules:
         if not m.present:
             users = f"{m.kernels} planned compiles" if m.name != "cuda_utils" else "every kernel"
-            out.print(f"[yellow]absent[/] {m.name} {m.key} (used by {users}): the node builds it with its C compiler "
+            out.print(f"{'[red]' if args.require_launchers else '[yellow]'}absent[/] {m.name} {m.key} (used by {users}): the node builds it with its C compiler "
                       f"at first launch, about a second, no kernel compile", highlight=False)
 
 
@@ -395,6 +397,35 @@ def cmd_ls(args) -> int:
     if r.toolchain:
         out.print("Ascend toolchain claim: " + escape(", ".join(f"{k}={v}" for k, v in sorted(r.toolchain.items()))))
     return 0
+
+
+def cmd_explain(args) -> int:
+    import os
+
+    from .explain import explain_path
+    from .willhit import expand_plan, planned_keys
+
+    planned = expand_plan(args.plan, args.mode)
+    keys = planned_keys(planned.compiles) if os.path.isdir(args.source) else {}
+    rows = explain_path(args.source, planned.compiles, keys)
+    missing = sum(not e.planned for _, e in rows)
+    code = WillMissError.exit_code if missing else 0
+    if args.json:
+        emit_json({"source": args.source, "plan": planned.manifest.name, "target": planned.target.describe(),
+                   "requests": [{"label": label, **e.to_json()} for label, e in rows],
+                   "planned": len(rows) - missing, "not_planned": missing, "exit_code": code})
+        return code
+    for label, e in rows:
+        if e.planned:
+            out.print(f"[green]planned[/]     {escape(label)} = {escape(e.nearest.label)}", highlight=False)
+            continue
+        out.print(f"[red]NOT PLANNED[/] {escape(label)}", highlight=False)
+        for line in str(e).splitlines():
+            out.print(f"    {escape(line)}", highlight=False)
+    out.print(f"{len(rows)} runtime requests: {len(rows) - missing} planned, "
+              f"{f'[red]{missing} not planned[/]' if missing else '0 not planned'} ({planned.manifest.name}, "
+              f"{planned.target.describe()})", highlight=False)
+    return code
 
 
 def cmd_keygen(args) -> int:
@@ -533,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", metavar="MANIFEST")
     sp.add_argument("--require-autotune", action="store_true",
                     help="with --plan: also fail (exit 5) when a kept autotune result is absent (device bundles)")
+    sp.add_argument("--require-launchers", action="store_true",
+                    help="with --plan: also fail (exit 5) when a launcher or runtime module the node would build at "
+                         "first launch is absent (Ascend pre-launch jobs: the image may have no C++ compiler)")
     sp.add_argument("--bundle", help="check against this bundle (URL or dir) instead of the install receipts")
     sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY")
     sp.add_argument("--require-signature", action="store_true")
@@ -541,6 +575,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = verb("ls", cmd_ls, "list what a cache dir holds: installed bundles, entries no bundle installed")
     sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
+
+    sp = verb("explain", cmd_explain, "for each runtime compile request (a record / guard file, a key dir or a "
+                                      "cache dir): planned, or the nearest planned compile and what differs")
+    sp.add_argument("source", help="a `prewarm record` / guard file, a cache key dir, or a cache dir")
+    sp.add_argument("--plan", required=True, metavar="MANIFEST")
+    sp.add_argument("--mode", choices=("offline", "device", "auto"), default="auto",
+                    help="the target driver to expand the plan under (as for build)")
 
     sp = verb("keygen", cmd_keygen, "make an Ed25519 signing key pair")
     sp.add_argument("-o", "--output", default="prewarm-signing", help="writes OUTPUT.key and OUTPUT.pub")
@@ -562,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "require_autotune", False) and not args.plan:
         parser.error("verify --require-autotune needs --plan MANIFEST (the calls whose autotune results to look for)")
+    if getattr(args, "require_launchers", False) and not args.plan:
+        parser.error("verify --require-launchers needs --plan MANIFEST (the kernels whose launchers to look for)")
     if getattr(args, "insecure", False):  # the OCI store's option, through fsspec's config as FSSPEC_OCI sets it
         import fsspec
 

@@ -29,12 +29,15 @@ NOT_RECORDED = "not in the compiled signature: a constexpr or an int specialized
 class Difference:
     """One field in which a runtime request differs from the planned one."""
 
-    kind: str  # "dtype" | "specialization" | "constexpr" | "argument" | "option" | "env" | "triton"
+    kind: str  # "dtype" | "specialization" | "constexpr" | "argument" | "option" | "env" | "triton" | "key"
     name: str  # the argument, option or env var
     planned: str
     runtime: str
 
     def format(self, sides: tuple[str, str] = ("planned", "runtime")) -> str:
+        if self.kind == "key":
+            return (f"cache key: {sides[0]} {self.planned}, {sides[1]} {self.runtime} (the same in every field a key "
+                    f"dir records: a constexpr value, the kernel's source or line, or the triton build differs)")
         what = {"dtype": "argument", "specialization": "argument", "constexpr": "constexpr", "argument": "argument",
                 "option": "option", "env": "env var", "triton": "triton"}[self.kind]  # fmt: skip
         return f"{what} {self.name}: {sides[0]} {self.planned}, {sides[1]} {self.runtime}"
@@ -42,8 +45,8 @@ class Difference:
     def __str__(self) -> str:
         return self.format()
 
-    def to_json(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "planned": self.planned, "runtime": self.runtime}
+    def to_json(self, sides: tuple[str, str] = ("planned", "runtime")) -> dict:
+        return {"kind": self.kind, "name": self.name, sides[0]: self.planned, sides[1]: self.runtime}
 
 
 @dataclass(frozen=True)
@@ -79,16 +82,14 @@ class Explanation:
         elif isinstance(self.nearest, CacheEntry):
             nearest = {"key": self.nearest.key, "label": self.nearest.label, "kernel": self.nearest.kernel}
         return {"kernel": self.kernel, "planned": self.planned, "nearest": nearest,
-                "differences": [d.to_json() for d in self.differences], "note": self.note}  # fmt: skip
+                "differences": [d.to_json(self.sides) for d in self.differences], "note": self.note}  # fmt: skip
 
     def summary(self) -> str:
         """One line: what a table cell or a log line shows."""
         if self.nearest is None:
             return f"no {'planned' if self.sides[0] == 'planned' else 'cached'} compile of {self.kernel}"
-        if not self.differences and self.sides[0] == "planned":
-            return f"planned: {self.nearest.label}" + (f" ({self.note})" if self.note else "")
         if not self.differences:
-            return f"nearest in the cache: {self.nearest.label}, {self.note}"
+            return f"planned: {self.nearest.label}" + (f" ({self.note})" if self.note else "")
         return f"nearest {self.nearest.label}: " + "; ".join(d.format(self.sides) for d in self.differences)
 
     def __str__(self) -> str:
@@ -208,25 +209,40 @@ def explain(runtime: str, planned: Iterable[Compile], *, kernel: str | None = No
     return Explanation(runtime, spec.name, nearest, tuple(diffs) if nearest is not None else ())
 
 
-def explain_key_dir(path: str | os.PathLike, planned: Iterable[Compile]) -> Explanation | None:
-    """A key dir the runtime compiled, explained against the plan (None: the dir holds no kernel). Its env vars
-    are compared with this process's: the plan is expanded here, under them."""
+KEY_DIR_NOTE = "read from a key dir: constexpr values and arguments specialized to 1 / None are not recorded there"
+
+
+def _unrecorded(planned_key: str, runtime_key: str) -> Difference:
+    """Two requests equal in every field a key dir records, under different keys."""
+    return Difference("key", "key", planned_key, runtime_key)
+
+
+def explain_key_dir(path: str | os.PathLike, planned: Iterable[Compile],
+                    planned_keys: Mapping[str, Compile]) -> Explanation | None:
+    """A key dir the runtime compiled, explained against the plan (None: the dir holds no kernel). Planned exactly
+    when its name is one of ``planned_keys`` (each planned compile's key, as Triton computes it here); otherwise the
+    nearest planned compile by what the dir records. Its env vars are compared with this process's: the plan is
+    expanded here, under them."""
     spec = tritoncompat.read_key_dir(path)
     if spec is None:
         return None
+    key = Path(path).name
+    if key in planned_keys:
+        return Explanation(str(path), spec.name, planned_keys[key], ())
     candidates = ((c, _parse(c.specialization, c.kernel), tritoncompat.cache_invalidating_env_vars()) for c in planned)
     nearest, diffs = _nearest(spec, candidates, spec.context.get("env"))
-    return Explanation(str(path), spec.name, nearest, tuple(diffs) if nearest is not None else (),
-                       note="read from a key dir: constexpr values and arguments specialized to 1 / None are not "
-                            "recorded there, so they were not compared")
+    if nearest is not None and not diffs:
+        diffs = [_unrecorded(next((k for k, c in planned_keys.items() if c is nearest), "?"), key)]
+    return Explanation(str(path), spec.name, nearest, tuple(diffs) if nearest is not None else (), note=KEY_DIR_NOTE)
 
 
 _MISS_SIDES = ("cache", "planned")  # the planned compile is the request here; the cache entry is what it is held to
 
 
-def explain_miss(c: Compile, cache_dir: str | os.PathLike) -> Explanation:
-    """Why a planned compile would miss in ``cache_dir``: the cache's nearest entry of that kernel, and what differs
-    (this process's env vars against those the entry was compiled under, too). No entry of the kernel: nearest None."""
+def explain_miss(c: Compile, cache_dir: str | os.PathLike, key: str) -> Explanation:
+    """Why a planned compile (looked up under ``key``) would miss in ``cache_dir``: the cache's nearest entry of that
+    kernel and what differs (this process's env vars against those the entry was compiled under, too). No entry of
+    the kernel: nearest None."""
     spec = _parse(c.specialization, c.kernel)
     entries = ((CacheEntry(key, f"{s.function} in {key}", s.name), s, s.context.get("env"))
                for key, s in _cache_entries(os.path.realpath(cache_dir)))
@@ -234,9 +250,8 @@ def explain_miss(c: Compile, cache_dir: str | os.PathLike) -> Explanation:
     if nearest is None:
         return Explanation(c.specialization, spec.name, None, (), sides=_MISS_SIDES,
                            note=f"the cache holds no compile of {spec.function}: it was not built into this bundle")
-    return Explanation(c.specialization, spec.name, nearest, tuple(diffs), sides=_MISS_SIDES,
-                       note="" if diffs else "the same in every field a key dir records: a constexpr value, the "
-                                             "kernel's source or line, or the triton build differs")
+    return Explanation(c.specialization, spec.name, nearest, tuple(diffs or [_unrecorded(nearest.key, key)]),
+                       sides=_MISS_SIDES)
 
 
 @functools.lru_cache(maxsize=8)
@@ -257,3 +272,25 @@ def _cache_entries(cache_dir: str) -> tuple[tuple[str, Specialization], ...]:
     except OSError:
         return ()
     return _cache_entries_cached(cache_dir, stamp)
+
+
+# --- a record file or a cache dir, against a plan ----------------------------------------------------------------------
+
+
+def explain_path(path: str | os.PathLike, planned: list[Compile],
+                 planned_keys: Mapping[str, Compile]) -> list[tuple[str, Explanation]]:
+    """(label, explanation) for every runtime request in ``path``: a ``prewarm record`` / guard file (one request
+    per distinct line), a key dir, or a cache dir (each key dir in it that holds a kernel)."""
+    from .errors import ManifestError
+    from .plan import load_record
+
+    p = Path(path)
+    if p.is_dir():
+        dirs = [p] if tritoncompat.read_key_dir(p) is not None else sorted(d for d in p.iterdir() if d.is_dir())
+        out = [(f"{e.kernel.rsplit('.', 1)[-1]} in {d.name}", e) for d in dirs
+               if (e := explain_key_dir(d, planned, planned_keys)) is not None]
+        if not out:
+            raise ManifestError(f"{path}: no Triton kernel entry in it: expected a cache key dir (with the metadata "
+                                f"<kernel>.json Triton writes) or a cache dir holding such key dirs")
+        return out
+    return [(r.label, explain(r.specialization, planned, kernel=r.kernel)) for r in load_record(str(p))]

@@ -26,7 +26,7 @@ from triton.runtime.cache import FileCacheManager
 
 from . import tritoncompat
 from .explain import Explanation, explain_miss
-from .manifest import load
+from .manifest import Manifest, load
 from .plan import Compile, Request, decode, expand_all, plan, resolve
 from .targets import Target, get_target
 
@@ -157,16 +157,26 @@ def entry_state(cache_dir: str, key: str, filename: str) -> tuple[bool, str]:
     return True, "present"
 
 
+def lookup(kernel, specialization: str) -> Probe | None:
+    """Where Triton looks this request up (key dir and file), with ProbeCacheManager in scope; None: it did not
+    look (a compile or key error propagates: the runtime would fail the same way)."""
+    try:
+        tritoncompat.preload(kernel, specialization)
+    except Probe as p:
+        return p
+    return None
+
+
 def probe(c: Compile, cache_dir: str) -> RequestResult:
     """Hit or miss for one compile, under the active target and ``cache_dir`` (already in scope)."""
     try:
-        tritoncompat.preload(resolve(c.kernel), c.specialization)
-    except Probe as p:
-        hit, detail = entry_state(cache_dir, p.key, p.filename)
-        return RequestResult(c.label, c.kernel, p.key, hit, detail)
+        p = lookup(resolve(c.kernel), c.specialization)
     except Exception as e:  # the key itself could not be computed: the runtime would fail the same way
         return RequestResult(c.label, c.kernel, None, False, f"cannot compute the key: {type(e).__name__}: {e}")
-    return RequestResult(c.label, c.kernel, None, False, "Triton did not look this kernel up in the cache")
+    if p is None:
+        return RequestResult(c.label, c.kernel, None, False, "Triton did not look this kernel up in the cache")
+    hit, detail = entry_state(cache_dir, p.key, p.filename)
+    return RequestResult(c.label, c.kernel, p.key, hit, detail)
 
 
 def probe_all(compiles: list[Compile], cache_dir: str) -> list[RequestResult]:
@@ -175,7 +185,7 @@ def probe_all(compiles: list[Compile], cache_dir: str) -> list[RequestResult]:
         results = [probe(c, cache_dir) for c in compiles]
     for c, r in zip(compiles, results):
         if not r.hit and r.key is not None:
-            r.explanation = explain_miss(c, cache_dir)
+            r.explanation = explain_miss(c, cache_dir, r.key)
             r.detail = f"{r.detail}; {r.explanation.summary()}"
     return results
 
@@ -276,16 +286,97 @@ def probe_cuda_modules(compiles: list[Compile], results: list[RequestResult], ca
     return list(found.values())
 
 
-def check(manifest_path: str, cache_dir: str, mode: str = "auto") -> WillHitReport:
-    """For every compile the manifest plans, would this environment's runtime find it in ``cache_dir``?"""
+class _NpuModuleLookup(ProbeCacheManager):
+    """triton-ascend's runtime-module lookups, recorded in ``seen`` and stopped before anything is built: a present
+    header or npu_utils is answered with its path (npu_utils is then loaded, as the node does), an absent header
+    with the path it would have; a launcher lookup, or an absent npu_utils (needed to make a launcher), raises
+    Probe."""
+
+    seen: list[tuple[str, str, bool]] = []  # (key, file, present) of each lookup since the last clear
+
+    def get_file(self, filename):
+        path = os.path.join(self.cache_dir, filename)
+        present = os.path.isfile(path)
+        _NpuModuleLookup.seen.append((self.key, filename, present))
+        if filename in tritoncompat.NPU_HEADER_FILES or filename == tritoncompat.NPU_UTILS_FILE and present:
+            return path
+        raise Probe(self.key, self.cache_dir, filename)
+
+
+def probe_npu_modules(compiles: list[Compile], results: list[RequestResult], cache_dir: str) -> list[ModuleResult]:
+    """What triton-ascend builds with g++ at a node's first launch, for every kernel that hits: its launcher, the
+    precompiled header (a missing one is built even when every launcher is there) and npu_utils. Keys computed by
+    triton-ascend's own constructors; one result per key."""
+    with tritoncompat.cache_scope(os.path.abspath(cache_dir), _ReadOnlyCacheManager):
+        kernels = [tritoncompat.load_compiled(resolve(c.kernel), c.specialization)
+                   for c, r in zip(compiles, results) if r.hit]  # disk hits: loaded, nothing compiled
+    found: dict[str, ModuleResult] = {}
+
+    def lookups(run, kernels: int) -> None:
+        _NpuModuleLookup.seen.clear()
+        try:
+            run()
+        except Probe:
+            pass
+        by_key: dict[str, list[tuple[str, bool]]] = {}
+        for key, filename, present in _NpuModuleLookup.seen:
+            by_key.setdefault(key, []).append((filename, present))
+        for key, files in by_key.items():
+            name = ("npu_utils" if files[0][0] == tritoncompat.NPU_UTILS_FILE else
+                    "precompiled.h" if files[0][0] in tritoncompat.NPU_HEADER_FILES else "launcher")
+            m = found.setdefault(key, ModuleResult(name, key, any(present for _, present in files), 0))
+            m.kernels += kernels if name != "npu_utils" else 0
+
+    with tritoncompat.cache_scope(os.path.abspath(cache_dir), _NpuModuleLookup):
+        lookups(tritoncompat.npu_utils, 0)
+        for kernel in kernels:
+            lookups(lambda: tritoncompat.npu_launcher(kernel), 1)
+    return list(found.values())
+
+
+@dataclass
+class Planned:
+    """A manifest's requests expanded into Triton's compiles under its target (activated in this process)."""
+
+    manifest: Manifest
+    target: Target
+    requests: list[Request]
+    compiles: list[Compile]
+
+
+def expand_plan(manifest_path: str, mode: str = "auto") -> Planned:
     manifest = load(manifest_path)
     target: Target = get_target(manifest.backend, manifest.arch, mode)
     target.activate()
     requests = plan(manifest).requests
-    report = WillHitReport(manifest.name, os.path.abspath(cache_dir), target.describe())
-    compiles = expand_all(requests)
+    return Planned(manifest, target, requests, expand_all(requests))
+
+
+def planned_keys(compiles: list[Compile]) -> dict[str, Compile]:
+    """The cache key dir each compile is looked up under (Triton computes it; nothing is looked at on disk)."""
+    keys = {}
+    with tritoncompat.cache_scope(os.path.abspath(tritoncompat.cache_dir()), ProbeCacheManager):
+        for c in compiles:
+            p = lookup(resolve(c.kernel), c.specialization)
+            if p is not None:
+                keys.setdefault(p.key, c)
+    return keys
+
+
+def check(manifest_path: str, cache_dir: str, mode: str = "auto") -> WillHitReport:
+    """For every compile the manifest plans, would this environment's runtime find it in ``cache_dir``?"""
+    with tritoncompat.ascend_prints_to_stderr():
+        return _check(manifest_path, cache_dir, mode)
+
+
+def _check(manifest_path: str, cache_dir: str, mode: str) -> WillHitReport:
+    planned = expand_plan(manifest_path, mode)
+    manifest, requests, compiles = planned.manifest, planned.requests, planned.compiles
+    report = WillHitReport(manifest.name, os.path.abspath(cache_dir), planned.target.describe())
     report.results = probe_all(compiles, cache_dir)
     report.autotune = probe_autotune_all(requests, cache_dir)
     if manifest.backend == "cuda" and tritoncompat.has_cuda_launchers():
         report.modules = probe_cuda_modules(compiles, report.results, cache_dir)
+    elif manifest.backend == "npu":
+        report.modules = probe_npu_modules(compiles, report.results, cache_dir)
     return report
