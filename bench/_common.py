@@ -339,7 +339,10 @@ def run_calls(traffic, n: int, probes: Probes | None, sync) -> list[str]:
     for call in itertools.islice(traffic, n):
         if probes is not None:
             probes.during = call.label
-        call.run()
+        try:
+            call.run()
+        except Exception as e:
+            raise RuntimeError(f"the call {call.label!r} raised {type(e).__name__}: {e}") from e
         labels.append(call.label)
     sync()
     if len(labels) < n:
