@@ -196,6 +196,7 @@ class OciStore(Store):
         self._manifest: dict | None = None  # the manifest this store reads from, fetched once
         self.manifest_digest: str | None = None  # of that manifest, or of the one this store pushed
         self._signature: dict | None = None  # descriptor of a signature written before the index
+        self._absent: set[str] = set()  # digests missing() just found absent: their upload skips a second HEAD
         self.notes: list[str] = []  # what a user should know (a pinned tag that moved)
 
     # --- requests ------------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ class OciStore(Store):
     def _put_blob(self, data: bytes, media_type: str, title: str) -> dict:
         """Upload a blob the repository lacks (HEAD first); its descriptor for the manifest."""
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        if not self.has_blob(digest):
+        if digest in self._absent or not self.has_blob(digest):
             start = self._request("POST", self._url(self.container.upload_blob_url()), f"start upload of {title}",
                                   headers={"Content-Type": "application/octet-stream", "Content-Length": "0"})
             location = self.registry._get_location(start, self.container)
@@ -370,8 +371,10 @@ class OciStore(Store):
         """The objects this repository lacks: one HEAD per blob (a registry lists no blobs)."""
         names = sorted(names)
         with cf.ThreadPoolExecutor(workers) as pool:
-            have = pool.map(lambda n: self.has_blob("sha256:" + n.split(".", 1)[0]), names)
-            return {n for n, h in zip(names, have) if not h}
+            have = list(pool.map(lambda n: self.has_blob("sha256:" + n.split(".", 1)[0]), names))
+        lacking = {n for n, h in zip(names, have) if not h}
+        self._absent = {"sha256:" + n.split(".", 1)[0] for n in lacking}
+        return lacking
 
     def list_objects(self) -> set[str]:
         """The objects the current manifest names (a registry cannot list blobs); empty before the first push."""
