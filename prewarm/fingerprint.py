@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -187,7 +186,10 @@ ASCEND_CODEGEN_ENV = (
     "TRITON_ALL_BLOCKS_PARALLEL",
     "TRITON_ENABLE_LIBDEVICE_SIMT",
     "ENABLE_PRINT_UB_BITS",
+    "TRITON_F32_DEFAULT",  # tl.dot's default fp32 precision: "hf32" turns an ieee dot into hf32, same key
 )
+# Read only by later triton-ascend releases: "n/a (<version>)" where the installed one does not read it.
+ASCEND_LATER_ENV = ("TRITON_ENABLE_UBTUNER",)  # UB tuner: rescues configs that would not fit, changing which win
 ASCEND_DEFAULT_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
 ASCEND_ENV_WHY = "an Ascend codegen env var that Triton's key misses: the cached binary may differ from this node's"
 
@@ -201,6 +203,9 @@ WHY.update({
                              "(TRITON_NPU_COMPILER_PATH) is driven differently",
     "ascend.soc": "bishengir-compile targets the device's SoC whatever the key's arch says",
     "ascend.torch_npu.version": "launcher .so files link torch_npu, and their cache key does not include it",
+    "ascend.compile_on_910_95": "triton-ascend 3.5+ picks the 910_95 pipeline and options from the node's devices",
+    "ascend.install_path": "triton-ascend 3.5+ puts its install path (libdevice) in the options: another path, "
+                           "another key",
     "npu.precompiled_header": "the node will not find the bundle's precompiled launcher header: its first launch "
                               "runs g++ with CANN headers (same C++ compiler path, Python build, torch / torch_npu "
                               "and ASCEND_HOME_PATH basename avoid it)",
@@ -234,12 +239,9 @@ def _cann_version(home: Path | None) -> str:
 
 
 def bishengir_path() -> str | None:
-    """The compiler triton-ascend 3.2 runs (utils._get_npucompiler_path): PATH first, then
+    """The compiler triton-ascend runs (utils._get_npucompiler_path; on 3.5+ the wheel's own first): PATH, then
     $TRITON_NPU_COMPILER_PATH/npuc. None where that file does not exist."""
-    found = shutil.which("bishengir-compile")
-    if found is None:
-        found = os.path.join(os.environ.get("TRITON_NPU_COMPILER_PATH", ""), "npuc")
-    return found if os.path.isfile(found) else None
+    return tritoncompat.ascend_compiler_path()
 
 
 def _bishengir_factors() -> dict[str, str]:
@@ -311,6 +313,18 @@ def ascend_factors() -> dict[str, str]:
     }
     for name in ASCEND_CODEGEN_ENV:
         factors[f"ascend.env.{name}"] = os.environ.get(name, UNSET)
+    factors.update(_ascend_release_factors())
+    return factors
+
+
+def _ascend_release_factors() -> dict[str, str]:
+    """What only some triton-ascend releases read: "n/a (<version>)" where the installed one does not."""
+    na = f"n/a ({tritoncompat.triton_distribution()[1]})"
+    factors = {f"ascend.env.{name}": os.environ.get(name, UNSET) if tritoncompat.ascend_reads_env(name) else na
+               for name in ASCEND_LATER_ENV}
+    flag = tritoncompat.ascend_compile_on_910_95()
+    factors["ascend.compile_on_910_95"] = na if flag is None else str(flag)
+    factors["ascend.install_path"] = tritoncompat.ascend_install_path_in_key() or na
     return factors
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from . import fingerprint, tritoncompat
-from .errors import BuildError, EnvironmentProblem
+from .errors import BuildError, EnvironmentProblem, FingerprintMismatch
 from .targets import OfflineDriver, Target, register
 
 # Files triton-ascend writes into TRITON_CACHE_DIR besides the kernels, at the first launch of each signature.
@@ -184,3 +184,67 @@ class NpuTarget(Target):
 
 
 register("npu", "device", NpuTarget)
+
+
+# --- the serving process's codegen env ----------------------------------------------------------------------------
+# These change the code triton-ascend generates (or the launcher it builds on the node) but not the cache key, and
+# they are read in the serving process, where deployments export them or libraries set them at import: install and
+# verify comparing their own env is not enough. Example: TRITON_ALL_BLOCKS_PARALLEL=1 makes the node's launcher
+# clamp the block count to the physical core count (driver.py, generate_npu_wrapper_src), so a kernel compiled
+# without auto-blockify silently skips the programs past it.
+SERVING_ENV = (
+    "TRITON_ALL_BLOCKS_PARALLEL",
+    "TRITON_ENABLE_SANITIZER",
+    "TRITON_DISABLE_FFTS",
+    "ENABLE_PRINT_UB_BITS",
+    "TRITON_ENABLE_LIBDEVICE_SIMT",
+    "TRITON_F32_DEFAULT",
+)
+
+
+def serving_env_mismatches(cache_dir: str | os.PathLike | None = None,
+                           environ: dict | None = None) -> list[fingerprint.Mismatch]:
+    """This process's Ascend codegen env (``SERVING_ENV``) against the values each Ascend bundle installed in
+    ``cache_dir`` (default: this process's TRITON_CACHE_DIR) was built with, read from the install receipts.
+
+    prewarm.guard calls this when it arms in a serving process (PREWARM_GUARD=warn|error): each mismatch names the
+    variable, the bundle's value and this process's. A bundle that did not record a variable (built before it was a
+    factor) is a mismatch only where this process sets it."""
+    from .install import read_receipts
+
+    environ = os.environ if environ is None else environ
+    cache_dir = Path(cache_dir or tritoncompat.cache_dir())
+    out: list[fingerprint.Mismatch] = []
+    seen: list[dict] = []
+    for receipt in read_receipts(cache_dir):
+        built = receipt.index.fingerprint
+        if built.get("target.backend") != "npu" or built in seen:
+            continue
+        seen.append(built)
+        for name in SERVING_ENV:
+            factor = f"ascend.env.{name}"
+            ours = environ.get(name, fingerprint.UNSET)
+            theirs = built.get(factor)
+            if theirs is None and ours == fingerprint.UNSET or theirs == ours:
+                continue
+            out.append(fingerprint.Mismatch(
+                factor, theirs or "(not recorded)", ours, True,
+                f"this serving process's {name} differs from the bundle's build: the cached binaries (or the "
+                f"launchers this process builds) do not match what it would compile; set it as the build did or "
+                f"rebuild under this value"))
+    return out
+
+
+def check_serving_env(mode: str, cache_dir: str | os.PathLike | None = None) -> list[fingerprint.Mismatch]:
+    """:func:`serving_env_mismatches`, acted on as PREWARM_GUARD says: "error" raises FingerprintMismatch (the
+    process refuses to serve), "warn" writes one line per mismatch to stderr. prewarm.guard calls it when it arms."""
+    import sys
+
+    found = serving_env_mismatches(cache_dir)
+    if found and mode == "error":
+        raise FingerprintMismatch(
+            "this serving process's Ascend codegen env differs from the installed bundle's build (the cache key "
+            "does not cover it): " + "; ".join(map(str, found)))
+    for m in found:
+        print(f"prewarm guard: warning: {m}", file=sys.stderr)
+    return found

@@ -191,7 +191,8 @@ def load_compiled(fn, specialization_data: str):
     from triton.runtime.driver import driver
 
     jit = jit_function(fn)
-    cache = jit.device_caches[driver.active.get_current_device()][0]
+    device = driver.active.get_current_device()
+    cache = jit.device_caches[device][0] if hasattr(jit, "device_caches") else jit.cache[device]  # 3.2: .cache
     before = set(cache)
     try:
         return jit.preload(specialization_data)
@@ -503,3 +504,127 @@ def read_key_dir(path: str | os.PathLike) -> Specialization | None:
         context = {"triton_version": meta.get("triton_version"), "env": {k: v for k, v in meta.items() if k.isupper()}}
         return Specialization(meta["name"], args, options, complete=False, context=context)
     return None
+
+
+# --- triton-ascend versions ---------------------------------------------------------------------------------------
+# Two layouts: "3.2" (triton-ascend 3.2.x, on the registry today: a triton 3.2 core) and "3.5" (its main branch,
+# 3.5/3.6: a triton 3.5 core, which fla-core's NPU extra already pins). What differs, read from both sources:
+# the specialization data (3.2: "constants" by name and "attrs"/"arg_properties" by index; 3.5: upstream's
+# constant_keys/attrs_keys by argument path), the cache key's home and key-dir encoding (3.2: compiler.py,
+# urlsafe base64; 3.5: runtime/cache.py get_cache_key, base32), the compiler lookup (3.5 tries the
+# bishengir-compile bundled in the wheel first) and what NPUOptions holds (3.5: bisheng_options names libdevice by
+# its absolute install path, so the key depends on where triton is installed; compile_on_910_95 read from the
+# node's PCI ids / npu-smi, where 3.2.0 hard-codes False).
+
+ASCEND_LAYOUTS = ("3.2", "3.5")
+ASCEND_BUNDLED_COMPILER = ("bishengir", "bin", "bishengir-compile")  # under triton/backends/ascend on 3.5+
+
+
+def ascend_layout(version: str | None = None) -> str:
+    """"3.2" or "3.5" for a triton-ascend ``version`` (default: the installed one)."""
+    version = version or triton_distribution()[1]
+    major, minor = (int(x) for x in re.findall(r"\d+", version)[:2])
+    return "3.5" if (major, minor) >= (3, 5) else "3.2"
+
+
+def ascend_backend_dir() -> Path | None:
+    """triton/backends/ascend of the installed triton-ascend (None: not installed), found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "backends" / "ascend"
+    return path if path.is_dir() else None
+
+
+def ascend_compiler_path(layout: str | None = None, backend_dir: Path | None = None) -> str | None:
+    """bishengir-compile as triton-ascend's ``utils._get_npucompiler_path`` resolves it: on 3.5+ the one bundled in
+    the wheel first; then PATH; then $TRITON_NPU_COMPILER_PATH/npuc. None where that file does not exist."""
+    import shutil
+
+    layout = layout or (ascend_layout() if triton_distribution()[0] == "triton-ascend" else "3.2")
+    backend_dir = backend_dir or ascend_backend_dir()
+    if layout == "3.5" and backend_dir is not None and backend_dir.joinpath(*ASCEND_BUNDLED_COMPILER).is_file():
+        return str(backend_dir.joinpath(*ASCEND_BUNDLED_COMPILER))
+    found = shutil.which("bishengir-compile")
+    if found is None:
+        found = os.path.join(os.environ.get("TRITON_NPU_COMPILER_PATH", ""), "npuc")
+    return found if os.path.isfile(found) else None
+
+
+@functools.lru_cache()
+def _ascend_sources(backend_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(backend_dir.rglob("*.py")))
+
+
+def ascend_reads_env(name: str, backend_dir: Path | None = None) -> bool:
+    """Does the installed triton-ascend backend read env var ``name`` at all (TRITON_ENABLE_UBTUNER: not 3.2.0)?"""
+    backend_dir = backend_dir or ascend_backend_dir()
+    return backend_dir is not None and f'"{name}"' in _ascend_sources(backend_dir)
+
+
+def ascend_compile_on_910_95() -> bool | None:
+    """The 910_95 flag NPUOptions carries (in the key, and switching the pipeline): triton-ascend 3.5+ reads it from
+    the node (PCI device 0xd806 or npu-smi); None where the installed release has no detection (3.2.0: False)."""
+    import importlib.util
+
+    if triton_distribution()[0] != "triton-ascend" or importlib.util.find_spec("triton.tools.get_ascend_devices") is None:
+        return None
+    from triton.tools.get_ascend_devices import is_compile_on_910_95
+
+    return bool(is_compile_on_910_95)
+
+
+def ascend_install_path_in_key(option_defaults: dict | None = None) -> str | None:
+    """The install dir NPUOptions' defaults embed (3.5+: bisheng_options = "... <backend>/lib/libdevice.10.bc"), so
+    two installs at different paths have different keys; None where the options hold no path (3.2.0)."""
+    if option_defaults is None:
+        if triton_distribution()[0] != "triton-ascend":
+            return None
+        from triton.backends.ascend.compiler import NPUOptions
+
+        option_defaults = NPUOptions().__dict__
+    paths = [w for w in str(option_defaults.get("bisheng_options") or "").split() if os.path.isabs(w)]
+    return paths[0] if paths else None
+
+
+# --- triton-ascend's runtime modules (built at first launch on the node) -----------------------------------------
+# npu_utils.so (key: md5 of npu_utils.cpp), precompiled.h(.gch) (key: _precompile_npu_hash of the header text, the
+# C++ compiler path, sys.version, torch / torch_npu versions, ASCEND_HOME_PATH's last component) and one launcher per
+# kernel signature (key: sha256 of the generated wrapper source: signature, AI-core count, TRITON_DEVICE_PRINT /
+# TRITON_ENABLE_TASKQUEUE / TRITON_GRID_WARN_PRINT / TRITON_ALL_BLOCKS_PARALLEL). Both constructors below are
+# triton-ascend's own; the active cache manager sees every lookup they make.
+NPU_LAUNCHER_PREFIX = "launcher_cxx11abi"
+NPU_HEADER_FILES = ("precompiled.h", "precompiled.h.gch")
+
+
+NPU_UTILS_FILE = "npu_utils.so"
+
+
+@contextlib.contextmanager
+def ascend_prints_to_stderr():
+    """triton-ascend prints advice to stdout whenever it binds a call ("[WARNING] Please DO NOT tune args..."):
+    within the block it goes to stderr, so a command's stdout stays one JSON document."""
+    if triton_distribution()[0] != "triton-ascend":
+        yield
+        return
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def npu_launcher(kernel) -> None:
+    """Construct the launcher of a loaded kernel (``preload``'s result) as the NPU driver does at its first launch
+    (its class, whatever driver is active here: plan processes run a target-only one)."""
+    from triton.backends.ascend.driver import NPULauncher
+
+    NPULauncher(kernel.src, kernel.metadata)
+
+
+def npu_utils() -> None:
+    """Construct NPUUtils as the NPU driver does when a process starts it (not the driver's singleton instance)."""
+    from triton.backends.ascend.driver import NPUUtils
+
+    NPUUtils.__init__(object.__new__(NPUUtils))

@@ -25,3 +25,11 @@ def cumsum_kernel(g, G, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
 def undefined_name_kernel(x, BS: tl.constexpr):
     offs = tl.arange(0, BS)
     tl.store(x + offs, tl.load(x + offs) * not_defined_anywhere)  # noqa: F821  (the AST stage refuses it)
+
+
+@triton.jit
+def dot_kernel(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    om, on, ok = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    x = tl.load(a + om[:, None] * K + ok[None, :])
+    y = tl.load(b + ok[:, None] * N + on[None, :])
+    tl.store(c + om[:, None] * N + on[None, :], tl.dot(x, y))

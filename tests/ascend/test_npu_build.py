@@ -4,8 +4,10 @@ spawned workers, triton-ascend's NPUDriver / NPULauncher, every compile stage (n
 bishengir-compile) and the cache dir."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import standin
 from conftest import ARCH, REPO, TOY_COMPILES, run_prewarm
 
 from prewarm import fingerprint
-from prewarm.errors import EnvironmentProblem, FingerprintMismatch
+from prewarm.errors import EnvironmentProblem, FingerprintMismatch, WillMissError
 
 BOUNDARY = REPO / "tests" / "fixtures" / "cann"
 
@@ -86,3 +88,44 @@ def test_device_build_refuses_a_node_that_cannot_build_it(toy_manifest, tmp_path
     p = build(toy_manifest, tmp_path / "cache", {**node, **change})
     assert p.returncode == EnvironmentProblem.exit_code, p.stderr[-3000:]
     assert message in " ".join(p.stderr.split())
+
+
+def verify(manifest: Path, cache: Path, env: dict, *flags: str):
+    return run_prewarm("verify", "--json", "--cache-dir", cache, "--plan", manifest, *flags, env=env)
+
+
+def test_verify_finds_launchers_header_and_npu_utils_under_triton_ascends_own_keys(toy_manifest, tmp_path, node):
+    """A node's first launch builds, with g++, what it does not find under the keys triton-ascend computes: verify
+    computes them through triton-ascend's own constructors and looks each up in the cache."""
+    cache = tmp_path / "cache"
+    assert build(toy_manifest, cache, node).returncode == 0
+    p = verify(toy_manifest, cache, node, "--require-launchers")
+    assert p.returncode == 0, p.stderr[-3000:]
+    modules = json.loads(p.stdout)["will_hit"]["modules"]
+    by_name = {name: [m for m in modules if m["name"] == name] for name in ("launcher", "precompiled.h", "npu_utils")}
+    assert all(m["present"] for m in modules) and len(modules) == sum(map(len, by_name.values()))
+    # the keys are the dirs the build's real launches wrote into
+    assert {m["key"] for m in by_name["launcher"]} == {d.parent.name for d in cache.glob("*/launcher_cxx11abi*.so")}
+    assert sum(m["kernels"] for m in by_name["launcher"]) == TOY_COMPILES
+    (header,) = by_name["precompiled.h"]
+    assert (cache / header["key"] / "precompiled.h").is_file() and header["kernels"] == TOY_COMPILES
+    (utils,) = by_name["npu_utils"]
+    import triton.backends.ascend as backend
+    from triton.runtime.cache import _base64  # get_cache_manager's key dir
+
+    src = (Path(backend.__file__).parent / "npu_utils.cpp").read_text()
+    assert utils["key"] == _base64(hashlib.md5(src.encode()).hexdigest())
+    assert (cache / utils["key"] / "npu_utils.so").is_file()
+
+    # a launcher gone, then the node's env differs in a variable only the launcher source embeds (not a toolchain
+    # factor: a first-launch g++ build, not wrong code): reported absent, blocking only with --require-launchers
+    shutil.rmtree(next(cache.glob("*/launcher_cxx11abi*.so")).parent)
+    p = verify(toy_manifest, cache, node)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sum(not m["present"] for m in json.loads(p.stdout)["will_hit"]["modules"]) == 1
+    p = verify(toy_manifest, cache, {**node, "TRITON_GRID_WARN_PRINT": "1"}, "--require-launchers")
+    assert p.returncode == WillMissError.exit_code, p.stderr[-3000:]
+    doc = json.loads(p.stdout)["will_hit"]
+    assert doc["hits"] == TOY_COMPILES  # the kernels themselves still hit: the key does not see the variable
+    assert {m["name"] for m in doc["modules"] if not m["present"]} == {"launcher"}
+    assert not {m["key"] for m in doc["modules"] if m["name"] == "launcher"} & {m["key"] for m in by_name["launcher"]}
