@@ -80,23 +80,27 @@ def test_serving_launches_follow_selection(pk, backend):
 
 
 def test_serving_run_makes_the_captured_calls(pk, monkeypatch):
-    """run() on real tensors issues exactly the launches that launches() captured on meta tensors."""
+    """run() on real tensors issues exactly the launches that launches() captured on meta tensors, for every
+    declared dtype pair: what a device build runs to autotune covers every planned autotune key (Triton's key
+    includes the argument dtypes)."""
     spec = {**SPEC, "heads": 1, "head_k_dim": 16, "head_v_dim": 16, "dtype": "float32", "gate_lower_bound": None,
+            "dtypes": {"activation": ["float32"], "gate": ["float32", "float16"]},
             "decode_batch_buckets": [2], "draft_widths": [1, 2], "backend": "npu"}
     planned = pk.serving.launches(spec)
     ran = []
     real_launch = pk.backend.launch
 
     def spy(kernel, grid, *args, **kwargs):
-        ran.append((kernel, tuple(grid), tuple(a if isinstance(a, (int, float)) or a is None else type(a) for a in args),
+        ran.append((kernel, tuple(grid), tuple(a if isinstance(a, (int, float)) or a is None else a.dtype for a in args),
                     kwargs))
         return real_launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(pk.backend, "launch", spy)
     pk.serving.run(spec, device="cpu")
     assert [(r.kernel, r.grid, r.kwargs) for r in planned] == [(k, g, kw) for k, g, _, kw in ran]
+    assert {r.args[0].dtype for r in planned if r.label.endswith("/cumsum")} == {torch.float32, torch.float16}
     for rec, (_, _, args, _) in zip(planned, ran):
-        assert [a if isinstance(a, (int, float)) or a is None else type(a) for a in rec.args] == list(args)
+        assert [a if isinstance(a, (int, float)) or a is None else a.dtype for a in rec.args] == list(args)
 
 
 def test_serving_spec_errors(pk):
