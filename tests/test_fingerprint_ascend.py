@@ -275,3 +275,46 @@ def test_serving_check_covers_f32_default_and_reads_every_installed_bundle(toolc
     assert npu.serving_env_mismatches(node_cache, {}) == []
     assert [m.built for m in npu.serving_env_mismatches(node_cache, {"TRITON_F32_DEFAULT": "hf32"})] == [
         "unset", "(not recorded)"]
+
+
+# --- what only some triton-ascend releases read -------------------------------------------------------------------
+
+
+def test_release_factors_read_na_where_the_installed_triton_does_not_have_them(toolchain, monkeypatch):
+    na = f"n/a ({tritoncompat.triton_distribution()[1]})"  # this env: upstream triton, no Ascend backend at all
+    fp = npu_fp()
+    assert [fp[f] for f in ("ascend.env.TRITON_ENABLE_UBTUNER", "ascend.compile_on_910_95", "ascend.install_path")] == [
+        na] * 3
+    monkeypatch.setenv("TRITON_ENABLE_UBTUNER", "compile")
+    assert npu_fp()["ascend.env.TRITON_ENABLE_UBTUNER"] == na  # not read here: no difference to refuse on
+
+
+def fake_backend(root: Path) -> Path:
+    """triton/backends/ascend of a triton-ascend 3.5+ wheel, as far as the seams read it (main branch layout)."""
+    backend = root / "triton" / "backends" / "ascend"
+    (backend / "runtime").mkdir(parents=True)
+    (backend / "runtime" / "autotuner.py").write_text(  # main: runtime/autotuner.py reads it in Autotuner.__init__
+        'self.enable_ubtuner = os.getenv("TRITON_ENABLE_UBTUNER", "").lower() in ("compile", "run")\n')
+    return backend
+
+
+def test_triton_ascend_35_reads_ubtuner_and_keys_on_its_install_path(tmp_path):
+    backend = fake_backend(tmp_path)
+    assert tritoncompat.ascend_reads_env("TRITON_ENABLE_UBTUNER", backend)
+    assert not tritoncompat.ascend_reads_env("TRITON_ALL_BLOCKS_PARALLEL", backend)
+    # main's NPUOptions: bisheng_options = "-cce-link-aicore-ll-module " + get_libdevice() (an absolute path)
+    libdevice = f"{backend}/lib/libdevice.10.bc"
+    assert tritoncompat.ascend_install_path_in_key({"bisheng_options": f"-cce-link-aicore-ll-module {libdevice}",
+                                                    "num_warps": 32}) == libdevice
+    assert tritoncompat.ascend_install_path_in_key({"num_warps": 4, "multibuffer": True}) is None  # 3.2.0's options
+    assert [tritoncompat.ascend_layout(v) for v in ("3.2.0", "3.2.2", "3.5.0", "3.6.0rc1")] == ["3.2", "3.2", "3.5",
+                                                                                                "3.5"]
+
+
+def test_triton_ascend_35_runs_the_bishengir_bundled_in_the_wheel_first(toolchain, tmp_path):
+    backend = fake_backend(tmp_path / "site")
+    on_path = str(toolchain / "bin" / "bishengir-compile")
+    assert tritoncompat.ascend_compiler_path("3.5", backend) == on_path  # nothing bundled: PATH, as 3.2
+    bundled = standin.make_bishengir(backend.joinpath(*tritoncompat.ASCEND_BUNDLED_COMPILER[:-1]), version="8.5.0")
+    assert tritoncompat.ascend_compiler_path("3.5", backend) == str(bundled)
+    assert tritoncompat.ascend_compiler_path("3.2", backend) == on_path  # 3.2.0 never looks there

@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import ARCH, REPO, TOY_COMPILES, run_prewarm, write_manifest
 
-from prewarm import lower, manifest, plan, tritoncompat
+from prewarm import fingerprint, lower, manifest, plan, tritoncompat
 from prewarm.errors import BuildError, EnvironmentProblem
 
 
@@ -97,3 +97,44 @@ def test_kimi_k3_ascend_manifest_lowers_every_request():
     p = run_prewarm("plan", "--json", m)
     assert p.returncode == 0, p.stderr[-3000:]
     assert len(json.loads(p.stdout)["requests"]) == doc["requests"]
+
+
+DOT_KERNEL = """
+    [[kernels]]
+    function = "ascend_toy_kernels:dot_kernel"
+    args = { a = {tensor = "float32"}, b = {tensor = "float32"}, c = {tensor = "float32"}, M = 32, N = 64, K = 128 }
+"""
+
+
+def test_f32_default_changes_the_code_but_not_the_key_so_it_is_a_factor(tmp_path, monkeypatch):
+    """TRITON_F32_DEFAULT=hf32 turns an fp32 tl.dot from ieee into hf32; triton-ascend 3.2.0's key stays the same,
+    so a bundle built without it would be reused silently: the fingerprint carries it (install and the serving
+    check compare it)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, compile
+    from triton.compiler.errors import MLIRCompilationError
+    from triton.backends.ascend.compiler import AscendAttrsDescriptor
+
+    m = manifest.load(write_manifest(tmp_path / "dot.toml", DOT_KERNEL))
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+
+    def front_end(cache: str) -> tuple[str, str, dict]:
+        """(key, the linalg compile() wrote before the CANN stage, the Ascend factors)"""
+        (c,) = lower.lower(m).compiles
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / cache))
+        (planned,) = plan.expand(plan.plan(m).requests[0])
+        data = json.loads(planned.specialization)
+        src = ASTSource(tritoncompat.jit_function(plan.resolve(planned.kernel)), data["signature"], data["constants"],
+                        AscendAttrsDescriptor.from_dict(data["attrs"]))
+        with pytest.raises(MLIRCompilationError):
+            compile(src, target=GPUTarget("npu", ARCH, 0), options={k: tuple(v) if isinstance(v, list) else v
+                                                                    for k, v in data["options"].items()})
+        (linalg,) = (tmp_path / cache / c.cache_key).glob("*.ttadapter")
+        return c.cache_key, linalg.read_text(), fingerprint.ascend_factors()
+
+    key, ieee, before = front_end("ieee")
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "hf32")
+    hf32_key, hf32, after = front_end("hf32")
+    assert hf32_key == key  # Triton's key does not see it ...
+    assert 'input_precison = "ieee"' in ieee and 'input_precison = "hf32"' in hf32  # ... the code does
+    assert {k for k in before if before[k] != after[k]} == {"ascend.env.TRITON_F32_DEFAULT"}
