@@ -20,9 +20,11 @@ Reading pins everything to one manifest, fetched once: its digest is checked whe
 against the config digest, each object by install against its name. oras (oras-py) is the client: its Registry's
 auth (docker config, credential helpers, bearer tokens), container URLs and upload-location handling. It lacks a
 blob upload from memory (``upload_blob`` takes a file path), raw manifest bytes (``get_manifest`` returns parsed
-JSON, so a pinned digest could not be checked), request timeouts and a bounded retry (its ``do_request`` sleeps 3,
-5, 11, 29 and 83 s between attempts): those few requests go through its ``do_request`` without that retry loop,
-and ``store.retry`` owns retries as for every other store.
+JSON, so a pinned digest could not be checked), HTTP Basic challenges (``_Auth``), request timeouts and a bounded
+retry (its ``do_request`` sleeps 3, 5, 11, 29 and 83 s between attempts): those few requests go through its
+``do_request`` without that retry loop, and ``store.retry`` owns retries as for every other store. Cross-repository
+blob mounts are not used: a push to a second repository of the same registry uploads its objects once more (the
+registry still stores them once).
 
 Options (``storage_options`` or ``FSSPEC_OCI='{"insecure": true}'``, the same channel as the other stores):
 ``insecure`` (plain HTTP, loopback registries only; TLS is verified otherwise, with ``REQUESTS_CA_BUNDLE`` for a
