@@ -211,6 +211,19 @@ def test_registry_stopped_mid_push_fails_that_target_only(toy_cache_master, regi
     assert (tmp_path / "good2" / INDEX).exists()
 
 
+def test_a_failing_registry_is_retried_then_exit_10_in_its_own_words(toy_cache_master, registry_factory, tmp_path):
+    server = registry_factory()
+    blobs = server.root / "docker/registry/v2/blobs"  # a file where the blob store's dir goes: every upload fails
+    blobs.parent.mkdir(parents=True)
+    blobs.write_text("not a directory")
+    pack(toy_cache_master, tmp_path / "bundle")
+    p = run_cli("push", tmp_path / "bundle", server.url("broken/kimi:v1"), "--insecure", "--retries", "1", "--json",
+                check=StoreError.exit_code)
+    [target] = json.loads(p.stdout)["targets"]
+    assert target["retries"] >= 1 and "HTTP 500: UNKNOWN: unknown error" in target["error"]
+    assert "failed after 2 attempts" in target["error"]
+
+
 def _install_in_child(url: str, cache: str, q) -> None:
     r = install(url, cache, storage_options=INSECURE)
     q.put((r.installed, r.noop))
