@@ -35,20 +35,20 @@ def keygen(name: str | os.PathLike, *, force: bool = False) -> tuple[Path, Path,
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    written: list[Path] = []
     try:
         priv_path.parent.mkdir(parents=True, exist_ok=True)
         for path, data, mode in ((priv_path, pem, 0o600), (pub_path, pub, 0o644)):
             tmp = path.with_name(f".{path.name}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
-    except OSError as e:  # a full or read-only disk: no half key pair is left behind
-        if not force:
-            priv_path.unlink(missing_ok=True)
+            written.append(tmp)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            written[-1] = path
+    except OSError as e:  # a full or read-only disk: no temp file and no half key pair is left behind
+        for path in written:
+            path.unlink(missing_ok=True)
         raise EnvironmentProblem(f"{e.filename or priv_path}: {e.strerror} (writing the key pair)") from None
     return priv_path, pub_path, key_id(key.public_key())
 

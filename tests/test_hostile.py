@@ -5,7 +5,10 @@ import hashlib
 import io
 import os
 import random
+import re
+import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -13,12 +16,13 @@ import pytest
 import zstandard
 
 from prewarm import fingerprint
-from prewarm.bundle import INDEX, META_DIR, OBJECTS, SIGNATURE, Entry, FileRecord, Index, pack, parse_index
+from prewarm.bundle import (INDEX, META_DIR, OBJECTS, SIGNATURE, Entry, FileRecord, Index, _with_checksum, pack,
+                            parse_index)
 from prewarm.errors import IntegrityError, SignatureError, UnsafeBundleError
 from prewarm.install import install
 from prewarm.verify import verify
 
-from prewarm_helpers import synthetic_cache
+from prewarm_helpers import run_cli, synthetic_cache
 
 KEY = "A" * 52
 
@@ -193,3 +197,123 @@ def test_nothing_from_the_bundle_is_executed(tmp_path, node):
     assert r.installed == 1 and verify(node).ok
     assert os.stat(node / KEY / "__triton_launcher.so").st_mode & 0o777 == 0o755
     assert not marker.exists()
+
+
+# --- issue 13: per-file hashes, bounded reads, and no traceback for any input ------------------------------------
+
+
+def test_a_file_whose_bytes_disagree_with_the_index_hash_is_refused_while_unpacking(tmp_path, node):
+    """A well-formed object (its own sha256 right) whose member is not the file the index lists."""
+    forge(tmp_path / "b", [member("k.cubin", b"\x7fELF evil")],
+          files=[FileRecord("k.cubin", hashlib.sha256(b"\x7fELF good").hexdigest(), 9)])
+    refused(tmp_path / "b", node, IntegrityError, r"k\.cubin has sha256 .*, the index lists")
+
+
+def _listing(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")}
+
+
+def hostile_cli(tmp_path: Path, node: Path, args: list, code: int, message: str, env: dict | None = None) -> None:
+    """The real CLI: the documented exit code and message, no traceback, the node's cache intact, nothing written
+    outside it (prewarm's own .prewarm dir inside it may gain its lock)."""
+    before, outside = snapshot(node), _listing(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "prewarm.cli", *map(str, args)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert (p.returncode, "Traceback" in p.stderr) == (code, False), p.stderr
+    assert re.search(message, " ".join(p.stderr.split())), p.stderr
+    assert snapshot(node) == before and not (node / KEY).exists()
+    assert {x for x in _listing(tmp_path) - outside if not x.startswith(f"{node.name}/{META_DIR}")} == set()
+
+
+def _forged_index(bundle: Path, doc: dict) -> Path:
+    (bundle / OBJECTS).mkdir(parents=True, exist_ok=True)
+    (bundle / INDEX).write_bytes(_with_checksum(doc))
+    return bundle
+
+
+def _fp_doc() -> dict:
+    return {"format": 1, "tool": "prewarm 0.1.0", "fingerprint": fingerprint.current(), "manifest": None}
+
+
+def _ok_member() -> tuple:
+    return member("k.cubin", b"\x7fELF")
+
+
+HOSTILE_BUNDLES = {
+    # name: (make the bundle under tmp_path/"b", expected exit code, message)
+    "file/dir collision": (lambda b: forge(b, [member("a", b"1"), member("a/b", b"2")]), 9,
+                           "listed as a file and as a directory"),
+    "name over 255 bytes": (lambda b: forge(b, [member("x" * 300, b"1")]), 9, "name over 255 bytes"),
+    "lone surrogate": (lambda b: forge(b, [_ok_member()], files=[FileRecord("k\ud800.cubin", "0" * 64, 4)]), 9,
+                       "lone surrogate"),
+    "declared size 2^40": (lambda b: forge(b, [_ok_member()], files=[FileRecord("k.cubin", "0" * 64, 2**40)],
+                                           tar_size=2**40), 6, "is 4 bytes, the index lists 1099511627776"),
+    "deeply nested JSON": (lambda b: (b.mkdir(), (b / INDEX).write_bytes(b"[" * 200_000 + b"]" * 200_000)), 6,
+                           "index is not a JSON object \\(RecursionError"),
+    "entries not a list": (lambda b: _forged_index(b, {**_fp_doc(), "entries": 5}), 9, "entries is not a list"),
+    "files not a list": (lambda b: _forged_index(b, {**_fp_doc(), "entries": [
+        {"key": KEY, "object": "0" * 64 + ".tar.zst", "object_size": 1, "tar_size": 1, "files": 7}]}), 9,
+        "files is not a list"),
+    "file record not an object": (lambda b: _forged_index(b, {**_fp_doc(), "entries": [
+        {"key": KEY, "object": "0" * 64 + ".tar.zst", "object_size": 1, "tar_size": 1, "files": [[1, 2]]}]}), 9,
+        "file record"),
+    "fingerprint a list": (lambda b: _forged_index(b, {**_fp_doc(), "fingerprint": [], "entries": []}), 9,
+                           "malformed index: fingerprint"),
+    "objects is a file": (lambda b: (forge(b, [_ok_member()]), shutil.rmtree(b / OBJECTS),
+                                     (b / OBJECTS).write_text("x")), 6, "missing from the bundle"),
+    "index is a directory": (lambda b: (forge(b, [_ok_member()]), (b / INDEX).unlink(), (b / INDEX).mkdir()), 6,
+                             "index.json: not a regular file"),
+    "index is a FIFO": (lambda b: (forge(b, [_ok_member()]), (b / INDEX).unlink(), os.mkfifo(b / INDEX)), 6,
+                        "index.json: not a regular file"),
+    "object is a FIFO": (lambda b: _replace_object(b, os.mkfifo), 6, "not a regular file"),
+    "object links to /dev/zero": (lambda b: _replace_object(b, lambda p: p.symlink_to("/dev/zero")), 6,
+                                  "not a regular file"),
+    "object is a 2 GiB sparse file": (lambda b: _replace_object(b, lambda p: os.truncate(
+        os.open(p, os.O_CREAT | os.O_WRONLY), 2 << 30)), 6, "larger than the \\d+ bytes the index lists"),
+}
+
+
+def _replace_object(bundle: Path, make) -> None:
+    forge(bundle, [_ok_member()])
+    (obj,) = (bundle / OBJECTS).iterdir()
+    obj.unlink()
+    make(obj)
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_BUNDLES))
+def test_no_traceback_for_any_bundle_input(tmp_path, node, case):
+    make, code, message = HOSTILE_BUNDLES[case]
+    make(tmp_path / "b")
+    hostile_cli(tmp_path, node, ["install", tmp_path / "b", "--cache-dir", node, "--lock-timeout", "5"], code, message)
+
+
+def test_a_signature_naming_a_non_string_key_id_is_a_signature_error(triton_cache, tmp_path, node):
+    from prewarm.signing import keygen
+
+    _, pub, _ = keygen(tmp_path / "k")
+    pack(triton_cache, tmp_path / "b")
+    (tmp_path / "b" / SIGNATURE).write_text('{"alg": "ed25519", "key_id": [1], "signature": "AAAA"}')
+    hostile_cli(tmp_path, node, ["install", tmp_path / "b", "--cache-dir", node, "--trust", pub], 7, "names no key id")
+
+
+@pytest.mark.parametrize("where", ["cache dir", ".prewarm"])
+def test_a_cache_dir_or_its_prewarm_dir_being_a_file(triton_cache, tmp_path, where):
+    pack(triton_cache, tmp_path / "b")
+    cache = tmp_path / "cache"
+    if where == "cache dir":
+        cache.write_text("not a dir")
+    else:
+        cache.mkdir()
+        (cache / META_DIR).write_text("not a dir")
+    p = run_cli("install", tmp_path / "b", "--cache-dir", cache, check=11)
+    assert "exists and is not a directory" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("verify", "--cache-dir", cache, check=6)
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args", [["install", "x", "--workers", "-1"], ["install", "x", "--lock-timeout", "-1"],
+                                  ["install", "x", "--lock-timeout", "nan"], ["push", "x", "--retries", "-1"],
+                                  ["build", "m.toml", "--cache-dir", "d", "--workers", "0"]])
+def test_negative_or_absurd_numbers_are_refused_by_the_command_line(args):
+    p = run_cli(*args, check=2)
+    assert "out of range" in p.stderr and "Traceback" not in p.stderr

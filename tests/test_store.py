@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from prewarm.bundle import INDEX, OBJECTS, pack
-from prewarm.errors import StoreError
+from prewarm.errors import IntegrityError, StoreError
 from prewarm.install import install
 from prewarm.store import open_store, push
 from prewarm.verify import verify
@@ -155,3 +155,64 @@ def test_push_and_install_show_progress_on_a_terminal_only(triton_cache, tmp_pat
     # piped (a pre-launch job's log): the results only, no progress redraws
     piped = run_cli("install", url, "--cache-dir", tmp_path / "node2", env=cli_env)
     assert "install (fetch, check, stage)" not in piped.stderr + piped.stdout
+
+
+# --- issue 13: push never publishes corruption, repairs it, leaves no temp files -----------------------------------
+
+
+def test_push_refuses_a_local_object_that_does_not_match_the_index(triton_cache, tmp_path):
+    bundle = tmp_path / "bundle"
+    pack(triton_cache, bundle)
+    obj = sorted((bundle / OBJECTS).iterdir())[1]
+    data = bytearray(obj.read_bytes())
+    data[10] ^= 0x01
+    obj.write_bytes(bytes(data))
+    [res] = push(bundle, [f"file://{tmp_path / 'store'}"])
+    assert not res.ok and obj.name in res.error and "corrupted" in res.error
+    assert not (tmp_path / "store" / INDEX).exists()  # nobody can install the half-pushed bundle
+    assert not (tmp_path / "store" / OBJECTS / obj.name).exists()
+
+
+def test_push_checks_objects_already_in_a_file_store_and_replaces_bad_ones(triton_cache, tmp_path):
+    bundle, store = tmp_path / "bundle", tmp_path / "store"
+    pack(triton_cache, bundle)
+    [first] = push(bundle, [f"file://{store}"])
+    objects = sorted((store / OBJECTS).iterdir())
+    flipped = bytearray(objects[0].read_bytes())
+    flipped[-5] ^= 0x40
+    objects[0].write_bytes(bytes(flipped))  # corrupted in place
+    objects[1].write_bytes(objects[1].read_bytes()[:100])  # truncated
+    with pytest.raises(IntegrityError):
+        install(f"file://{store}", tmp_path / "node0")
+    [res] = push(bundle, [f"file://{store}"])
+    assert (res.ok, res.repaired, res.sent, res.present) == (True, 2, 2, first.sent - 2)
+    [trusting] = push(bundle, [f"file://{store}"], verify_remote=False)  # by name only, as for s3 by default
+    assert (trusting.repaired, trusting.sent) == (0, 0)
+    install(f"file://{store}", tmp_path / "node")
+    assert verify(tmp_path / "node").ok
+
+
+def _push_with_fsize_limit(bundle: str, url: str, q) -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # a full disk: every write past 1000 bytes fails
+    [res] = push(bundle, [url], attempts=2, backoff=0.01)
+    q.put((res.ok, res.error))
+
+
+def test_push_to_a_full_store_fails_and_leaves_no_temp_files(triton_cache, tmp_path):
+    import multiprocessing
+
+    bundle, store = tmp_path / "bundle", tmp_path / "store"
+    pack(triton_cache, bundle)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_push_with_fsize_limit, args=(str(bundle), f"file://{store}", q))
+    p.start()
+    ok, error = q.get(timeout=120)
+    p.join()
+    assert not ok and "File too large" in error
+    assert [f for f in store.rglob("*") if f.is_file() and f.name.endswith(".tmp")] == []
+    assert not (store / INDEX).exists()
