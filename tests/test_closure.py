@@ -1,0 +1,59 @@
+"""Closure: every compile request that independent, server-like traffic makes is in the cache `prewarm build` made.
+
+For every shipped CUDA manifest, the real `prewarm build --mode offline` fills a cache once per session; then calls
+drawn by ``prewarm_kernels.kda.traffic`` (written without the planner's provider) run through the public API on
+``meta`` tensors, each launch is expanded into the requests Triton's JIT makes for it, and each request is looked up
+in that cache through Triton's own key computation (will-hit's probe): a miss is a compile a serving process would
+make. A refused call is a call a server makes that the API rejects. Both fail the test, each miss with the nearest
+planned request and what differs. Seeds: fixed ones plus one never used before (random, shown in the test id), or
+``PREWARM_CLOSURE_SEED=<n>`` to run another.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from closure_traffic import failure_report, run_traffic, seeds
+
+from prewarm.manifest import load
+from prewarm.targets import get_target
+from prewarm.willhit import probe_all
+
+REPO = Path(__file__).resolve().parents[1]
+# the shipped CUDA manifests that serve this package's KDA kernels (the traffic calls their public API)
+CUDA_MANIFESTS = [p for p in sorted((REPO / "manifests").glob("*.toml"))
+                  if load(p).backend == "cuda" and any(k.ref == "prewarm_kernels.kda.serving" for k in load(p).kernels)]
+CALLS_PER_SEED = 150  # x 4 seeds per manifest: >= 500 calls per CI run
+
+
+@pytest.fixture(scope="session")
+def built_cache(tmp_path_factory):
+    """The cache dir `prewarm build <manifest> --mode offline` made, built once per manifest and session."""
+    built: dict[Path, Path] = {}
+
+    def get(manifest: Path) -> Path:
+        if manifest not in built:
+            out = tmp_path_factory.mktemp(f"closure-{manifest.stem}") / "cache"
+            p = subprocess.run([sys.executable, "-m", "prewarm.cli", "build", str(manifest), "--mode", "offline",
+                                "--cache-dir", str(out)], capture_output=True, text=True, cwd=REPO)
+            assert p.returncode == 0, f"prewarm build {manifest.name} failed ({p.returncode}): {p.stderr[-3000:]}"
+            built[manifest] = out
+        return built[manifest]
+
+    return get
+
+
+@pytest.mark.parametrize("seed", seeds(), ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("manifest", CUDA_MANIFESTS, ids=lambda p: p.stem)
+def test_independent_traffic_compiles_nothing_the_build_did_not(manifest, seed, built_cache):
+    cache = built_cache(manifest)
+    m = load(manifest)
+    get_target(m.backend, m.arch, "offline").activate()
+    t = run_traffic(m, seed, CALLS_PER_SEED)
+    results = probe_all(list(t.compiles.values()), str(cache))
+    missed = [c for c, r in zip(t.compiles.values(), results) if not r.hit]
+    if missed or t.refused:
+        pytest.fail(failure_report(m, seed, t, missed), pytrace=False)
+    assert t.launches > CALLS_PER_SEED  # the traffic reached the kernels
