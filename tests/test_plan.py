@@ -123,9 +123,34 @@ def test_labels_read_both_specialization_formats():
 
 
 def test_plan_table_shows_the_kda_labels_verbatim():
-    """Labels like `decode[bs=16]/recurrent` look like rich markup: the table must print them, not eat them."""
+    """Labels like `decode[act=bfloat16,gate=float32]/recurrent` look like rich markup: the table must print them,
+    not eat them."""
     manifest = Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml"
     out = subprocess.run([sys.executable, "-m", "prewarm.cli", "plan", str(manifest)], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "300"}, check=True).stdout
     assert "decode[act=bfloat16,gate=float32]/recurrent" in out
     assert "verify[draft=4,act=bfloat16,gate=float32]/recurrent" in out
+
+
+def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
+    """Requests and compiles of the shipped H200 manifest, derived rather than copied from a run. With A activation
+    dtypes, G gate dtypes and D verify draft widths, the serving mix plans per activation dtype the 6 prefill
+    kernels that read q/k/v (l2norm, intra_inter, intra_diag, recompute, state, output), per gate dtype cumsum (it
+    reads g and fp32 only), solve once (fp32 only), and the recurrent kernel per (activation, gate) pair for decode
+    and each draft width. Batch sizes, lengths and every other argument make no variant (the wrappers'
+    canonical form), so decode buckets do not count. Each autotuned request compiles once per config."""
+    from prewarm.plan import expand_all
+    from prewarm_kernels.backend import select
+
+    m = load(Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml")
+    A, G = len(m.dtypes["activation"]), len(m.dtypes["gate"])
+    D = len([d for d in m.draft_widths if d > 1])
+    assert (A, G, D) == (1, 2, 2)
+    get_target(m.backend, m.arch, "offline").activate()
+    planned = plan(m)
+    assert len(planned.requests) == 6 * A + G + 1 + (1 + D) * A * G == 15
+    configs = {name: len(select(name, m.backend).configs) for name in
+               ("l2norm", "cumsum", "intra_inter", "intra_diag", "solve", "recompute", "state", "output", "recurrent")}
+    per_activation = sum(configs[n] for n in ("l2norm", "intra_inter", "intra_diag", "recompute", "state", "output"))
+    expected = per_activation * A + configs["cumsum"] * G + configs["solve"] + configs["recurrent"] * (1 + D) * A * G
+    assert len(expand_all(planned.requests)) == expected == 50 + 36 + 3 + 6
