@@ -77,14 +77,15 @@ def failure_report(m: Manifest, seed: int, t: Traffic, missed: list[Compile]) ->
     for err, labels in t.refused.items():
         lines.append(f"REFUSED {len(labels)} calls, e.g. {labels[0]}: {err}")
     planned = planned_compiles(m) if missed else []
-    groups: dict[str, list[Compile]] = defaultdict(list)
+    groups: dict[str, list[tuple[Compile, str]]] = defaultdict(list)  # what differs -> (request, explanation)
     for c in missed:
-        groups[str(explain(c.specialization, planned))].append(c)
-    for n, (why, group) in enumerate(sorted(groups.items(), key=lambda kv: -len(kv[1]))):
+        e = explain(c.specialization, planned, kernel=c.kernel)
+        groups["; ".join(map(str, e.differences)) or e.summary()].append((c, str(e)))
+    for n, group in enumerate(sorted(groups.values(), key=len, reverse=True)):
         if n == 12:
             lines.append(f"... and {len(groups) - 12} more kinds of miss")
             break
-        kernels = sorted({c.kernel.split(":")[1] for c in group})
-        lines += [f"MISS x{len(group)} ({', '.join(kernels)}), e.g. {group[0].label}",
-                  "  " + why.replace("\n", "\n  ")]
+        kernels = sorted({c.kernel.split(":")[1] for c, _ in group})
+        lines += [f"MISS x{len(group)} ({', '.join(kernels)}), e.g. {group[0][0].label}",
+                  "  " + group[0][1].replace("\n", "\n  ")]
     return "\n".join(lines)

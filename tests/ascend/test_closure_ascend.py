@@ -40,3 +40,19 @@ def test_independent_traffic_makes_only_planned_requests(manifest, planned, seed
     if missed or t.refused:
         pytest.fail(failure_report(manifest, seed, t, missed), pytrace=False)
     assert t.launches > CALLS_PER_SEED  # the traffic reached the kernels
+
+
+def test_a_miss_is_reported_with_the_nearest_planned_request_and_what_differs(manifest, tmp_path):
+    """A plan narrower than the traffic (g planned in bf16 only): each fp32-gate request is reported as a miss,
+    next to the planned bf16 one, with the one argument that differs."""
+    narrow = tmp_path / "narrow.toml"
+    narrow.write_text(MANIFEST.read_text().replace('gate = ["bfloat16", "float32"]', 'gate = "bfloat16"', 1))
+    m = load(narrow)
+    planned = {c.specialization for c in planned_compiles(m)}
+    t = run_traffic(manifest, 0, 40)
+    missed = [c for data, c in t.compiles.items() if data not in planned]
+    assert missed and all("g=fp32" in c.label for c in missed)
+    report = failure_report(m, 0, t, missed)
+    assert f"{len(missed)} would compile (not planned)" in report and "PREWARM_CLOSURE_SEED=0" in report
+    assert "MISS x" in report and "nearest: " in report
+    assert "argument g: planned *bf16, runtime *fp32" in report, report
