@@ -60,10 +60,6 @@ class Layout:
     def num_seqs(self) -> int:
         return len(self.index.offsets) - 1
 
-    @property
-    def tokens(self) -> int:
-        return self.B * self.T
-
 
 def layout(k: torch.Tensor, v: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> Layout:
     if k.dim() != 4:
