@@ -22,14 +22,15 @@ auth (docker config, credential helpers, bearer tokens), container URLs and uplo
 blob upload from memory (``upload_blob`` takes a file path), raw manifest bytes (``get_manifest`` returns parsed
 JSON, so a pinned digest could not be checked), HTTP Basic challenges (``_Auth``), request timeouts and a bounded
 retry (its ``do_request`` sleeps 3, 5, 11, 29 and 83 s between attempts): those few requests go through its
-``do_request`` without that retry loop, and ``store.retry`` owns retries as for every other store. Cross-repository
-blob mounts are not used: a push to a second repository of the same registry uploads its objects once more (the
-registry still stores them once).
+``do_request`` without that retry loop, and ``store.retry`` owns retries as for every other store.
 
 Options (``storage_options`` or ``FSSPEC_OCI='{"insecure": true}'``, the same channel as the other stores):
 ``insecure`` (plain HTTP, loopback registries only; TLS is verified otherwise, with ``REQUESTS_CA_BUNDLE`` for a
-private CA) and ``timeout`` (seconds per request). Credentials: ``$DOCKER_CONFIG/config.json``,
-``~/.docker/config.json`` and ``$REGISTRY_AUTH_FILE``, as ``docker login`` / ``oras login`` / podman write them.
+private CA), ``timeout`` (seconds per request) and ``mount_from`` (repositories of the same registry, e.g.
+``FSSPEC_OCI_MOUNT_FROM=staging/kimi``: a push links the objects they hold instead of uploading them again; by
+default a push to a second repository uploads its objects once more, the registry stores them once).
+Credentials: ``$DOCKER_CONFIG/config.json``, ``~/.docker/config.json`` and ``$REGISTRY_AUTH_FILE``, as
+``docker login`` / ``oras login`` / podman write them.
 """
 from __future__ import annotations
 
@@ -185,9 +186,12 @@ def fingerprint_summary(fp: dict[str, str]) -> str:
 class OciStore(Store):
     """One repository of an OCI registry, at a tag or a pinned manifest digest (see the module docstring)."""
 
-    def __init__(self, url: str, insecure: bool = False, timeout: float = 60):
+    def __init__(self, url: str, insecure: bool = False, timeout: float = 60, mount_from: tuple[str, ...] = ()):
         self.url = url
         self.ref = Reference.parse(url)
+        if bad := [r for r in mount_from if not _REPO_RE.match(r)]:
+            raise StoreError(f"{url}: mount_from: {', '.join(map(repr, bad))} is not a repository name")
+        self.mount_from = tuple(mount_from)  # repositories of this registry whose blobs a push mounts, not uploads
         if insecure and not self.ref.is_loopback:
             raise StoreError(f"{url}: insecure (plain HTTP) is only allowed for a loopback registry "
                              f"(localhost, 127.0.0.0/8, ::1); {self.ref.host} must use TLS")
@@ -232,12 +236,25 @@ class OciStore(Store):
     def _get_blob(self, digest: str, what: str) -> bytes:
         return self._request("GET", self._blob_url(digest), what).content
 
-    def has_blob(self, digest: str) -> bool:
+    def has_blob(self, digest: str, repo: str | None = None) -> bool:
+        """Whether this repository (or ``repo`` of the same registry) has the blob."""
+        container = self.container if repo is None else oras.container.Container(f"{repo}:latest", self.ref.host)
+        container.registry = self.ref.host
         try:
-            self._request("HEAD", self._blob_url(digest), f"HEAD blob {digest}")
+            self._request("HEAD", self._url(container.get_blob_url(digest)), f"HEAD blob {digest} in {repo or 'it'}")
             return True
         except FileNotFoundError:
             return False
+
+    def _mount(self, digest: str) -> bool:
+        """Link a blob that a ``mount_from`` repository has into this one: no bytes sent (cross-repository mount)."""
+        for repo in self.mount_from:
+            if self.has_blob(digest, repo):
+                url = oras.utils.append_url_params(self._url(self.container.upload_blob_url()),
+                                                   {"mount": digest, "from": repo})
+                if self._request("POST", url, f"mount {digest} from {repo}", ok=(201, 202)).status_code == 201:
+                    return True  # (202: the registry opened an upload instead; it expires unused)
+        return False
 
     def _put_blob(self, data: bytes, media_type: str, title: str) -> dict:
         """Upload a blob the repository lacks (HEAD first); its descriptor for the manifest."""
@@ -370,10 +387,16 @@ class OciStore(Store):
             raise StoreError(f"{self.url}: a bundle has no {name}")
 
     def missing(self, names: set[str], workers: int = 8) -> set[str]:
-        """The objects this repository lacks: one HEAD per blob (a registry lists no blobs)."""
+        """The objects this repository lacks: one HEAD per blob (a registry lists no blobs); those a ``mount_from``
+        repository has are mounted first and no longer lacking."""
         names = sorted(names)
+
+        def present(name: str) -> bool:
+            digest = "sha256:" + name.split(".", 1)[0]
+            return self.has_blob(digest) or self._mount(digest)
+
         with cf.ThreadPoolExecutor(workers) as pool:
-            have = list(pool.map(lambda n: self.has_blob("sha256:" + n.split(".", 1)[0]), names))
+            have = list(pool.map(present, names))
         lacking = {n for n, h in zip(names, have) if not h}
         self._absent = {"sha256:" + n.split(".", 1)[0] for n in lacking}
         return lacking
@@ -388,16 +411,24 @@ class OciStore(Store):
                 if layer.get("mediaType") == OBJECT_MEDIA_TYPE}
 
 
-OPTIONS = {"insecure": bool, "timeout": float}
+def _flag(value) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes")
+
+
+def _names(value) -> tuple[str, ...]:
+    return tuple(n.strip() for n in value.split(",") if n.strip()) if isinstance(value, str) else tuple(value)
+
+
+OPTIONS = {"insecure": _flag, "timeout": float, "mount_from": _names}  # FSSPEC_OCI_<NAME> values arrive as strings
 
 
 def open_oci(url: str, storage_options: dict | None = None) -> OciStore:
-    """An OciStore with options from ``FSSPEC_OCI`` / ``FSSPEC_OCI_<NAME>`` (fsspec's config) and ``storage_options``."""
+    """An OciStore, options from ``FSSPEC_OCI`` / ``FSSPEC_OCI_<NAME>`` (fsspec's config) and ``storage_options``."""
     options = {**fsspec.config.conf.get("oci", {}), **(storage_options or {})}
     if unknown := sorted(set(options) - set(OPTIONS)):
         raise StoreError(f"{url}: unknown OCI store option(s) {', '.join(unknown)} (known: {', '.join(OPTIONS)})")
-    for name, value in options.items():
-        if isinstance(value, str):  # FSSPEC_OCI_INSECURE=true arrives as a string
-            value = value.strip().lower() in ("1", "true", "yes") if OPTIONS[name] is bool else value
-        options[name] = OPTIONS[name](value)
+    try:
+        options = {name: OPTIONS[name](value) for name, value in options.items()}
+    except (TypeError, ValueError) as e:
+        raise StoreError(f"{url}: bad OCI store option value ({e})") from None
     return OciStore(url, **options)

@@ -266,6 +266,10 @@ def test_references_options_and_tls_are_checked_before_anything_is_sent(registry
         OciStore("oci://registry.example.com/kimi:v1", insecure=True)
     with pytest.raises(StoreError, match="unknown OCI store option"):
         open_oci("oci://127.0.0.1:5000/kimi:v1", {"endpoint_url": "x"})
+    with pytest.raises(StoreError, match="bad OCI store option value"):
+        open_oci("oci://127.0.0.1:5000/kimi:v1", {"timeout": "soon"})
+    with pytest.raises(StoreError, match="'Staging' is not a repository name"):
+        open_oci("oci://127.0.0.1:5000/kimi:v1", {"mount_from": "Staging"})
     with pytest.raises(StoreError, match="push to a tag"):
         OciStore(f"oci://127.0.0.1:5000/kimi@sha256:{'0' * 64}", insecure=True).write(INDEX, b"{}")
     # TLS is the default: a plain-HTTP registry without --insecure is refused at once, with the hint
@@ -314,3 +318,23 @@ def test_tls_is_verified_and_credentials_come_from_the_docker_config(toy_cache_m
     assert json.loads(run_cli("push", tmp_path / "bundle", url, "--json", env=env).stdout)["ok"]
     res = json.loads(run_cli("install", url, "--cache-dir", tmp_path / "node", "--json", env=env).stdout)
     assert res["installed"] == len(list((tmp_path / "bundle" / OBJECTS).iterdir()))
+
+
+def test_a_push_to_another_repository_mounts_what_a_sibling_has(toy_cache_master, registry, tmp_path):
+    pack(toy_cache_master, tmp_path / "bundle")
+    n = len(list((tmp_path / "bundle" / OBJECTS).iterdir()))
+    [res] = push(tmp_path / "bundle", [registry.url("promote/staging:v1")], storage_options=INSECURE)
+    assert res.ok and res.sent == n
+    before = len(blob_uploads(registry))
+    env = dict(os.environ, FSSPEC_OCI_MOUNT_FROM="promote/nothing-here,promote/staging")
+    doc = json.loads(run_cli("push", tmp_path / "bundle", registry.url("promote/prod:v1"), "--insecure", "--json",
+                             env=env).stdout)
+    [target] = doc["targets"]
+    assert target["ok"] and (target["sent"], target["bytes_sent"], target["present"]) == (0, 0, n)
+    index = hashlib.sha256((tmp_path / "bundle" / INDEX).read_bytes()).hexdigest()
+    assert {d.removeprefix("sha256:") for d in blob_uploads(registry)[before:]} == {index}  # objects: mounted
+    mounts = [uri for method, uri, status in registry.requests() if method == "POST" and "mount=" in uri
+              and status == 201 and "/v2/promote/prod/" in uri]
+    assert len(mounts) == n
+    res = install(registry.url("promote/prod:v1"), tmp_path / "node", storage_options=INSECURE)
+    assert res.installed == n and verify(tmp_path / "node").ok
