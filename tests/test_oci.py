@@ -95,6 +95,14 @@ def test_push_to_two_repos_install_verify_and_oras_pull_gets_the_bundle(signed_b
     assert install(str(pulled), tmp_path / "node-from-oras", trusted_keys=[str(pub)],
                    require_signature=True).installed == n
 
+    # something else oras pushed is not taken for a bundle
+    (tmp_path / "notes.txt").write_text("not a bundle")
+    client.push(target=f"127.0.0.1:{registry.port}/team-a/notes:v1", files=[str(tmp_path / "notes.txt")],
+                disable_path_validation=True, quiet=True)
+    p = run_cli("install", registry.url("team-a/notes:v1"), "--cache-dir", tmp_path / "node3", "--insecure",
+                check=StoreError.exit_code)
+    assert "holds no prewarm bundle" in p.stderr and not (tmp_path / "node3").exists()
+
 
 def test_a_second_push_to_a_new_tag_uploads_no_object_and_a_changed_bundle_only_its_new_objects(
     toy_cache_master, registry, tmp_path
