@@ -470,16 +470,20 @@ def cmd_lower(args) -> int:
         emit_json(r.to_json())
         return BuildError.exit_code if r.failed else 0
     t = Table(title=f"{r.manifest}: front end ({r.triton}) for npu {r.arch}")
-    for c in ("#", "kernel", "variant", *(f"{s} ms" for s in STAGES), "cache key / error"):
+    for c in ("#", "kernel", "variant", *(f"{s} ms" for s in STAGES), f"UB KB (of {r.ub_size // 1024})",
+              "cache key / error"):
         t.add_column(c, overflow="fold")
     for i, c in enumerate(r.compiles, 1):
         ms = [f"{c.stage_ms[s]:.1f}" if s in c.stage_ms else ("[red]failed[/]" if s == c.failed_stage else "")
               for s in STAGES]
-        t.add_row(str(i), c.kernel, escape(c.label), *ms,
+        ub = "" if c.ub_bytes is None else f"{c.ub_bytes / 1024:.0f}"
+        t.add_row(str(i), c.kernel, escape(c.label), *ms, f"[red]{ub}[/]" if c.failed_stage == "ub" else ub,
                   c.cache_key if c.ok else f"[red]{c.failed_stage}[/]: {escape(c.error)}")
     out.print(t)
+    peak = max((c.ub_bytes for c in r.compiles if c.ub_bytes is not None), default=0)
     out.print(f"{r.lowered} of {len(r.compiles)} compiles ({r.requests} requests) lowered to linalg"
-              f"{f', [red]{len(r.failed)} failed[/]' if r.failed else ''}")
+              f"{f', [red]{len(r.failed)} failed[/]' if r.failed else ''}; largest UB estimate {peak / 1024:.0f} KB "
+              f"of {r.ub_size // 1024} KB")
     if r.failed:
         raise BuildError(f"{len(r.failed)} of {len(r.compiles)} compiles failed in the front end: "
                          + "; ".join(c.failure() for c in r.failed))

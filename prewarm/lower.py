@@ -8,7 +8,9 @@ makes (bound and specialized by Triton's own JIT, through a target-only driver) 
 
 The next stage (``npubin``: CANN's bishengir-compile, and the device's SoC) is the NPU build's job. A failure
 names the kernel, the variant and the stage's own message. Each compile also reports the cache key dir the
-runtime on an ``arch`` node would look up (same computation as ``compile``).
+runtime on an ``arch`` node would look up (same computation as ``compile``), and an estimate of its on-chip
+unified-buffer (UB) footprint from the linalg: a pinned config that cannot fit the SoC's UB fails here (stage
+"ub"), not on a node.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +28,27 @@ from .errors import EnvironmentProblem
 from .manifest import Manifest
 
 STAGES = ("ast", "ttir", "ttadapter")  # what runs without CANN, in compile()'s order
+UB_STAGE = "ub"  # the footprint check after the last stage
+
+# Local buffers in triton-adapter's linalg: loads land in memref.alloc'd buffers, results in tensor.empty ones.
+_LOCAL_BUFFER = re.compile(r"(memref\.alloc\(\)|tensor\.empty\(\))\s*:\s*(?:memref|tensor)<([^>]*)>")
+_ELEMENT_BYTES = {"i1": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+
+
+def ub_estimate(linalg: str, multibuffer: bool) -> int:
+    """Bytes of UB the kernel's linalg asks for, as an upper-bound estimate: every local buffer live at once (no
+    reuse by bishengir), loaded buffers doubled where ``multibuffer`` (NPUOptions' default: loads double-buffered);
+    buffers of a dynamic shape are not counted (none in pinned configs)."""
+    total = 0
+    for op, ty in _LOCAL_BUFFER.findall(linalg):
+        *dims, element = ty.split(",")[0].split("x")
+        if not all(d.isdigit() for d in dims):
+            continue
+        size = _ELEMENT_BYTES.get(element, 4)
+        for d in dims:
+            size *= int(d)
+        total += size * (2 if multibuffer and op.startswith("memref") else 1)
+    return total
 
 
 @dataclass
@@ -35,6 +59,7 @@ class LoweredCompile:
     label: str
     request: str  # Request.ident
     cache_key: str = ""  # the key dir under TRITON_CACHE_DIR the runtime would use on the target
+    ub_bytes: int | None = None  # ub_estimate of the linalg (None: the front end did not reach it)
     stage_ms: dict[str, float] = field(default_factory=dict)  # stages that completed, in order
     failed_stage: str | None = None  # "bind" (plan/JIT binding) or one of STAGES
     error: str | None = None
@@ -54,6 +79,7 @@ class LowerReport:
     triton: str  # "triton-ascend 3.2.0"
     compiles: list[LoweredCompile]
     requests: int
+    ub_size: int  # bytes of unified buffer per core on ``arch`` (npu.ub_size)
 
     @property
     def lowered(self) -> int:
@@ -66,7 +92,7 @@ class LowerReport:
     def to_json(self) -> dict:
         return {
             "manifest": self.manifest, "arch": self.arch, "triton": self.triton, "requests": self.requests,
-            "lowered": self.lowered, "failed": len(self.failed), "stages": list(STAGES),
+            "ub_size": self.ub_size, "lowered": self.lowered, "failed": len(self.failed), "stages": list(STAGES),
             "compiles": [{**asdict(c), "ok": c.ok} for c in self.compiles],
         }  # fmt: skip
 
@@ -80,7 +106,8 @@ def _message(e: BaseException) -> str:
 
 
 def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
-    """Run ``compile()``'s stages up to ``ttadapter`` on exactly what ``preload(c.specialization)`` compiles."""
+    """Run ``compile()``'s stages up to ``ttadapter`` on exactly what ``preload(c.specialization)`` compiles, then
+    check its UB estimate against ``arch``'s UB."""
     import triton.language as tl
     from triton._C.libtriton import get_cache_invalidating_env_vars, ir
     from triton.backends.ascend.compiler import AscendAttrsDescriptor
@@ -124,6 +151,12 @@ def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
             out.stage_ms[name] = round((time.perf_counter() - start) * 1000, 2)
     finally:
         context.disable_multithreading()  # as compile(): a later fork must not inherit a live thread pool
+    if "ttadapter" in out.stage_ms:  # (simt_only kernels: no linalg, no estimate)
+        out.ub_bytes = ub_estimate(str(module), bool(getattr(opts, "multibuffer", False)))
+        if out.ub_bytes > npu.ub_size(arch):
+            out.failed_stage = UB_STAGE
+            out.error = (f"estimated on-chip buffer footprint {out.ub_bytes / 1024:.0f} KB exceeds {arch}'s "
+                         f"{npu.ub_size(arch) // 1024} KB unified buffer: this config cannot fit; pin smaller blocks")
     return out
 
 
@@ -144,4 +177,4 @@ def lower(m: Manifest) -> LowerReport:
             compiles.append(LoweredCompile(req.kernel, req.label, req.ident, failed_stage="bind", error=_message(e)))
             continue
         compiles += [lower_compile(c, m.arch) for c in planned]
-    return LowerReport(str(m.path), m.arch, f"{dist} {version}", compiles, len(the_plan.requests))
+    return LowerReport(str(m.path), m.arch, f"{dist} {version}", compiles, len(the_plan.requests), npu.ub_size(m.arch))

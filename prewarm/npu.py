@@ -58,6 +58,12 @@ def activate_offline(arch: str) -> None:
         driver.set_active(NpuOfflineDriver(arch))
 
 
+def ub_size(arch: str) -> int:
+    """Bytes of unified buffer (UB) per core on ``arch``, as triton-ascend's own tile generator takes it
+    (third_party/ascend/backend/runtime/utils.py on its main branch: 192 KB, 256 KB on Ascend910_95* / Ascend950*)."""
+    return (256 if arch.startswith(("Ascend910_95", "Ascend950")) else 192) * 1024
+
+
 # --- compile-only launches ---------------------------------------------------------------------------------------
 
 _TORCH_DTYPES = {

@@ -138,3 +138,26 @@ def test_f32_default_changes_the_code_but_not_the_key_so_it_is_a_factor(tmp_path
     assert hf32_key == key  # Triton's key does not see it ...
     assert 'input_precison = "ieee"' in ieee and 'input_precison = "hf32"' in hf32  # ... the code does
     assert {k for k in before if before[k] != after[k]} == {"ascend.env.TRITON_F32_DEFAULT"}
+
+
+def test_ub_estimate_counts_every_local_buffer_with_loads_double_buffered(tmp_path):
+    (c,) = lower.lower(manifest.load(write_manifest(tmp_path / "dot.toml", DOT_KERNEL))).compiles
+    # loads a (32x128) and b (128x64) fp32, double-buffered (NPUOptions.multibuffer), + the 32x64 fp32 result
+    assert c.ok and c.ub_bytes == 2 * (32 * 128 + 128 * 64) * 4 + 32 * 64 * 4
+
+
+WIDE_DOT = DOT_KERNEL.replace("M = 32, N = 64, K = 128", "M = 64, N = 128, K = 128")  # 2 x (32 + 64) + 32 = 224 KB
+
+
+@pytest.mark.parametrize("arch, fits", [("Ascend910_9391", False), ("Ascend910B3", False), ("Ascend910_9589", True)])
+def test_a_config_that_cannot_fit_the_socs_ub_fails_before_a_node_tries_it(tmp_path, arch, fits):
+    """192 KB of UB on 910B / A3, 256 KB on 910_95 (triton-ascend's own tile generator)."""
+    m = write_manifest(tmp_path / "wide.toml", WIDE_DOT, arch=arch)
+    p = run_prewarm("lower", m)
+    said = " ".join(p.stdout.split() + p.stderr.split())
+    if fits:
+        assert p.returncode == 0 and "largest UB estimate 224 KB of 256 KB" in said, said
+        return
+    assert p.returncode == BuildError.exit_code, said
+    assert ("ascend_toy_kernels:dot_kernel variant 'dot_kernel': stage ub failed: estimated on-chip buffer "
+            f"footprint 224 KB exceeds {arch}'s 192 KB unified buffer") in said, said
