@@ -5,7 +5,7 @@ within a deployment's declared envelope (heads per rank, head dims, activation d
 widths, gate lower bound, backend) the way a server makes them, and varies everything the envelope does not fix:
 
 - packed varlen prefills (1..16 sequences of 1..``max_seq_len`` tokens, now and then a long one), fixed-length
-  batched prefills, decode batches of 1 up to twice the largest bucket (padded to a bucket with -1 slots, as a
+  batched prefills, initial states from the pool by index (-1: a new sequence), none, or exactly one per sequence, decode batches of 1 up to twice the largest bucket (padded to a bucket with -1 slots, as a
   CUDA-graph replay does, or not), verify with every draft width, mixed batches (prefill and decode tokens in one
   buffer: the decode part is a view with a storage offset, its state indices a slice of the batch's);
 - every dtype the API accepts where the envelope does not fix it: beta, A_log, dt_bias in bf16 / fp16 / fp32,
@@ -205,17 +205,31 @@ class _Draw:
         B, T = (len(lens), lens[0]) if fixed else (1, sum(lens))
         acts, a_label, beta, b_label = tensors or (*self.activations(B, T, self.fused), *self.beta(B, T))
         gate, g_label = self.gate_args()
-        kw = dict(acts, beta=beta, **gate, **opts, initial_state=self.pool, output_final_state=True)
-        idx_dt = self.pick(INDEX_DTYPES)
-        kw["initial_state_indices"] = slot_ids if slot_ids is not None else self.indices(self.slots(len(lens)), idx_dt)
+        kw = dict(acts, beta=beta, **gate, **opts, output_final_state=self.rng.random() < 0.9)
+        kw.update(self.initial_state(len(lens)) if slot_ids is None else
+                  {"initial_state": self.pool, "initial_state_indices": slot_ids})
         shape = f"B={B},T={T}"
         if not fixed:
             cu_dt = self.pick(INDEX_DTYPES)
             kw["cu_seqlens"] = torch.tensor([0] + list(_cumsum(lens)), dtype=cu_dt)
             shape = f"n={len(lens)},T={T},cu={_SHORT[cu_dt]}"
+        idx = kw.get("initial_state_indices")
+        h0 = "none" if "initial_state" not in kw else "exact" if idx is None else f"pool idx={_SHORT[idx.dtype]}"
         label = (f"prefill[{'fixed' if fixed else 'varlen'} {shape}] {a_label} {b_label} {g_label} {o_label} "
-                 f"idx={_SHORT[kw['initial_state_indices'].dtype]}")
+                 f"h0={h0} final={int(kw['output_final_state'])}")
         return self.call(label, chunk_kda_fwd, kw)
+
+    def initial_state(self, n: int) -> dict:
+        """Initial states of ``n`` prefill sequences: from the pool by index (-1: a new sequence, zero state), none
+        at all, or a slice of the pool holding exactly n states."""
+        form = self.pick(["pool"] * 7 + ["none", "exact"])
+        if form == "none":
+            return {}
+        if form == "exact":
+            first = self.rng.randrange(self.env.pool_size - n + 1)
+            return {"initial_state": self.pool[first:first + n]}
+        slots = [-1 if self.rng.random() < 0.2 else s for s in self.slots(n)]
+        return {"initial_state": self.pool, "initial_state_indices": self.indices(slots, self.pick(INDEX_DTYPES))}
 
     def recurrent(self, live: int, draft: int, tensors=None, slot_ids: torch.Tensor | None = None) -> Call:
         """recurrent_kda for ``live`` sequences x ``draft`` tokens; maybe padded to a bucket with -1 slots."""
