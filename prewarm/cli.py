@@ -428,6 +428,31 @@ def cmd_explain(args) -> int:
     return code
 
 
+def cmd_guard(args) -> int:
+    """Replace this process with the command, its Python processes guarded (see prewarm.guard)."""
+    import os
+
+    from . import guard
+    from .errors import EnvironmentProblem, ManifestError
+    from .record import hooked_pythonpath
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ManifestError("guard: no command given: expected `prewarm guard [--mode warn|error] -- COMMAND ...`")
+    env = dict(os.environ)
+    for name, value in ((guard.MODE, args.mode), (guard.RECORD, args.record), (guard.PLAN, args.plan),
+                        (guard.ARM, args.arm)):
+        if value:
+            env[name] = os.path.abspath(value) if name in (guard.RECORD, guard.PLAN) else value
+    env.setdefault(guard.MODE, "warn")
+    env["PYTHONPATH"] = hooked_pythonpath()
+    sys.stdout.flush()
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        raise EnvironmentProblem(f"guard: cannot run {command[0]!r}: {e.strerror}") from e
+
+
 def cmd_keygen(args) -> int:
     from .signing import keygen
 
@@ -586,6 +611,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", required=True, metavar="MANIFEST")
     sp.add_argument("--mode", choices=("offline", "device", "auto"), default="auto",
                     help="the target driver to expand the plan under (as for build)")
+
+    sp = verb("guard", cmd_guard, "run a command (exec) with every Triton compile the cache lacks logged, explained "
+                                  "and recorded; in error mode refused (settings: PREWARM_GUARD* env vars)")
+    sp.add_argument("--mode", choices=("warn", "error"), help="default: $PREWARM_GUARD, else warn")
+    sp.add_argument("--record", metavar="FILE", help="append uncovered requests here (default: $PREWARM_GUARD_RECORD)")
+    sp.add_argument("--plan", metavar="MANIFEST", help="explain against this plan (default: $PREWARM_GUARD_PLAN)")
+    sp.add_argument("--arm", choices=("import", "manual"),
+                    help="import (default): from the start; manual: from prewarm.guard.arm() in the server")
+    sp.add_argument("command", nargs=argparse.REMAINDER)
 
     sp = verb("keygen", cmd_keygen, "make an Ed25519 signing key pair")
     sp.add_argument("-o", "--output", default="prewarm-signing", help="writes OUTPUT.key and OUTPUT.pub")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,15 +22,17 @@ from .errors import EnvironmentProblem, ManifestError
 ENV = "PREWARM_RECORD_FILE"
 
 _SITECUSTOMIZE = '''\
-"""Installed by `prewarm record`: log Triton compile requests, then run the sitecustomize this one shadows."""
+"""Put first on PYTHONPATH by `prewarm record` / `prewarm guard`: installs the hooks the environment asks for
+(PREWARM_RECORD_FILE, PREWARM_GUARD), then runs the sitecustomize this one shadows."""
 import importlib.machinery, importlib.util, os, sys
 
-try:
-    import prewarm.record
-    prewarm.record.install_from_env()
-except ImportError as e:
-    print(f"prewarm record: {sys.executable} cannot import prewarm ({e}); its compiles are not recorded",
-          file=sys.stderr)
+for _env, _module in (("PREWARM_RECORD_FILE", "prewarm.record"), ("PREWARM_GUARD", "prewarm.guard")):
+    if os.environ.get(_env):
+        try:
+            importlib.import_module(_module).install_from_env()
+        except ImportError as e:
+            print(f"{_module}: {sys.executable} cannot import prewarm ({e}); its compiles are not seen",
+                  file=sys.stderr)
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.machinery.PathFinder.find_spec(
@@ -60,31 +63,64 @@ def record(output: str | os.PathLike, command: list[str]) -> RecordResult:
         out.write_text("")
     except OSError as e:
         raise EnvironmentProblem(f"record -o {output}: cannot write it: {e.strerror}") from e
-    with tempfile.TemporaryDirectory(prefix="prewarm-record-") as site:
-        Path(site, "sitecustomize.py").write_text(_SITECUSTOMIZE)
-        pythonpath = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, ENV: str(out), "PYTHONPATH": pythonpath}
-        try:
-            returncode = subprocess.call(command, env=env)
-        except OSError as e:
-            raise EnvironmentProblem(f"record: cannot run {command[0]!r}: {e.strerror}") from e
+    env = {**os.environ, ENV: str(out), "PYTHONPATH": hooked_pythonpath()}
+    try:
+        returncode = subprocess.call(command, env=env)
+    except OSError as e:
+        raise EnvironmentProblem(f"record: cannot run {command[0]!r}: {e.strerror}") from e
     from .plan import load_record
 
     lines = sum(1 for line in out.read_text().splitlines() if line.strip())
     return RecordResult(str(out), returncode, lines, len(load_record(str(out))) if lines else 0)
 
 
-def make_hook(path: str, previous=None):
-    """A jit_cache_hook appending each request to ``path``; chains to an existing hook."""
+def hooked_pythonpath() -> str:
+    """PYTHONPATH with the hook-installing sitecustomize first: every Python process started with it (children
+    too) installs the hooks its environment asks for. The file lives in a dir named by its content, made once per
+    user (a command may be exec'd with it, so it outlives this process)."""
+    import hashlib
+
+    digest = hashlib.sha256(_SITECUSTOMIZE.encode()).hexdigest()[:16]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prewarm"
+    site = base / f"site-{digest}"
+    try:
+        if (site / "sitecustomize.py").read_text() != _SITECUSTOMIZE:
+            raise FileNotFoundError
+    except OSError:
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            fresh = Path(tempfile.mkdtemp(prefix=".site-", dir=base))
+        except OSError:  # no writable home (a read-only container): a private temp dir, kept
+            fresh = Path(tempfile.mkdtemp(prefix="prewarm-site-"))
+            site = fresh
+        (fresh / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+        if fresh != site:
+            try:
+                os.rename(fresh, site)  # atomic; another process may have made it first: then use that one
+            except OSError:
+                shutil.rmtree(fresh, ignore_errors=True)
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def request_entry(fn, compile: dict) -> dict:
+    """One compile request as a record line holds it: kernel "module:qualname" + ``preload``'s data."""
+    return {"kernel": f"{fn.module}:{fn.name}", "specialization_data": compile["specialization_data"],
+            "pid": os.getpid()}  # fmt: skip
+
+
+def append(path: str, entry: dict) -> None:
+    """Append one line to a record file, whole, under a file lock (every rank and child writes to it)."""
     from filelock import FileLock
 
-    lock = FileLock(path + ".lock")
+    with FileLock(path + ".lock"), open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def make_hook(path: str, previous=None):
+    """A jit_cache_hook appending each request to ``path``; chains to an existing hook."""
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        entry = {"kernel": f"{fn.module}:{fn.name}", "specialization_data": compile["specialization_data"],
-                 "pid": os.getpid()}  # fmt: skip
-        with lock, open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+        append(path, request_entry(fn, compile))
         if previous is not None:
             return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                             already_compiled=already_compiled)  # fmt: skip
@@ -101,11 +137,12 @@ def install(path: str) -> None:
 
 
 class _AfterTritonImport:
-    """A meta path finder that installs the hook right after ``import triton`` completes (not before: importing
-    triton in every Python process the command starts would slow down and could break the ones that never use it)."""
+    """A meta path finder that runs the queued installers right after ``import triton`` completes (not before:
+    importing triton in every Python process the command starts would slow down and could break the ones that
+    never use it)."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self):
+        self.installers: list = []
 
     def find_spec(self, name, import_path=None, target=None):
         if name != "triton":
@@ -116,22 +153,31 @@ class _AfterTritonImport:
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
-        exec_module, path = spec.loader.exec_module, self.path
+        exec_module, installers = spec.loader.exec_module, self.installers
 
         def exec_then_install(module):
             exec_module(module)
-            install(path)
+            for install_one in installers:
+                install_one()
 
         spec.loader.exec_module = exec_then_install
         return spec
 
 
+def when_triton_imported(installer) -> None:
+    """Run ``installer()`` now if triton is loaded, else right after it gets imported (one finder for every hook)."""
+    if "triton" in sys.modules:
+        installer()
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterTritonImport)), None)
+    if finder is None:
+        finder = _AfterTritonImport()
+        sys.meta_path.insert(0, finder)
+    finder.installers.append(installer)
+
+
 def install_from_env() -> None:
     """Called from the injected sitecustomize: hook now if triton is loaded, else when it gets imported."""
     path = os.environ.get(ENV)
-    if not path:
-        return
-    if "triton" in sys.modules:
-        install(path)
-    else:
-        sys.meta_path.insert(0, _AfterTritonImport(path))
+    if path:
+        when_triton_imported(lambda: install(path))
