@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import shutil
 import subprocess
 import sys
@@ -87,3 +88,29 @@ def run_cli(*args: str, env: dict | None = None, check: int | None = 0) -> subpr
     if check is not None and p.returncode != check:
         raise AssertionError(f"prewarm {' '.join(map(str, args))} exited {p.returncode}, expected {check}:\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def _install_in_child(source: str, cache: str, storage_options: dict | None, q) -> None:
+    from prewarm.install import install
+
+    r = install(source, cache, storage_options=storage_options)
+    q.put((r.installed, r.noop))
+
+
+def concurrent_installs(source, cache: Path, n: int = 16, storage_options: dict | None = None) -> list[tuple]:
+    """``n`` forked processes install ``source`` into one cache dir at once, as a node's ranks do; each must exit 0.
+    Returns (entries installed, no-op) per process."""
+    from prewarm import fingerprint
+
+    fingerprint.current()  # paid once in the parent; forked ranks inherit it
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_install_in_child, args=(str(source), str(cache), storage_options, q))
+             for _ in range(n)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * n
+    return results

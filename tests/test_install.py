@@ -20,7 +20,7 @@ from prewarm.errors import EnvironmentProblem, FingerprintMismatch, IntegrityErr
 from prewarm.install import install, read_receipts, receipt_path
 from prewarm.verify import verify
 
-from prewarm_helpers import run_cli, synthetic_cache
+from prewarm_helpers import concurrent_installs, run_cli, synthetic_cache
 
 
 def snapshot(cache: Path) -> dict[str, str]:
@@ -77,25 +77,10 @@ def test_cache_dir_defaults_to_triton_cache_dir(toy_bundle, tmp_path, monkeypatc
     assert verify().ok
 
 
-def _install_in_child(bundle: str, cache: str, q) -> None:
-    r = install(bundle, cache)
-    q.put((r.installed, r.noop))
-
-
 def test_16_concurrent_installs_unpack_each_entry_once(tmp_path):
     cache = synthetic_cache(tmp_path / "src", 60, seed=3)
     pack(cache, tmp_path / "bundle")
-    fingerprint.current()  # paid once in the parent; forked ranks inherit it
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_install_in_child, args=(str(tmp_path / "bundle"), str(tmp_path / "node"), q))
-             for _ in range(16)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0] * 16
+    results = concurrent_installs(tmp_path / "bundle", tmp_path / "node")
     assert sum(installed for installed, _ in results) == 60  # the work was done once
     assert sum(noop for _, noop in results) == 15
     assert verify(tmp_path / "node").ok

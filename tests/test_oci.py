@@ -8,7 +8,6 @@ import datetime
 import hashlib
 import ipaddress
 import json
-import multiprocessing
 import os
 import shutil
 from pathlib import Path
@@ -22,7 +21,6 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from prewarm import fingerprint
 from prewarm.bundle import INDEX, META_DIR, OBJECTS, pack
 from prewarm.errors import IntegrityError, StoreError
 from prewarm.install import install
@@ -30,7 +28,7 @@ from prewarm.oci import ARTIFACT_TYPE, INDEX_MEDIA_TYPE, OBJECT_MEDIA_TYPE, SIGN
 from prewarm.store import push
 from prewarm.verify import verify
 
-from prewarm_helpers import copy_cache, run_cli
+from prewarm_helpers import concurrent_installs, copy_cache, run_cli
 
 INSECURE = {"insecure": True}  # the test registry speaks plain HTTP on loopback
 
@@ -232,11 +230,6 @@ def test_a_failing_registry_is_retried_then_exit_10_in_its_own_words(toy_cache_m
     assert "failed after 2 attempts" in target["error"]
 
 
-def _install_in_child(url: str, cache: str, q) -> None:
-    r = install(url, cache, storage_options=INSECURE)
-    q.put((r.installed, r.noop))
-
-
 def test_16_concurrent_installs_from_the_registry_unpack_once(toy_cache_master, registry, tmp_path):
     pack(toy_cache_master, tmp_path / "bundle")
     objects = {p.name.removesuffix(".tar.zst") for p in (tmp_path / "bundle" / OBJECTS).iterdir()}
@@ -244,16 +237,7 @@ def test_16_concurrent_installs_from_the_registry_unpack_once(toy_cache_master, 
     [res] = push(tmp_path / "bundle", [url], storage_options=INSECURE)
     assert res.ok
     before = len(registry.requests())
-    fingerprint.current()  # paid once in the parent; forked ranks inherit it
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_install_in_child, args=(url, str(tmp_path / "node"), q)) for _ in range(16)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0] * 16
+    results = concurrent_installs(url, tmp_path / "node", storage_options=INSECURE)
     assert sum(installed for installed, _ in results) == len(objects) and sum(noop for _, noop in results) == 15
     # the registry's log: each object was fetched once, by the one install that unpacked
     object_gets = [uri for method, uri, status in registry.requests()[before:]
