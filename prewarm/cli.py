@@ -597,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --plan: also fail (exit 5) when a launcher or runtime module the node would build at "
                          "first launch is absent (Ascend pre-launch jobs: the image may have no C++ compiler)")
     sp.add_argument("--bundle", help="check against this bundle (URL or dir) instead of the install receipts")
+    sp.add_argument("--insecure", action="store_true", help="plain HTTP to a loopback OCI registry (tests)")
     sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY")
     sp.add_argument("--require-signature", action="store_true")
     sp.add_argument("--no-fingerprint", action="store_true", help="skip the compatibility check")

@@ -72,6 +72,9 @@ def test_push_to_two_repos_install_verify_and_oras_pull_gets_the_bundle(signed_b
                              "--require-signature", "--json").stdout)
     assert res["installed"] == n and res["signed_by"]
     assert verify(node).ok
+    report = json.loads(run_cli("verify", "--cache-dir", node, "--bundle", urls[0], "--insecure", "--trust", pub,
+                                "--require-signature", "--json").stdout)
+    assert report["ok"] and report["entries_ok"] == n
 
     # a valid OCI image manifest of our artifact type, read straight from the registry
     doc, content_type, digest = manifest_of(registry, "team-a/kimi:v1")
