@@ -10,8 +10,8 @@ widths, gate lower bound, backend) the way a server makes them, and varies every
   buffer: the decode part is a view with a storage offset, its state indices a slice of the batch's);
 - every dtype the API accepts where the envelope does not fix it: beta, A_log, dt_bias in bf16 / fp16 / fp32,
   the gate in the activation dtype or fp32, state indices and ``cu_seqlens`` int32 / int64;
-- q/k/v(/g) as contiguous tensors or as views split out of one fused projection, beta contiguous or a strided
-  half of a fused [.., 2H] projection;
+- q/k/v(/g) as contiguous tensors or as views split out of one fused projection; beta contiguous, a strided half
+  of a fused [.., 2H] projection, or a slice of the q/k/v projection (which then puts q/k/v at an odd offset);
 - the fused gate and in-kernel L2 norm on and off unless the envelope says what the server uses.
 
 It never imports the planner's provider (``serving.py``) and never imports ``prewarm``. Tensors are made when a
@@ -132,40 +132,44 @@ class _Draw:
     def indices(self, values: list[int], dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device)
 
-    def activations(self, B: int, T: int, gate: bool) -> tuple[dict, str]:
-        """q, k, v, g [B, T, H, *]: contiguous, or views split out of one fused projection (g in it or not)."""
+    def inputs(self, B: int, T: int) -> tuple[dict, str]:
+        """q, k, v, g [B, T, H, *] and beta [B, T, H]: contiguous, or views split out of one fused projection
+        (g in it too where it has the activation dtype; beta in it, ahead of q, or a strided half of a fused
+        [B, T, 2H] projection of its own, or a tensor of any float dtype)."""
         H, K, V = self.env.heads, self.env.head_k_dim, self.env.head_v_dim
         dt, gdt = self.pick(self.env.activation), self.pick(self.env.gate)
-        g_fill = (lambda x: x.normal_(0, 2, generator=self.gen)) if gate else self.uniform(-0.31, -0.01)
-        layout = self.pick(("contiguous", "fused", "fused+g") if gdt == dt else ("contiguous", "fused"))
+        g_fill = (lambda x: x.normal_(0, 2, generator=self.gen)) if self.fused else self.uniform(-0.31, -0.01)
+        b_fill = self.uniform(0.05, 0.95)
+        layout = self.pick(["contiguous", "fused", "beta+fused"] + ["fused+g"] * (gdt == dt))
         if layout == "contiguous":
-            q, k, v = (self.tensor((B, T, H, d), dt) for d in (K, K, V))
-            g = self.tensor((B, T, H, K), gdt, g_fill)
+            out = dict(zip("qkv", (self.tensor((B, T, H, d), dt) for d in (K, K, V))))
         else:
-            widths = [H * K, H * K, H * V] + ([H * K] if layout == "fused+g" else [])
-            proj = self.tensor((B, T, sum(widths)), dt)
-            parts = [p.view(B, T, H, -1) for p in proj.split(widths, dim=-1)]
-            q, k, v = parts[:3]
-            if layout == "fused+g":
-                g = parts[3]
-                if self.gen is not None:
-                    g_fill(g)
+            names = ["beta"] * (layout == "beta+fused") + ["q", "k", "v"] + ["g"] * (layout == "fused+g")
+            widths = {"beta": H, "q": H * K, "k": H * K, "v": H * V, "g": H * K}
+            proj = self.tensor((B, T, sum(widths[n] for n in names)), dt)
+            out = {n: p.view(B, T, H, -1) for n, p in zip(names, proj.split([widths[n] for n in names], dim=-1))}
+            if "beta" in out:
+                out["beta"] = out["beta"].view(B, T, H)
+        if "g" not in out:
+            out["g"] = self.tensor((B, T, H, K), gdt, g_fill)
+        elif self.gen is not None:
+            g_fill(out["g"])
+        b_label = f"beta={_SHORT[dt]}/in-projection"
+        if "beta" not in out:
+            b_dt = self.pick(FLOATS)
+            b_label = f"beta={_SHORT[b_dt]}"
+            if self.rng.random() < 0.6:
+                out["beta"] = self.tensor((B, T, H), b_dt, b_fill)
             else:
-                g = self.tensor((B, T, H, K), gdt, g_fill)
+                half = self.rng.randrange(2)
+                out["beta"] = self.tensor((B, T, 2 * H), b_dt, b_fill)[..., half * H:(half + 1) * H]
+                b_label += f"/strided{half}"
+        elif self.gen is not None:
+            b_fill(out["beta"])
         if self.gen is not None and not self.qk_norm:  # unit-norm keys keep the delta rule contractive
+            k = out["k"]
             k.copy_(k / k.float().norm(dim=-1, keepdim=True).to(k.dtype))
-        label = f"qkv={_SHORT[dt]}/{layout} g={_SHORT[g.dtype]}"
-        return {"q": q, "k": k, "v": v, "g": g}, label
-
-    def beta(self, B: int, T: int) -> tuple[torch.Tensor, str]:
-        """beta [B, T, H] in (0, 1): contiguous, or one half of a fused [B, T, 2H] projection (strided)."""
-        H = self.env.heads
-        dt = self.pick(FLOATS)
-        if self.rng.random() < 0.6:
-            return self.tensor((B, T, H), dt, self.uniform(0.05, 0.95)), f"beta={_SHORT[dt]}"
-        half = self.rng.randrange(2)
-        fused = self.tensor((B, T, 2 * H), dt, self.uniform(0.05, 0.95))
-        return fused[..., half * H:(half + 1) * H], f"beta={_SHORT[dt]}/strided{half}"
+        return out, f"qkv={_SHORT[dt]}/{layout} g={_SHORT[out['g'].dtype]} {b_label}"
 
     def gate_args(self) -> tuple[dict, str]:
         """A_log [H], dt_bias [H*K] (each in any accepted dtype) and the envelope's lower bound, or nothing."""
@@ -198,14 +202,14 @@ class _Draw:
             lens[self.rng.randrange(n)] = self.rng.randint(self.env.max_seq_len + 1, self.env.long_seq_len)
         return lens
 
-    def prefill(self, lens: list[int], fixed: bool = False, tensors: tuple[dict, str, torch.Tensor, str] | None = None,
+    def prefill(self, lens: list[int], fixed: bool = False, tensors: tuple[dict, str] | None = None,
                 slot_ids: torch.Tensor | None = None) -> Call:
         """chunk_kda_fwd over packed sequences ``lens`` (or a [len(lens), T] batch when ``fixed``)."""
         opts, o_label = self.options() if tensors is None else self.last_options
         B, T = (len(lens), lens[0]) if fixed else (1, sum(lens))
-        acts, a_label, beta, b_label = tensors or (*self.activations(B, T, self.fused), *self.beta(B, T))
+        acts, a_label = tensors or self.inputs(B, T)
         gate, g_label = self.gate_args()
-        kw = dict(acts, beta=beta, **gate, **opts, output_final_state=self.rng.random() < 0.9)
+        kw = dict(acts, **gate, **opts, output_final_state=self.rng.random() < 0.9)
         kw.update(self.initial_state(len(lens)) if slot_ids is None else
                   {"initial_state": self.pool, "initial_state_indices": slot_ids})
         shape = f"B={B},T={T}"
@@ -215,7 +219,7 @@ class _Draw:
             shape = f"n={len(lens)},T={T},cu={_SHORT[cu_dt]}"
         idx = kw.get("initial_state_indices")
         h0 = "none" if "initial_state" not in kw else "exact" if idx is None else f"pool idx={_SHORT[idx.dtype]}"
-        label = (f"prefill[{'fixed' if fixed else 'varlen'} {shape}] {a_label} {b_label} {g_label} {o_label} "
+        label = (f"prefill[{'fixed' if fixed else 'varlen'} {shape}] {a_label} {g_label} {o_label} "
                  f"h0={h0} final={int(kw['output_final_state'])}")
         return self.call(label, chunk_kda_fwd, kw)
 
@@ -231,7 +235,8 @@ class _Draw:
         slots = [-1 if self.rng.random() < 0.2 else s for s in self.slots(n)]
         return {"initial_state": self.pool, "initial_state_indices": self.indices(slots, self.pick(INDEX_DTYPES))}
 
-    def recurrent(self, live: int, draft: int, tensors=None, slot_ids: torch.Tensor | None = None) -> Call:
+    def recurrent(self, live: int, draft: int, tensors: tuple[dict, str] | None = None,
+                  slot_ids: torch.Tensor | None = None) -> Call:
         """recurrent_kda for ``live`` sequences x ``draft`` tokens; maybe padded to a bucket with -1 slots."""
         opts, o_label = self.options() if tensors is None else self.last_options
         n = live
@@ -239,16 +244,16 @@ class _Draw:
         if slot_ids is None and buckets and self.rng.random() < 0.5:  # a CUDA-graph replay pads the batch
             n = min(buckets)
         T = n * draft
-        acts, a_label, beta, b_label = tensors or (*self.activations(1, T, self.fused), *self.beta(1, T))
+        acts, a_label = tensors or self.inputs(1, T)
         gate, g_label = self.gate_args()
         if slot_ids is None:
             idx_dt = self.pick(INDEX_DTYPES)
             slot_ids = self.indices(self.slots(live) + [-1] * (n - live), idx_dt)
-        kw = dict(acts, beta=beta, **gate, **opts, state_pool=self.pool, state_indices=slot_ids)
+        kw = dict(acts, **gate, **opts, state_pool=self.pool, state_indices=slot_ids)
         if draft > 1:
             kw["draft_width"] = draft
         kind = "decode" if draft == 1 else f"verify draft={draft}"
-        label = (f"{kind}[n={n},live={live}] {a_label} {b_label} {g_label} {o_label} "
+        label = (f"{kind}[n={n},live={live}] {a_label} {g_label} {o_label} "
                  f"idx={_SHORT[slot_ids.dtype]}")
         return self.call(label, recurrent_kda, kw)
 
@@ -259,14 +264,12 @@ class _Draw:
         live = self.rng.randint(1, self.env.max_batch)
         Tp = sum(lens)
         self.last_options = self.options()
-        acts, a_label = self.activations(1, Tp + live, self.fused)
-        beta, b_label = self.beta(1, Tp + live)
+        acts, a_label = self.inputs(1, Tp + live)
         idx = self.indices(self.slots(len(lens) + live), self.pick(INDEX_DTYPES))
         pre = {name: t[:, :Tp] for name, t in acts.items()}
         dec = {name: t[:, Tp:] for name, t in acts.items()}
-        return [self.prefill(lens, tensors=(pre, a_label, beta[:, :Tp], b_label), slot_ids=idx[: len(lens)]),
-                self.recurrent(live, 1, tensors=(dec, a_label + " offset", beta[:, Tp:], b_label),
-                               slot_ids=idx[len(lens):])]
+        return [self.prefill(lens, tensors=(pre, a_label), slot_ids=idx[: len(lens)]),
+                self.recurrent(live, 1, tensors=(dec, a_label + " offset"), slot_ids=idx[len(lens):])]
 
     def call(self, label: str, fn, kwargs: dict) -> Call:
         def run():

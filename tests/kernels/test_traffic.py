@@ -65,6 +65,7 @@ def _survey(env: Envelope, n: int = 500) -> dict[str, set]:
                 seen[f"{name}.dtype"].add(kw[name].dtype)
                 seen[f"{name}.contiguous"].add(kw[name].is_contiguous())
                 seen[f"{name}.offset"].add(kw[name].storage_offset() > 0)
+                seen[f"{name}.aligned"].add(kw[name].data_ptr() % 16 == 0)  # meta pointers carry the offset
         seen["dims"].add((kw["q"].shape[-2], kw["q"].shape[-1], kw["v"].shape[-1]))
         seen["fused_gate"].add("A_log" in kw)
         seen["lower_bound"].add(kw.get("lower_bound"))
@@ -111,6 +112,8 @@ def test_switches_the_manifest_leaves_open_are_varied_and_a_lower_bound_is_alway
     assert s["fused_gate"] == {True, False} and s["l2norm"] == {True, False}
     assert s["lower_bound"] == {None, -5.0}  # None exactly where there is no fused gate
     assert s["draft"] == {1, 4}
+    for name in ("q", "k", "v", "beta", "state_indices"):  # 6 heads: offsets that are not multiples of 16 bytes
+        assert s[f"{name}.aligned"] == {True, False}, name
 
 
 def _zero_or(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
