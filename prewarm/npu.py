@@ -127,6 +127,14 @@ def option_kwargs(options: dict) -> dict:
     return out
 
 
+def _claim_once(arch: str) -> None:
+    """Before this process's first compile into the active cache dir: never add to a dir of another toolchain."""
+    cache_dir = tritoncompat.cache_dir()
+    if cache_dir not in _CLAIMED:
+        fingerprint.claim_cache_dir(cache_dir, fingerprint.current("npu", arch))
+        _CLAIMED.add(cache_dir)
+
+
 @dataclass
 class NpuTarget(Target):
     """An Ascend node: TRITON_COMPILE_ONLY launches through triton-ascend's own driver (launchers included)."""
@@ -154,10 +162,7 @@ class NpuTarget(Target):
 
     def compile(self, fn: Any, specialization_data: str) -> Any:
         """One compile-only launch that must reproduce ``specialization_data`` exactly (checked via the hook)."""
-        cache_dir = tritoncompat.cache_dir()
-        if cache_dir not in _CLAIMED:  # before compiling: never add to a dir of another toolchain
-            fingerprint.claim_cache_dir(cache_dir, fingerprint.current("npu", self.arch))
-            _CLAIMED.add(cache_dir)
+        _claim_once(self.arch)
         jit = tritoncompat.jit_function(fn)
         wanted = json.loads(specialization_data)
         args, kwargs = launch_arguments(jit, wanted, TENSOR_DEVICE)
@@ -190,6 +195,76 @@ class NpuTarget(Target):
 
 
 register("npu", "device", NpuTarget)
+
+
+# --- offline: kernel binaries on a build host with CANN and no NPU ----------------------------------------------
+
+
+class SocAnswer:
+    """Stands in for triton-ascend's NPUUtils where its compiler asks it: the npubin stage passes
+    ``--target=<NPUUtils().get_arch()>`` to bishengir-compile, which on a node asks the device; here the answer is
+    the manifest's SoC."""
+
+    def __init__(self, soc: str):
+        self.soc = soc
+
+    def __call__(self) -> "SocAnswer":  # the compiler calls NPUUtils() for an instance
+        return self
+
+    def get_arch(self) -> str:
+        return self.soc
+
+
+def _answer_soc(soc: str) -> None:
+    """Make every loaded copy of triton-ascend's compiler module (triton imports each backend twice: by name, and
+    by path from triton.backends) give bishengir-compile ``soc``."""
+    import sys
+
+    from triton.backends import backends
+
+    copies = [vars(sys.modules["triton.backends.ascend.compiler"])] if "triton.backends.ascend.compiler" in sys.modules \
+        else []
+    copies.append(backends["ascend"].compiler.add_stages.__globals__)
+    for module in copies:
+        module["NPUUtils"] = SocAnswer(soc)
+
+
+@dataclass
+class NpuOfflineTarget(Target):
+    """A container build step with the CANN toolkit and no NPU: every planned kernel compiled to its .npubin (the
+    expensive part) through the real JIT, the target-only driver giving the manifest's SoC to bishengir-compile.
+    Launchers, npu_utils.so and the precompiled header need torch_npu's headers and the node's AI-core count: the
+    node builds them at first launch (``verify --require-launchers`` lists them)."""
+
+    mode: ClassVar[str] = "offline"
+
+    def activate(self) -> None:
+        if os.environ.get("TRITON_STORE_BINARY_ONLY"):
+            raise EnvironmentProblem("TRITON_STORE_BINARY_ONLY is set: on Ascend it drops the .npubin; unset it")
+        if fingerprint.bishengir_path() is None:
+            raise EnvironmentProblem(
+                "bishengir-compile not found (PATH, then $TRITON_NPU_COMPILER_PATH/npuc): an offline NPU build needs "
+                "the CANN toolkit (source its set_env.sh); `prewarm lower` checks the front end without it"
+            )
+        activate_offline(self.arch)
+        _answer_soc(self.arch)
+
+    def compile(self, fn: Any, specialization_data: str) -> Any:
+        _claim_once(self.arch)
+        return super().compile(fn, specialization_data)
+
+    def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
+        fingerprint.claim_cache_dir(cache_dir, fingerprint.current("npu", self.arch))
+        return []
+
+    def notes(self) -> list[str]:
+        return [f"offline Ascend build for {self.arch}: kernel binaries only, compiled by this host's bishengir-compile "
+                f"for the manifest's SoC; each node builds the launchers, npu_utils.so and the precompiled header at "
+                f"first launch (needs g++ and torch_npu's headers there; verify --require-launchers lists them). "
+                f"Unverified on a real CANN toolkit until the runbook has been run"]
+
+
+register("npu", "offline", NpuOfflineTarget)
 
 
 # --- the serving process's codegen env ----------------------------------------------------------------------------

@@ -623,6 +623,20 @@ def npu_launcher(kernel) -> None:
     NPULauncher(kernel.src, kernel.metadata)
 
 
+def npu_utils_loaded() -> str | None:
+    """The npu_utils.so this process's NPU driver loaded when it started (None: no NPU driver started here)."""
+    import sys
+
+    from triton.backends import backends
+
+    named = sys.modules.get("triton.backends.ascend.driver")  # triton also loads the backend by path: two copies
+    for namespace in ([vars(named)] if named else []) + [backends["ascend"].driver.__init__.__globals__]:
+        mod = getattr(getattr(namespace.get("NPUUtils"), "instance", None), "npu_utils_mod", None)
+        if getattr(mod, "__file__", None):
+            return mod.__file__
+    return None
+
+
 def npu_utils() -> None:
     """Construct NPUUtils as the NPU driver does when a process starts it (not the driver's singleton instance)."""
     from triton.backends.ascend.driver import NPUUtils

@@ -289,8 +289,8 @@ def probe_cuda_modules(compiles: list[Compile], results: list[RequestResult], ca
 class _NpuModuleLookup(ProbeCacheManager):
     """triton-ascend's runtime-module lookups, recorded in ``seen`` and stopped before anything is built: a present
     header or npu_utils is answered with its path (npu_utils is then loaded, as the node does), an absent header
-    with the path it would have; a launcher lookup, or an absent npu_utils (needed to make a launcher), raises
-    Probe."""
+    with the path it would have, an absent npu_utils with the one this process's driver loaded (the launcher source
+    needs its AI-core count); a launcher lookup raises Probe."""
 
     seen: list[tuple[str, str, bool]] = []  # (key, file, present) of each lookup since the last clear
 
@@ -300,6 +300,9 @@ class _NpuModuleLookup(ProbeCacheManager):
         _NpuModuleLookup.seen.append((self.key, filename, present))
         if filename in tritoncompat.NPU_HEADER_FILES or filename == tritoncompat.NPU_UTILS_FILE and present:
             return path
+        loaded = tritoncompat.npu_utils_loaded() if filename == tritoncompat.NPU_UTILS_FILE else None
+        if loaded is not None:
+            return loaded
         raise Probe(self.key, self.cache_dir, filename)
 
 

@@ -129,3 +129,36 @@ def test_verify_finds_launchers_header_and_npu_utils_under_triton_ascends_own_ke
     assert doc["hits"] == TOY_COMPILES  # the kernels themselves still hit: the key does not see the variable
     assert {m["name"] for m in doc["modules"] if not m["present"]} == {"launcher"}
     assert not {m["key"] for m in doc["modules"] if m["name"] == "launcher"} & {m["key"] for m in by_name["launcher"]}
+
+
+def test_offline_build_on_a_cann_host_without_an_npu_gives_bishengir_the_manifests_soc(toy_manifest, tmp_path, node):
+    """The container build step: CANN toolkit and bishengir-compile (stand-ins), no NPU, no torch_npu, no device
+    boundary: the kernel binaries are compiled for the manifest's SoC under the keys a node looks up."""
+    host = {k: v for k, v in node.items() if k not in ("PREWARM_TEST_NPU_SOC", "PYTHONPATH")}
+    cache = tmp_path / "cache"
+    p = run_prewarm("build", "--json", toy_manifest, "--cache-dir", cache, "--mode", "offline", "--workers", "2",
+                    env=host)
+    assert p.returncode == 0, p.stderr[-3000:]
+    record = json.loads((cache / ".prewarm" / "build.json").read_text())
+    assert [r["status"] for r in record["requests"]] == ["compiled"] * TOY_COMPILES
+    lowered = json.loads(run_prewarm("lower", "--json", toy_manifest).stdout)
+    assert sorted(r["key"] for r in record["requests"]) == sorted(c["cache_key"] for c in lowered["compiles"])
+    for r in record["requests"]:
+        (npubin,) = (cache / r["key"]).glob("*.npubin")
+        assert npubin.read_bytes().startswith(f"NPUBIN 8.3.RC1 --target={ARCH} ".encode())
+    assert not list(cache.glob("*/launcher_cxx11abi*")) and not list(cache.glob("*/npu_utils.so"))
+    assert (cache / fingerprint.TOOLCHAIN_RECORD).is_file()
+    # a node of that SoC (device boundary only) finds every kernel; its launchers are what it still builds
+    p = verify(toy_manifest, cache, node, "--require-launchers")
+    doc = json.loads(p.stdout)["will_hit"]
+    assert doc["hits"] == TOY_COMPILES and p.returncode == WillMissError.exit_code, p.stderr[-3000:]
+    assert {m["name"] for m in doc["modules"] if not m["present"]} == {"launcher", "precompiled.h", "npu_utils"}
+    assert sum(m["kernels"] for m in doc["modules"] if m["name"] == "launcher") == TOY_COMPILES
+
+
+def test_offline_build_needs_the_cann_compiler(toy_manifest, tmp_path, node):
+    host = {k: v for k, v in node.items() if k not in ("PREWARM_TEST_NPU_SOC", "PYTHONPATH")}
+    p = run_prewarm("build", toy_manifest, "--cache-dir", tmp_path / "c", "--mode", "offline",
+                    env={**host, "PATH": "/usr/bin:/bin"})
+    assert p.returncode == EnvironmentProblem.exit_code and "an offline NPU build needs the CANN toolkit" in " ".join(
+        p.stderr.split())
