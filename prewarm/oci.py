@@ -196,8 +196,7 @@ class OciStore(Store):
             raise StoreError(f"{url}: insecure (plain HTTP) is only allowed for a loopback registry "
                              f"(localhost, 127.0.0.0/8, ::1); {self.ref.host} must use TLS")
         self.registry = _Registry(self.ref.host, insecure, timeout)
-        self.container = oras.container.Container(f"{self.ref.repo}:{self.ref.tag or 'latest'}", self.ref.host)
-        self.container.registry = self.ref.host  # oras's parser takes "a.b/c" for a registry: ours is explicit
+        self.container = self._container(self.ref.repo)
         self.registry.auth.load_configs(self.container, configs=_auth_files())
         self._manifest: dict | None = None  # the manifest this store reads from, fetched once
         self.manifest_digest: str | None = None  # of that manifest, or of the one this store pushed
@@ -206,6 +205,15 @@ class OciStore(Store):
         self.notes: list[str] = []  # what a user should know (a pinned tag that moved)
 
     # --- requests ------------------------------------------------------------------------------------------
+
+    def _container(self, repo: str) -> oras.container.Container:
+        """oras's URL builder for a repository of this registry. Its fields are set, not parsed: its parser takes
+        a first path part with a dot ("my.team/kimi") for a registry host."""
+        container = oras.container.Container(f"x:{self.ref.tag or 'latest'}", self.ref.host)
+        namespace, _, container.repository = repo.rpartition("/")
+        container.namespace = namespace or None
+        container.registry = self.ref.host
+        return container
 
     def _url(self, path: str) -> str:
         return f"{self.registry.prefix}://{path}"
@@ -238,8 +246,7 @@ class OciStore(Store):
 
     def has_blob(self, digest: str, repo: str | None = None) -> bool:
         """Whether this repository (or ``repo`` of the same registry) has the blob."""
-        container = self.container if repo is None else oras.container.Container(f"{repo}:latest", self.ref.host)
-        container.registry = self.ref.host
+        container = self.container if repo is None else self._container(repo)
         try:
             self._request("HEAD", self._url(container.get_blob_url(digest)), f"HEAD blob {digest} in {repo or 'it'}")
             return True

@@ -63,7 +63,7 @@ def signed_bundle(triton_cache, tmp_path) -> tuple[Path, Path]:
 def test_push_to_two_repos_install_verify_and_oras_pull_gets_the_bundle(signed_bundle, registry, tmp_path):
     bundle, pub = signed_bundle
     n = len(list((bundle / OBJECTS).iterdir()))
-    urls = [registry.url("team-a/kimi:v1"), registry.url("team-b/kimi:v1")]
+    urls = [registry.url("team-a/kimi:v1"), registry.url("team.b/kimi:v1")]  # "team.b": a dot, still no host
     first = json.loads(run_cli("push", bundle, *urls, "--insecure", "--json").stdout)
     assert first["ok"] and [t["sent"] for t in first["targets"]] == [n, n]
 
@@ -86,7 +86,7 @@ def test_push_to_two_repos_install_verify_and_oras_pull_gets_the_bundle(signed_b
         [OBJECT_MEDIA_TYPE] * n + [INDEX_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE])
     assert doc["annotations"]["dev.prewarm.entries"] == str(n)
     assert "triton.version=" in doc["annotations"]["dev.prewarm.fingerprint"]
-    assert manifest_of(registry, "team-b/kimi:v1")[2] == digest  # same bundle, same manifest, any repository
+    assert manifest_of(registry, "team.b/kimi:v1")[2] == digest  # same bundle, same manifest, any repository
 
     # oras's own client pulls exactly the bundle directory, which installs like any bundle dir
     pulled = tmp_path / "pulled"
