@@ -5,9 +5,10 @@ within a deployment's declared envelope (heads per rank, head dims, activation d
 widths, gate lower bound, backend) the way a server makes them, and varies everything the envelope does not fix:
 
 - packed varlen prefills (1..16 sequences of 1..``max_seq_len`` tokens, now and then a long one), fixed-length
-  batched prefills, initial states from the pool by index (-1: a new sequence), none, or exactly one per sequence, decode batches of 1 up to twice the largest bucket (padded to a bucket with -1 slots, as a
-  CUDA-graph replay does, or not), verify with every draft width, mixed batches (prefill and decode tokens in one
-  buffer: the decode part is a view with a storage offset, its state indices a slice of the batch's);
+  batched prefills, initial states from the pool by index (-1: a new sequence), none, or exactly one per
+  sequence; decode batches of 1 up to twice the largest bucket (padded to a bucket with -1 slots, as a CUDA-graph
+  replay does, or not), verify with every draft width, mixed batches (prefill and decode tokens in one buffer:
+  the decode part is a view with a storage offset, its state indices a slice of the batch's);
 - every dtype the API accepts where the envelope does not fix it: beta, A_log, dt_bias in bf16 / fp16 / fp32,
   the gate in the activation dtype or fp32, state indices and ``cu_seqlens`` int32 / int64;
 - q/k/v(/g) as contiguous tensors or as views split out of one fused projection; beta contiguous, a strided half
@@ -20,7 +21,6 @@ data and only the launches matter (the closure test captures them); on a real de
 """
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -105,6 +105,9 @@ class _Draw:
         self.gen = None if self.device.type == "meta" else torch.Generator(self.device).manual_seed(seed)
         self.pool = self.tensor((env.pool_size, env.heads, env.head_k_dim, env.head_v_dim), torch.float32,
                                 lambda x: x.normal_(0, 0.5, generator=self.gen))
+        # the current call's switches (set by options(); a mixed batch's two calls share them)
+        self.fused = self.qk_norm = False
+        self.last_options: tuple[dict, str] = ({}, "")
 
     # --- tensors --------------------------------------------------------------------------------------------
 
