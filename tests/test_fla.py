@@ -1,0 +1,146 @@
+"""fla-core 0.6.0's KDA planned and built offline under the H200 profile (prewarm.providers.fla_kda).
+
+Coverage is checked against traffic written independently of the provider (``bench/fla_traffic.py``: random
+lengths, sequence counts, batch sizes, beta dtypes, views) run through fla's public API on meta tensors: every
+compile request it makes must be a planned one. Builds run as CLI processes, so the device profile never reaches
+this test process's later tests.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prewarm import devices, tritoncompat
+from prewarm.manifest import load
+from prewarm.plan import expand, expand_all, plan, resolve
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = REPO / "manifests" / "kimi-linear-h200-fla.toml"
+FIXED_SEEDS = [0, 1, 2]
+
+
+def traffic_module():
+    spec = importlib.util.spec_from_file_location("fla_traffic", REPO / "bench" / "fla_traffic.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """The shipped manifest planned in this process (H200 profile on), every compile it expands to; afterwards
+    torch.cuda and Triton's driver are put back for the other tests."""
+    from triton.runtime.driver import driver
+
+    saved = driver._active
+    try:
+        m = load(MANIFEST)
+        p = plan(m)
+        yield m, p, expand_all(p.requests)
+    finally:
+        devices.deactivate()
+        driver._active = saved
+
+
+def test_the_plan_answers_as_the_h200_and_takes_fla_hopper_path(planned):
+    import fla.utils.hardware as hw
+
+    assert devices.active() is devices.PROFILES["H200"]
+    assert hw.IS_NVIDIA_HOPPER and hw.device == "cuda" and hw.check_shared_mem("hopper")
+
+
+def test_every_autotune_config_fla_keeps_is_a_compile(planned):
+    """For each planned call of an autotuned fla kernel that prunes nothing, one compile per config."""
+    from triton.runtime.autotuner import Autotuner
+
+    _, p, _ = planned
+    checked = 0
+    for r in p.requests:
+        obj = resolve(r.kernel)
+        while not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+            obj = obj.fn
+        if isinstance(obj, Autotuner) and obj.early_config_prune is None and obj.perf_model is None:
+            assert len({c.specialization for c in expand(r)}) == len(obj.configs), r.label
+            checked += 1
+    assert checked >= 8  # l2norm at each token bucket, at least
+
+
+def test_every_l2norm_token_bucket_of_the_envelope_is_planned(planned):
+    """fla's own l2norm_fwd at token counts across the envelope picks only planned NB values."""
+    import torch
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    from prewarm.providers.fla_kda import intercepted
+
+    _, p, _ = planned
+    nb_planned = {r.kwargs["NB"] for r in p.requests if r.kernel.endswith(":l2norm_fwd_kernel")}
+    heads, d = 32, 128
+    seen = set()
+    for t in sorted({1, 2047, 2048, 2049, 16383, 16384, *random.Random(7).sample(range(1, 16385), 200)}):
+        with intercepted() as launches:
+            l2norm_fwd(torch.empty(1, t, heads, d, dtype=torch.bfloat16, device="meta"))
+        seen |= {launch.kwargs["NB"] for launch in launches}
+    assert seen == nb_planned == set(range(1, 9))
+
+
+def seeds() -> list[int]:
+    return FIXED_SEEDS + [random.SystemRandom().randrange(10**3, 10**9)]
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_independent_fla_traffic_requests_nothing_the_plan_lacks(planned, seed):
+    from prewarm.providers.fla_kda import intercepted
+
+    m, _, compiles = planned
+    have = {c.specialization for c in compiles}
+    missed: dict[str, str] = {}
+    n = 0
+    for call in traffic_module().calls(m.spec(), seed, 30, "meta"):
+        with intercepted() as launches:
+            call.run()
+        for launch in launches:
+            with tritoncompat.compile_requests(skip=True) as captured:
+                tritoncompat.warmup(launch.kernel, launch.args, launch.kwargs, grid=(1,))
+            n += len(captured)
+            for data in captured:
+                if data not in have:
+                    missed.setdefault(data, f"{call.label} -> {tritoncompat.kernel_ref(launch.kernel)}")
+    assert n > 0
+    assert not missed, f"seed {seed}: {len(missed)} unplanned compile requests, e.g. {list(missed.values())[:5]}"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prewarm.cli", *args], capture_output=True, text=True, cwd=REPO)
+
+
+def small_manifest(tmp_path: Path, device_line: str, serving: str) -> Path:
+    text = MANIFEST.read_text().replace('device = "H200"', device_line)
+    text = text.split("[serving]")[0] + "[serving]\n" + serving + '\n[[kernels]]\nprovider = "prewarm.providers.fla_kda"\n'
+    path = tmp_path / "fla.toml"
+    path.write_text(text)
+    return path
+
+
+def test_without_a_device_the_plan_says_which_key_to_set(tmp_path):
+    done = run_cli("plan", str(small_manifest(tmp_path, "", "prefill = false\ndecode_batch_buckets = [1]")))
+    assert done.returncode == 3, done.stderr
+    assert "[target] device = \"H200\"" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_decode_and_verify_build_offline_in_worker_processes_and_verify_clean(tmp_path):
+    manifest = small_manifest(tmp_path, 'device = "H200"',
+                              "prefill = false\ndecode_batch_buckets = [1, 64]\ndraft_widths = [3]")
+    done = run_cli("build", str(manifest), "--cache-dir", str(tmp_path / "cache"), "--mode", "offline",
+                   "--workers", "2", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    # fused_recurrent_kda: {bf16, fp32 gate} x {bf16, fp32 beta} x {equal-length, packed}; N, T never specialized
+    assert (report["failed"], report["compiled"]) == (0, 8)
+    check = run_cli("verify", "--cache-dir", str(tmp_path / "cache"), "--plan", str(manifest), "--json")
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
