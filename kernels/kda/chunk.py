@@ -25,7 +25,7 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     raw gate when ``A_log`` [H] and ``dt_bias`` [H*K] are given (activated in the cumsum kernel; ``lower_bound``
     selects the bounded sigmoid gate); beta: [B, T, H], any float dtype (used in fp32, as A_log and dt_bias).
     ``initial_state`` is an fp32 pool [P, H, K, V] indexed per sequence by ``initial_state_indices`` [N] (int32 or
-    int64; or the pool holds exactly N states). Views and unaligned tensors are accepted (copied once, see
+    int64; an index < 0 starts that sequence from zeros; without indices the pool holds exactly N states). Views and unaligned tensors are accepted (copied once, see
     ``common.canonical``). Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None).
     Pass ``cu_seqlens`` on the CPU: the chunk index is built there, and a device tensor would cost a sync.
     """
