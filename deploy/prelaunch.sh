@@ -20,6 +20,13 @@
 #                          (an init container or a systemd unit), not once per rank.
 #   PREWARM_REQUIRE_AUTOTUNE  1 = also refuse to start when a kept autotune result is absent (for bundles from a
 #                          `--mode device` build; an offline bundle never has them)   (default 0)
+#   PREWARM_GUARD          the server runs under `prewarm guard`: every Triton compile the cache lacks, in any of
+#                          its processes, is logged on stderr with what differs from the plan and recorded.
+#                          warn (default) | error (refuse it: for testing a serving image in CI) | off
+#   PREWARM_GUARD_RECORD   where those requests are appended, as `prewarm record` lines: add it to the manifest
+#                          (`[[kernels]] record = "..."`) and the next build covers them
+#                          (default $TRITON_CACHE_DIR/.prewarm/guard.jsonl: every rank of the node, one file)
+#   PREWARM_GUARD_ARM      import (default) | manual: the server calls prewarm.guard.arm() after its own warmup
 set -eu
 
 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/var/cache/triton}"
@@ -47,6 +54,12 @@ else
     prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE
 fi
 
+PREWARM_GUARD="${PREWARM_GUARD:-warn}"
+PREWARM_GUARD_RECORD="${PREWARM_GUARD_RECORD:-$TRITON_CACHE_DIR/.prewarm/guard.jsonl}"
+PREWARM_GUARD_PLAN="${PREWARM_GUARD_PLAN:-$PREWARM_MANIFEST}"
+export PREWARM_GUARD PREWARM_GUARD_RECORD PREWARM_GUARD_PLAN
+mkdir -p "$(dirname "$PREWARM_GUARD_RECORD")"
+
 if [ "$#" -gt 0 ]; then
-    exec "$@"
+    exec prewarm guard -- "$@"
 fi

@@ -81,7 +81,11 @@ class _Guard:
         entry = request_entry(fn, compile)
         explanation = self.explain(entry["kernel"], data, cache_dir, found.key)
         if self.record:
-            append(self.record, {**entry, "guard": explanation})
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(self.record)), exist_ok=True)
+                append(self.record, {**entry, "guard": explanation})
+            except OSError as e:  # the server goes on; the log line below still says what compiled
+                print(f"prewarm guard: cannot append to {self.record}: {e}", file=sys.stderr)
         doing = "refusing to compile" if self.mode == "error" else "compiling"
         print(f"prewarm guard: {doing} {entry['kernel']}: {why}; {explanation}", file=sys.stderr)
         if self.mode == "error":

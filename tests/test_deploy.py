@@ -120,6 +120,7 @@ def prewarm_verbs_in_shell(text: str) -> list[str]:
     verbs = []
     for segment in re.split(r"&&|\|\||;|\n|\bthen\b|\belse\b|\bdo\b", text):
         words = segment.split()
+        words = words[1:] if words[:1] == ["exec"] else words
         if words[:1] == ["prewarm"] and len(words) > 1:
             verbs.append(words[1])
     return verbs
@@ -154,6 +155,10 @@ class Image:
         verbs = self.log.read_text().split() if self.log.exists() else []
         self.log.unlink(missing_ok=True)
         return verbs
+
+
+# stands in for the server program: says whether it runs under the guard, then that it started
+SERVER = ["sh", "-c", 'echo "guard=$PREWARM_GUARD record=$PREWARM_GUARD_RECORD"; echo server-started']
 
 
 def clean_env(**values: str) -> dict[str, str]:
@@ -331,6 +336,16 @@ def test_k8s_init_containers_install_then_verify_before_the_server(baked, tmp_pa
                 assert "nothing to do" in p.stdout, f"a repeated install should be a no-op:\n{p.stdout}"
     assert found == ["install", "verify"]
     assert image.verbs_run() == found * 2
+    # the server container's own command: `prewarm guard` with the program after "--" standing in for the server
+    argv = [k8s_expand(a, server_env) for a in server.get("command", []) + server.get("args", [])]
+    assert argv[:3] == ["prewarm", "guard", "--"], f"the server must run under `prewarm guard`: {argv}"
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in server["volumeMounts"]}
+    env = {k: local(v, mounts, image) for k, v in server_env.items()}
+    p = run(argv[:3] + SERVER, clean_env(PATH=f"{image.path('/opt/prewarm/venv/bin')}:{os.environ['PATH']}", **env),
+            "server container")
+    assert f"guard=warn record={env['TRITON_CACHE_DIR']}/.prewarm/guard.jsonl" in p.stdout, p.stdout
+    assert Path(env["PREWARM_GUARD_PLAN"]).is_file(), "the server's PREWARM_GUARD_PLAN is not the image's manifest"
+    assert image.verbs_run() == ["guard"]
 
 
 # --- the pre-launch script -----------------------------------------------------------------------------------------
@@ -338,8 +353,7 @@ def test_k8s_init_containers_install_then_verify_before_the_server(baked, tmp_pa
 
 def prelaunch(image: Image, env: dict[str, str]) -> subprocess.CompletedProcess:
     env = clean_env(PATH=f"{image.path('/opt/prewarm/venv/bin')}:{os.environ['PATH']}", **env)
-    return subprocess.run(["/bin/sh", str(PRELAUNCH), "sh", "-c", "echo server-started"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(["/bin/sh", str(PRELAUNCH), *SERVER], env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_prelaunch_script_every_branch_runs_and_starts_the_server(baked, tmp_path):
@@ -359,8 +373,11 @@ def test_prelaunch_script_every_branch_runs_and_starts_the_server(baked, tmp_pat
         assert p.returncode == 0, f"{name}: prelaunch exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
         assert_clean(p, name)
         assert p.stdout.rstrip().endswith("server-started"), f"{name}: the server did not start last:\n{p.stdout}"
-        ran += image.verbs_run()
-    assert sorted(ran) == sorted(found), f"ran {ran}, the script holds {found}"
+        assert f"guard=warn record={cache}/.prewarm/guard.jsonl" in p.stdout, f"{name}: not started under the guard"
+        verbs = image.verbs_run()
+        assert verbs[-1] == "guard", f"{name}: the server must be exec'd by `prewarm guard` last, ran {verbs}"
+        ran += verbs[:-1]
+    assert sorted(ran + ["guard"]) == sorted(found), f"ran {ran} (+ guard in each branch), the script holds {found}"
     for store in ("store-a", "store-b"):
         assert (tmp_path / store / "index.json").is_file(), f"the node's bundle was not pushed to {store}"
 
@@ -394,4 +411,4 @@ def test_prelaunch_requiring_autotune_results_refuses_an_offline_bundle(baked, t
     p = prelaunch(image, {**env, "TRITON_CACHE_DIR": str(tmp_path / "node-b"), "PREWARM_REQUIRE_AUTOTUNE": "1"})
     assert p.returncode == 5, f"expected exit 5, got {p.returncode}:\n{p.stdout}\n{p.stderr}"
     assert "server-started" not in p.stdout and "0 kept, 2 absent" in p.stdout.replace("\n", " ")
-    assert image.verbs_run() == ["install", "verify", "install", "verify"]
+    assert image.verbs_run() == ["install", "verify", "guard", "install", "verify"]
