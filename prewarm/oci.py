@@ -44,14 +44,14 @@ import os
 import re
 from dataclasses import dataclass
 
+import fsspec
 import oras.auth
 import oras.container
 import oras.provider
 import oras.utils
-import fsspec
 import requests
 
-from .bundle import INDEX, OBJECTS, SIGNATURE, parse_index
+from .bundle import INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, parse_index, read_bounded
 from .errors import IntegrityError, StoreError
 from .store import Store
 
@@ -202,7 +202,6 @@ class OciStore(Store):
         self.manifest_digest: str | None = None  # of that manifest, or of the one this store pushed
         self._signature: dict | None = None  # descriptor of a signature written before the index
         self._absent: set[str] = set()  # digests missing() just found absent: their upload skips a second HEAD
-        self.notes: list[str] = []  # what a user should know (a pinned tag that moved)
 
     # --- requests ------------------------------------------------------------------------------------------
 
@@ -241,8 +240,10 @@ class OciStore(Store):
     def _blob_url(self, digest: str) -> str:
         return self._url(self.container.get_blob_url(digest))
 
-    def _get_blob(self, digest: str, what: str) -> bytes:
-        return self._request("GET", self._blob_url(digest), what).content
+    def _stream(self, url: str, what: str, **kwargs):
+        r = self._request("GET", url, what, stream=True, **kwargs)
+        r.raw.decode_content = True
+        return r.raw
 
     def has_blob(self, digest: str, repo: str | None = None) -> bool:
         """Whether this repository (or ``repo`` of the same registry) has the blob."""
@@ -283,13 +284,15 @@ class OciStore(Store):
         if self._manifest is not None:
             return self._manifest
         ref = self.ref.digest or self.ref.tag
-        r = self._request("GET", self._url(self.container.manifest_url(ref)), f"manifest {ref}",
-                          headers={"Accept": MANIFEST_MEDIA_TYPE})
-        digest = "sha256:" + hashlib.sha256(r.content).hexdigest()
+        what = f"manifest {ref}"
+        url = self._url(self.container.manifest_url(ref))
+        stream = self._stream(url, what, headers={"Accept": MANIFEST_MEDIA_TYPE})
+        body = read_bounded(stream, MAX_INDEX_BYTES, f"{self.url}: {what}")  # it grows with the index
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
         if self.ref.digest and digest != self.ref.digest:
             raise IntegrityError(f"{self.url}: the registry's manifest has digest {digest}: corrupted or tampered")
         try:
-            doc = json.loads(r.content)
+            doc = json.loads(body)
             assert isinstance(doc, dict) and isinstance(doc.get("config"), dict)
         except (ValueError, AssertionError):
             raise IntegrityError(f"{self.url}: manifest {digest} is not an OCI image manifest") from None
@@ -312,8 +315,7 @@ class OciStore(Store):
         if moved_to != self.ref.digest:
             note = (f"{self.ref.host}/{self.ref.repo}:{self.ref.tag} now points to {moved_to}; "
                     f"reading the pinned {self.ref.digest}")
-            self.notes.append(note)
-            log.warning(note)
+            log.warning(note)  # the CLI shows it on stderr (logging's last resort); the install goes on
 
     def _descriptor(self, name: str) -> dict:
         doc = self.manifest()
@@ -350,8 +352,9 @@ class OciStore(Store):
     # --- the Store interface -------------------------------------------------------------------------------
 
     def read(self, name: str) -> bytes:
-        if m := _OBJECT_NAME.match(name):  # named by the (checked) index; install checks its sha256
-            return self._get_blob(f"sha256:{m.group(1)}", name)
+        if _OBJECT_NAME.match(name):  # named by the (checked) index; install checks its sha256
+            with self.open(name) as f:
+                return f.read()
         if name not in (INDEX, SIGNATURE):
             raise FileNotFoundError(f"{self.url}: a bundle has no {name}")
         try:
@@ -360,7 +363,10 @@ class OciStore(Store):
             if name == INDEX:  # no manifest at this reference: say so in the registry's words
                 raise StoreError(f"{e} (push a bundle there with `prewarm push BUNDLE {self.url}`)") from None
             raise
-        data = self._get_blob(desc["digest"], name)
+        size = desc.get("size")
+        if not isinstance(size, int) or not 0 <= size <= MAX_INDEX_BYTES:
+            raise IntegrityError(f"{self.url}: manifest lists {name} with size {size!r}: malformed")
+        data = read_bounded(self._stream(self._blob_url(desc["digest"]), name), size, f"{self.url}: {name}")
         if "sha256:" + hashlib.sha256(data).hexdigest() != desc["digest"]:
             raise IntegrityError(f"{self.url}: blob {desc['digest']} ({name}) does not match its digest: tampered")
         return data
@@ -368,9 +374,7 @@ class OciStore(Store):
     def open(self, name: str):
         """Objects stream from the registry (install checks them as they are written); the rest via ``read``."""
         if m := _OBJECT_NAME.match(name):
-            r = self._request("GET", self._blob_url(f"sha256:{m.group(1)}"), name, stream=True)
-            r.raw.decode_content = True
-            return r.raw
+            return self._stream(self._blob_url(f"sha256:{m.group(1)}"), name)
         return io.BytesIO(self.read(name))
 
     def write(self, name: str, data: bytes) -> None:
