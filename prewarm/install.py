@@ -227,6 +227,13 @@ def check_entry(cache_dir: str, key: str, files: tuple[FileRecord, ...]) -> Entr
     return c
 
 
+def kept_as_built(files: tuple[FileRecord, ...], c: EntryCheck, recorded: tuple[FileRecord, ...] | None) -> bool:
+    """A C module the runtime builds (launcher, cuda_utils, npu_utils, precompiled header) differs per build: a
+    complete one for the same key is as good as the bundle's, unless a receipt recorded other bytes for it."""
+    complete = not (c.missing or c.unexpected or c.outside) and len(c.on_disk) == len(files)
+    return complete and is_runtime_module(files) and set(recorded or c.on_disk) == set(c.on_disk)
+
+
 def _listing(base: str, prefix: str = "") -> list[str]:
     """Everything under an entry dir that is not a directory (links, FIFOs included), relative."""
     try:
@@ -452,10 +459,7 @@ def _install_locked(bundle: Bundle, source: str, cache_dir: Path, res: InstallRe
     for e, c in zip(entries, checks):
         if c.clean:
             continue
-        # A C module the runtime builds (launcher, cuda_utils, npu_utils, precompiled header) differs per build:
-        # a complete one for the same key is as good as the bundle's, unless a receipt recorded other bytes.
-        complete = not (c.missing or c.unexpected or c.outside) and len(c.on_disk) == len(e.files)
-        if complete and is_runtime_module(e.files) and set(recorded.get(e.key, c.on_disk)) == set(c.on_disk):
+        if kept_as_built(e.files, c, recorded.get(e.key)):
             kept[e.key] = tuple(c.on_disk)
             continue
         todo.append(e)

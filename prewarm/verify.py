@@ -24,7 +24,8 @@ from pathlib import Path
 from . import fingerprint
 from .bundle import GROUP_PREFIX, META_DIR, list_entries, read_build_record, relative_group
 from .errors import FingerprintMismatch, IntegrityError
-from .install import check_entry, default_cache_dir, installed_files, node_fingerprint, read_bundle, read_receipts
+from .install import (check_entry, default_cache_dir, installed_files, kept_as_built, node_fingerprint, read_bundle,
+                      read_receipts)
 
 @dataclass
 class FactorRow:
@@ -123,11 +124,12 @@ def verify(
         )
         indexes, against = [b.index], [bundle]
         entries = {e.key: e.files for e in b.index.entries}
+        recorded = installed_files(read_receipts(cache_dir, strict=False))  # runtime-built modules kept by install
     else:
         receipts = read_receipts(cache_dir)
         indexes = [r.index for r in receipts]
         against = [f"receipt {r.path.stem[:16]}... (install #{r.seq})" for r in receipts]
-        entries = installed_files(receipts)
+        entries = recorded = installed_files(receipts)
         if not receipts:
             if not read_build_record(cache_dir):
                 raise IntegrityError(
@@ -143,7 +145,9 @@ def verify(
     check = functools.partial(check_entry, str(cache_dir))
     with cf.ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
         results = pool.map(check, entries, entries.values()) if pool else map(check, entries, entries.values())
-        for files, c in zip(entries.values(), results):
+        for (key, files), c in zip(entries.items(), results):
+            if not c.clean and kept_as_built(files, c, recorded.get(key)):
+                c.modified = []  # install keeps such a module as built on the node: verify agrees with it
             report.modified += c.modified
             report.missing += c.missing
             report.unexpected += c.unexpected

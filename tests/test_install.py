@@ -250,6 +250,7 @@ def test_two_genuine_bundles_sharing_a_rebuilt_cuda_utils_install_in_either_orde
         assert report.ok, report.to_json()
         assert _sha(node / ua.key / ua.files[0].path) == _cuda_utils(first).files[0].sha256
         assert install(str(first), node).noop and install(str(second), node).noop  # install and verify agree
+        assert verify(node, bundle=str(first)).ok and verify(node, bundle=str(second)).ok
         assert run_cli("verify", "--cache-dir", node).returncode == 0
 
 
@@ -264,8 +265,9 @@ def test_a_same_size_flip_in_an_installed_file_is_repaired_by_reinstall(two_buil
         flipped = bytearray(path.read_bytes())
         flipped[len(flipped) // 2] ^= 0x10
         path.write_bytes(bytes(flipped))
-        report = verify(node)
-        assert report.modified == [path.relative_to(node).as_posix()] and report.exit_code == IntegrityError.exit_code
+        for report in (verify(node), verify(node, bundle=str(a)), verify(node, bundle=str(b))):
+            assert report.modified == [path.relative_to(node).as_posix()]
+            assert report.exit_code == IntegrityError.exit_code
         r = install(str(b), node)  # install said "nothing to do" here before: it checked names and sizes only
         assert (r.noop, r.installed, r.replaced) == (False, 1, 1)
         assert verify(node).ok
