@@ -37,6 +37,7 @@ class KernelSource:
     args: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    close: bool = False  # record entries: also each recorded int argument's other specialization classes
 
 
 @dataclass(frozen=True)
@@ -241,8 +242,9 @@ def _kernel(path: Path, i: int, entry: Any) -> KernelSource:
         rec = (path.parent / rel).resolve()
         if not rec.is_file():
             raise r.fail("record", rel, f"an existing file (looked for {rec})")
+        close = r.get("close", bool, "true or false (compile the other specialization classes of recorded ints)", False)
         r.done()
-        return KernelSource("record", str(rec), where, label=label)
+        return KernelSource("record", str(rec), where, label=label, close=close)
     ref = r.get("function", str, "'module:function'", check=lambda v: _REF.match(v))
     args = r.get("args", dict, "a table of parameter name -> value", {})
     for name, value in args.items():

@@ -33,6 +33,7 @@ class Request:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     specialization: str | None = None
+    close: bool = False  # recorded: also compile its specialized ints' other classes (see other_int_classes)
 
     @property
     def ident(self) -> str:
@@ -108,7 +109,7 @@ def _from_source(manifest: Manifest, src: KernelSource) -> list[Request]:
     if src.kind == "provider":
         return _from_provider(manifest, src)
     if src.kind == "record":
-        return load_record(src.ref, source=f"{src.where} {src.ref}")
+        return load_record(src.ref, source=f"{src.where} {src.ref}", close=src.close)
     return _from_function(manifest, src)
 
 
@@ -162,8 +163,9 @@ def _from_function(manifest: Manifest, src: KernelSource) -> list[Request]:
     return out
 
 
-def load_record(path: str, source: str | None = None) -> list[Request]:
-    """Requests from a ``prewarm record`` file (JSON lines), deduplicated, in first-seen order."""
+def load_record(path: str, source: str | None = None, close: bool = False) -> list[Request]:
+    """Requests from a ``prewarm record`` file (JSON lines), deduplicated, in first-seen order; ``close``: each
+    expands to its specialized ints' other classes too (:func:`other_int_classes`)."""
     out: dict[str, Request] = {}
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -188,7 +190,7 @@ def load_record(path: str, source: str | None = None) -> list[Request]:
             )
         data = _this_hosts(data, f"{path}:{n}")
         label = entry.get("label") or f"{name.rsplit('.', 1)[-1]} [{describe_specialization(data)}]"
-        req = Request(kernel, label, source or path, specialization=data)
+        req = Request(kernel, label, source or path, specialization=data, close=close)
         out.setdefault(req.ident, req)
     return list(out.values())
 
@@ -350,7 +352,11 @@ def expand_all(requests: list[Request]) -> list[Compile]:
 def expand(request: Request) -> list[Compile]:
     """The compiles Triton makes for ``request`` under the active target: one per autotune config, in order."""
     if request.specialization is not None:
-        return [Compile(request.ident, request.kernel, request.label, request.specialization)]
+        out = [Compile(request.ident, request.kernel, request.label, request.specialization)]
+        if request.close:
+            out += [Compile(request.ident, request.kernel, f"{request.label} [closed: {what}]", data)
+                    for what, data in other_int_classes(resolve(request.kernel), request.specialization)]
+        return out
     kernel = resolve(request.kernel)
     args = tuple(decode(a) for a in request.args)
     kwargs = {k: decode(v) for k, v in request.kwargs.items()}
@@ -363,3 +369,59 @@ def expand(request: Request) -> list[Compile]:
                 f"{request.label} [{describe_specialization(d)}]" if many else request.label, d)
         for d in unique
     ]  # fmt: skip
+
+
+# --- closing recorded traffic ------------------------------------------------------------------------------------
+
+# The classes Triton (3.4+) puts a specialized int argument in, as a compile request records them.
+_INT_CLASSES = {"1": "=1", "D": "%16=0", "": " other"}
+
+
+def other_int_classes(kernel: Any, data: str) -> list[tuple[str, str]]:
+    """``data`` (a recorded compile request, triton 3.4+) with its specialized int arguments in every other
+    combination of the classes Triton tells apart (equal to 1: compiled in; a multiple of 16; neither), as
+    (description, specialization data) pairs, so a recording from one traffic sample also covers the next batch
+    size. Arguments the kernel declares ``do_not_specialize`` (fla's T and N), constexprs, annotated ones and
+    triton 3.2 data (constexprs keyed by name) are left as recorded. The data's ``key`` (the in-memory cache key)
+    is kept: Triton's on-disk key does not read it."""
+    obj = json.loads(data)
+    if "constant_keys" not in obj:
+        return []
+    sig = obj["signature"]
+    consts = {tuple(k): v for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
+    choices = []  # (param, width, classes, recorded class)
+    for p in tritoncompat.jit_function(kernel).params:
+        ty, path = sig.get(p.name), (p.num,)
+        if p.is_constexpr or p.do_not_specialize or getattr(p, "annotation_type", None):
+            continue
+        if ty == "constexpr" and consts.get(path) == 1:
+            width, now = "i32", "1"
+        elif ty in ("i32", "i64"):
+            width, now = ty, "D" if ["tt.divisibility", 16] in attrs.get(path, []) else ""
+        else:
+            continue
+        classes = ["1", "D", ""] if width == "i32" else ["D", ""]
+        if p.do_not_specialize_on_alignment:
+            classes.remove("D")
+        choices.append((p, width, classes, now))
+    out = []
+    for combo in itertools.product(*(c[2] for c in choices)):
+        if all(cls == c[3] for cls, c in zip(combo, choices)):
+            continue  # the recorded request itself
+        new_sig, new_consts, new_attrs = dict(sig), dict(consts), dict(attrs)
+        for cls, (p, width, _, _) in zip(combo, choices):
+            path = (p.num,)
+            if cls == "1":
+                new_sig[p.name], new_consts[path] = "constexpr", 1
+                new_attrs.pop(path, None)
+            else:
+                new_sig[p.name] = width
+                new_consts.pop(path, None)
+                new_attrs[path] = [["tt.divisibility", 16]] if cls == "D" else []
+        variant = {**obj, "signature": new_sig,
+                   "constant_keys": [list(k) for k in sorted(new_consts)], "constant_vals": [new_consts[k] for k in sorted(new_consts)],
+                   "attrs_keys": [list(k) for k in sorted(new_attrs)], "attrs_vals": [new_attrs[k] for k in sorted(new_attrs)]}  # fmt: skip
+        what = " ".join(f"{c[0].name}{_INT_CLASSES[cls]}" for cls, c in zip(combo, choices))
+        out.append((what, json.dumps(variant)))
+    return out

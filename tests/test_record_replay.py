@@ -106,3 +106,39 @@ def test_any_other_absolute_path_option_missing_here_is_named(recorded):
     rewrite_options(tmp / "local.jsonl", tmp / "dump.jsonl", lambda o: o.update(instrumentation_mode="/h200/dump.so"))
     with pytest.raises(ManifestError, match=r"dump\.jsonl:1: option instrumentation_mode = '/h200/dump.so'"):
         load_record(str(tmp / "dump.jsonl"))
+
+
+# --- closing recorded traffic over the specialization classes of its ints ---------------------------------------
+
+
+def without_key(data: str) -> dict:
+    return {k: v for k, v in json.loads(data).items() if k != "key"}  # the in-memory key: not in the disk key
+
+
+def test_closing_a_recorded_request_gives_what_triton_makes_for_the_other_int_classes(recorded):
+    import torch
+
+    from prewarm import tritoncompat
+    from prewarm.plan import other_int_classes, resolve
+    from prewarm_toy.kernels import add_kernel
+
+    requests = {r.kernel.split(":")[1]: r for r in load_record(str(recorded / "local.jsonl"))}
+    closed = dict(other_int_classes(resolve("prewarm_toy.kernels:add_kernel"), requests["add_kernel"].specialization))
+    made = {}
+    for what, n in (("n=1", 1), ("n other", 4097)):  # the recording ran n = 4096 (a multiple of 16)
+        with tritoncompat.compile_requests(skip=True) as captured:
+            add_kernel.warmup(torch.float16, torch.float16, torch.float16, n, BLOCK=256, grid=(1,))
+        made[what] = without_key(captured[0])
+    assert {k: without_key(v) for k, v in closed.items()} == made
+    # decode_kernel's int is do_not_specialize: nothing to close
+    decode = next(r for r in load_record(str(recorded / "local.jsonl")) if r.kernel.endswith("decode_kernel"))
+    assert other_int_classes(resolve(decode.kernel), decode.specialization) == []
+
+
+def test_a_record_entry_with_close_builds_the_added_classes(recorded):
+    path = manifest(recorded, "local.jsonl")
+    path.write_text(path.read_text().replace('record = "local.jsonl"', 'record = "local.jsonl"\nclose = true'))
+    report = build(path, recorded / "built-closed", workers=1, mode="offline")
+    assert report.ok and (report.requests, report.count("compiled")) == (3, 5)  # 3 recorded + add_kernel n=1, n other
+    assert {r.label for r in report.results if "closed" in r.label} == {
+        "add_kernel [BLOCK=256 warps=4 stages=3] [closed: n=1]", "add_kernel [BLOCK=256 warps=4 stages=3] [closed: n other]"}
