@@ -13,7 +13,7 @@ import json
 import multiprocessing
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -146,6 +146,11 @@ def build(
     """Compile every planned request that ``cache_dir`` lacks; ``progress(result, done, total)`` after each."""
     start = time.perf_counter()
     m = manifest if isinstance(manifest, Manifest) else load(manifest)
+    if m.backend == "npu":
+        from . import npu  # (registers the Ascend targets)
+
+        if len(npu.socs(m)) > 1:
+            return _build_socs(m, cache_dir, workers, mode, progress)
     cache = os.path.abspath(cache_dir)
     meta = Path(cache, META_DIR)
     try:
@@ -185,6 +190,25 @@ def build(
         report.seconds = time.perf_counter() - start
         _write_record(meta / RECORD, m, target, report)
     return report
+
+
+def _build_socs(m: Manifest, cache_dir: str | os.PathLike, workers: int | None, mode: str,
+                progress: Progress | None) -> BuildReport:
+    """An npu manifest listing several SoCs: every key contains the SoC, so the sets share nothing but the source.
+    Offline, one complete cache dir per SoC, ``<cache_dir>/<SoC>`` (each packed and shipped as its own bundle,
+    named ``<name>-<SoC>``); on a node (device mode), only the node's SoC, into ``cache_dir`` itself."""
+    from . import npu
+
+    if get_target(m.backend, m.arch, mode).mode == "device":
+        return build(npu.for_soc(m, npu.node_soc(m)), cache_dir, workers, mode, progress)
+    reports = [build(npu.for_soc(m, soc), Path(cache_dir, soc), workers, mode, progress) for soc in npu.socs(m)]
+    out = BuildReport(m.name, m.digest, os.path.abspath(cache_dir), "; ".join(r.target for r in reports),
+                      reports[0].workers, sum(r.requests for r in reports))
+    for soc, r in zip(npu.socs(m), reports):
+        out.results += [replace(x, label=f"{soc}: {x.label}") for x in r.results]
+        out.notes += [n for n in r.notes if n not in out.notes]
+        out.seconds += r.seconds
+    return out
 
 
 def compile_into(compiles: list[Compile], cache: str, target: Target, workers: int,

@@ -293,9 +293,8 @@ def _precompiled_header_key() -> str:
         return ABSENT
     try:
         from triton.backends.ascend.driver import _precompile_npu_hash, generate_npu_header_src
-        from triton.runtime.cache import _base64
 
-        return _base64(_precompile_npu_hash(generate_npu_header_src()))
+        return tritoncompat.ascend_key_dir(_precompile_npu_hash(generate_npu_header_src()))
     except ImportError:  # no torch_npu: not a node that launches
         return ABSENT
     except Exception:

@@ -108,27 +108,21 @@ def _message(e: BaseException) -> str:
 def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
     """Run ``compile()``'s stages up to ``ttadapter`` on exactly what ``preload(c.specialization)`` compiles, then
     check its UB estimate against ``arch``'s UB."""
-    import triton.language as tl
     from triton._C.libtriton import get_cache_invalidating_env_vars, ir
-    from triton.backends.ascend.compiler import AscendAttrsDescriptor
-    from triton.compiler.compiler import ASTSource, make_backend, triton_key
-    from triton.runtime.cache import _base64
+    from triton.compiler.compiler import make_backend
 
     out = LoweredCompile(c.kernel, c.label, c.request)
     data = json.loads(c.specialization)
     jit = tritoncompat.jit_function(planning.resolve(c.kernel))
-    # As JITFunction.preload (3.2) rebuilds the request ...
-    constants = {k: tl.dtype(v) if tl.dtype.is_dtype(v) else v for k, v in data["constants"].items()}
-    src = ASTSource(jit, dict(data["signature"]), constants, AscendAttrsDescriptor.from_dict(data["attrs"]))
+    src = tritoncompat.ascend_ast_source(jit, data)  # as JITFunction.preload rebuilds the request ...
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
     # ... and compile() keys and stages it.
     target = npu.NpuOfflineDriver(arch).target
     backend = make_backend(target)
     opts = backend.parse_options(dict(options, **src.parse_options()))
     env_vars = get_cache_invalidating_env_vars()
-    key = f"{triton_key()}-{src.hash()}-{backend.hash()}-{opts.hash()}-{str(sorted(env_vars.items()))}"
-    digest = hashlib.sha256(key.encode()).hexdigest()
-    out.cache_key = _base64(digest)
+    digest = hashlib.sha256(tritoncompat.ascend_cache_key(src, backend, opts, env_vars).encode()).hexdigest()
+    out.cache_key = tritoncompat.ascend_key_dir(digest)
     metadata = {"hash": digest, "target": target, **opts.__dict__, **env_vars}
     stages: dict = {}
     backend.add_stages(stages, opts)

@@ -64,6 +64,45 @@ def ub_size(arch: str) -> int:
     return (256 if arch.startswith(("Ascend910_95", "Ascend950")) else 192) * 1024
 
 
+def socs(manifest) -> tuple[str, ...]:
+    """The SoCs an npu manifest targets: ``[target] arch`` may list several (an A3 fleet mixes SKUs)."""
+    return tuple(getattr(manifest, "archs", None) or (manifest.arch,))
+
+
+def for_soc(manifest, soc: str):
+    """``manifest`` narrowed to one of its SoCs: what one cache dir (and bundle) is built for. Where the manifest
+    lists several, the name says the SoC: each SoC's bundle has its own name in a store."""
+    import dataclasses
+
+    narrowed = {"arch": soc, **({"archs": (soc,)} if hasattr(manifest, "archs") else {})}
+    if len(socs(manifest)) > 1:
+        narrowed["name"] = f"{manifest.name}-{soc}"
+    return dataclasses.replace(manifest, **narrowed)
+
+
+def node_soc(manifest) -> str:
+    """The SoC this node compiles for as triton-ascend's own driver says (TRITON_ASCEND_ARCH, else the device),
+    which must be one of the manifest's. Fails closed (FingerprintMismatch) where the node cannot tell: every key
+    contains the SoC, so a guess would check the wrong keys."""
+    from triton.runtime.driver import driver
+
+    try:
+        soc = driver.active.get_current_target().arch
+    except Exception as e:
+        soc, why = fingerprint.UNKNOWN, f"{type(e).__name__}: {e}"
+    else:
+        why = "the driver reports no SoC"
+    if not soc or soc == fingerprint.UNKNOWN:
+        raise FingerprintMismatch(
+            f"target.arch: this node's Ascend SoC is unknown ({why}): every cache key contains it, so which kernels "
+            f"the node would look up cannot be checked. Run where torch_npu sees the NPU, or set TRITON_ASCEND_ARCH "
+            f"to the node's SoC (npu-smi info -t board -i 0 -c 0: 'Chip Name'; torch.npu.get_device_name(0))")
+    if soc not in socs(manifest):
+        raise FingerprintMismatch(f"target.arch: this node's SoC is {soc}, which {manifest.path} does not target "
+                                  f"({', '.join(socs(manifest))}): every kernel would miss")
+    return soc
+
+
 # --- compile-only launches ---------------------------------------------------------------------------------------
 
 _TORCH_DTYPES = {
@@ -71,45 +110,43 @@ _TORCH_DTYPES = {
     "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "fp8e5": "float8_e5m2",
     "fp8e4nv": "float8_e4m3fn",
 }  # fmt: skip
-# Scalar values that reproduce each specialization ('D': multiple of 16, '1': equal to 1, 'N': neither).
-_INTS = {"i32": {"D": 16, "1": 1, "N": 3}, "i64": {"D": 2**32, "N": 2**32 + 3}, "u64": {"D": 2**63, "N": 2**63 + 3}}
+# Scalar values that reproduce each specialization ('D': multiple of 16, 'N': neither; 1 is compiled in).
+_INTS = {"i32": {"D": 16, "N": 3}, "i64": {"D": 2**32, "N": 2**32 + 3}, "u64": {"D": 2**63, "N": 2**63 + 3}}
 _FLOATS = ("fp16", "bf16", "fp32", "fp64")
 # Fields of the specialization data that make up the on-disk cache key (besides the kernel's source).
 KEY_FIELDS = ("signature", "constants", "attrs", "options")
 
 
-def launch_arguments(fn, data: dict, device: str) -> tuple[list, dict]:
-    """Minimal positional args + keyword args whose launch makes exactly the compile ``data`` describes."""
+def launch_arguments(fn, specialization_data: str, device: str) -> tuple[list, dict]:
+    """Minimal positional args + keyword args whose launch makes exactly the compile ``specialization_data``
+    describes (either layout: tritoncompat.parse_specialization)."""
     import torch
     import triton.language as tl
 
-    sig, constants = data["signature"], data["constants"]
-    props = data["attrs"]["arg_properties"]
-    divisible = set(props.get("tt.divisibility", []))
-    ones = set(props.get("tt.equal_to", []))
+    spec = tritoncompat.parse_specialization(specialization_data, fn.arg_names)
     args, kwargs = [], {}
     for p in fn.params:
-        name = p.name
+        arg = spec.args[p.name]
+        value = tl.dtype(arg.value) if isinstance(arg.value, str) and tl.dtype.is_dtype(arg.value) else arg.value
         if p.is_constexpr:
-            value = constants[name]
-            kwargs[name] = tl.dtype(value) if isinstance(value, str) and tl.dtype.is_dtype(value) else value
+            kwargs[p.name] = value
             continue
-        ty = "*" + sig[name][2:] if sig[name].startswith("*k") else sig[name]  # "*k": const pointer
-        if name in constants and constants[name] is None:
-            args.append(None)
-        elif ty.startswith("*"):
-            dtype = getattr(torch, _TORCH_DTYPES[ty[1:]])
-            base = torch.empty(32, dtype=dtype, device=device)  # device allocations are 512-byte aligned
-            args.append(base if p.num in divisible else base[1:])  # one element in: not 16-byte aligned
+        if arg.type == "constexpr":  # an int specialized to 1, or None: the value is compiled in
+            args.append(value)
+            continue
+        ty = "*" + arg.type[2:] if arg.type.startswith("*k") else arg.type  # "*k": const pointer
+        divisible = ("tt.divisibility", 16) in arg.attrs
+        if ty.startswith("*"):
+            base = torch.empty(32, dtype=getattr(torch, _TORCH_DTYPES[ty[1:]]), device=device)  # 512-byte aligned
+            args.append(base if divisible else base[1:])  # one element in: not 16-byte aligned
         elif ty == "i1":
-            args.append(False if p.num in divisible else True)
+            args.append(not divisible)
         elif ty in _INTS:
-            spec = "D" if p.num in divisible else "1" if p.num in ones else "N"
-            args.append(_INTS[ty][spec])
+            args.append(_INTS[ty]["D" if divisible else "N"])
         elif ty in _FLOATS:
             args.append(0.5)
         else:
-            raise BuildError(f"{data['name']}: argument {name} has type {sig[name]!r}, which a compile-only launch "
+            raise BuildError(f"{spec.name}: argument {p.name} has type {arg.type!r}, which a compile-only launch "
                              f"cannot stand in for")
     return args, kwargs
 
@@ -165,7 +202,7 @@ class NpuTarget(Target):
         _claim_once(self.arch)
         jit = tritoncompat.jit_function(fn)
         wanted = json.loads(specialization_data)
-        args, kwargs = launch_arguments(jit, wanted, TENSOR_DEVICE)
+        args, kwargs = launch_arguments(jit, specialization_data, TENSOR_DEVICE)
         with tritoncompat.compile_requests(skip=False) as seen:
             kernel = jit[(1, 1, 1)](*args, **kwargs, **option_kwargs(wanted["options"]))
         got = json.loads(seen[-1]) if seen else None

@@ -538,6 +538,48 @@ def ascend_backend_dir() -> Path | None:
     return path if path.is_dir() else None
 
 
+def ascend_key_dir(digest: str, layout: str | None = None) -> str:
+    """The dir ``get_cache_manager`` keeps a hex key in: urlsafe base64 on 3.2 (runtime/cache.py _base64), base32
+    on 3.5+ (_base32, as upstream 3.4+)."""
+    import base64
+
+    raw = bytes.fromhex(digest)
+    if (layout or ascend_layout()) == "3.5":
+        return base64.b32encode(raw).decode().rstrip("=")
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def ascend_ast_source(jit, data: dict, layout: str | None = None):
+    """The ASTSource ``JITFunction.preload`` builds from specialization ``data`` (3.2: constants by name and an
+    AscendAttrsDescriptor; 3.5+: constexprs and attrs keyed by argument path, as upstream)."""
+    import triton.language as tl
+    from triton.compiler.compiler import ASTSource
+
+    def value(v):
+        return tl.dtype(v) if isinstance(v, str) and tl.dtype.is_dtype(v) else v
+
+    if (layout or ascend_layout()) == "3.5":
+        constexprs = {tuple(k): value(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+        attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+        return ASTSource(jit, dict(data["signature"]), constexprs, attrs)
+    from triton.backends.ascend.compiler import AscendAttrsDescriptor
+
+    constants = {k: value(v) for k, v in data["constants"].items()}
+    return ASTSource(jit, dict(data["signature"]), constants, AscendAttrsDescriptor.from_dict(data["attrs"]))
+
+
+def ascend_cache_key(src, backend, options, env_vars: dict) -> str:
+    """compile()'s key text (3.2: inline in compiler.py; 3.5+: runtime/cache.py get_cache_key, same text)."""
+    try:
+        from triton.runtime.cache import get_cache_key  # 3.5+
+
+        return get_cache_key(src, backend, options, env_vars=env_vars)
+    except ImportError:
+        from triton.compiler.compiler import triton_key
+
+        return f"{triton_key()}-{src.hash()}-{backend.hash()}-{options.hash()}-{str(sorted(env_vars.items()))}"
+
+
 def ascend_compiler_path(layout: str | None = None, backend_dir: Path | None = None) -> str | None:
     """bishengir-compile as triton-ascend's ``utils._get_npucompiler_path`` resolves it: on 3.5+ the one bundled in
     the wheel first; then PATH; then $TRITON_NPU_COMPILER_PATH/npuc. None where that file does not exist."""

@@ -349,6 +349,10 @@ class Planned:
 
 def expand_plan(manifest_path: str, mode: str = "auto") -> Planned:
     manifest = load(manifest_path)
+    if manifest.backend == "npu" and get_target("npu", manifest.arch, mode).mode == "device":
+        from . import npu  # on the node: its own SoC, one of the manifest's (fails closed where it cannot tell)
+
+        manifest = npu.for_soc(manifest, npu.node_soc(manifest))
     target: Target = get_target(manifest.backend, manifest.arch, mode)
     target.activate()
     requests = plan(manifest).requests

@@ -318,3 +318,11 @@ def test_triton_ascend_35_runs_the_bishengir_bundled_in_the_wheel_first(toolchai
     bundled = standin.make_bishengir(backend.joinpath(*tritoncompat.ASCEND_BUNDLED_COMPILER[:-1]), version="8.5.0")
     assert tritoncompat.ascend_compiler_path("3.5", backend) == str(bundled)
     assert tritoncompat.ascend_compiler_path("3.2", backend) == on_path  # 3.2.0 never looks there
+
+
+def test_triton_ascend_35_key_dirs_are_base32_as_upstreams():
+    from triton.runtime.cache import _base32  # upstream 3.6's, the same function as triton-ascend main's cache.py
+
+    digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+    assert tritoncompat.ascend_key_dir(digest, "3.5") == _base32(digest)
+    assert len(tritoncompat.ascend_key_dir(digest, "3.2")) == 43  # urlsafe base64: triton-ascend 3.2's key dirs

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from pathlib import Path
 
 import pytest
 import standin
 
-from prewarm import fingerprint, tritoncompat
+from prewarm import fingerprint, npu, tritoncompat
 
 
 def test_triton_key_is_triton_ascends_own():
@@ -53,3 +55,43 @@ def test_bishengir_is_resolved_exactly_as_triton_ascend_resolves_it(tmp_path, mo
         standin.make_bishengir(tmp_path / "npuc-dir", name="npuc", version="8.2.RC1")
         monkeypatch.setenv("TRITON_NPU_COMPILER_PATH", str(tmp_path / "npuc-dir"))
     assert fingerprint.bishengir_path() == _get_npucompiler_path()
+
+
+def test_key_dir_is_triton_ascends_own_encoding():
+    from triton.runtime.cache import _base64
+
+    digest = hashlib.sha256(b"kernel").hexdigest()
+    assert tritoncompat.ascend_key_dir(digest) == tritoncompat.ascend_key_dir(digest, "3.2") == _base64(digest)
+
+
+SPEC35 = Path(__file__).parents[1] / "fixtures" / "cann" / "spec35_add_kernel.jsonl"  # see capture_spec35.py
+
+
+def test_compile_only_launch_arguments_read_the_32_and_35_layouts_alike():
+    """The same three calls (n = 4096, 4095, 1) as triton-ascend 3.2 records them and in the 3.5+ layout of its main
+    branch: the same minimal launch, and that launch makes exactly the 3.2 request again."""
+    import torch
+
+    import ascend_toy_kernels as k
+    from conftest import ARCH
+
+    npu.activate_offline(ARCH)
+    f32 = torch.float32
+    with tritoncompat.compile_requests(skip=True) as spec32:
+        for n in (4096, 4095, 1):
+            k.add_kernel.warmup(f32, f32, f32, 100, n, BS=64, grid=(1,))
+    jit = tritoncompat.jit_function(k.add_kernel)
+
+    def described(launch):
+        args, kwargs = launch
+        return [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args], kwargs
+
+    launches = [npu.launch_arguments(jit, data, "cpu") for data in spec32]
+    assert [described(x) for x in launches] == [
+        described(npu.launch_arguments(jit, data, "cpu")) for data in SPEC35.read_text().splitlines()]
+    assert [a[4] for a, _ in launches] == [16, 3, 1]  # n: divisible by 16, neither, compiled in as 1
+    with tritoncompat.compile_requests(skip=True) as again:
+        for args, kwargs in launches:
+            k.add_kernel.warmup(*args, grid=(1,), **kwargs)
+    fields = lambda data: {f: json.loads(data)[f] for f in npu.KEY_FIELDS}
+    assert list(map(fields, again)) == list(map(fields, spec32))
