@@ -144,3 +144,60 @@ def test_decode_and_verify_build_offline_in_worker_processes_and_verify_clean(tm
     assert (report["failed"], report["compiled"]) == (0, 8)
     check = run_cli("verify", "--cache-dir", str(tmp_path / "cache"), "--plan", str(manifest), "--json")
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+
+
+RECORDED_FLA_APP = """
+import sys
+from prewarm.targets import get_target
+get_target("cuda", "sm_90", "offline", "H200").activate()  # stands in for the GPU the recording was made on
+sys.path.insert(0, sys.argv[1])
+import fla_traffic
+from prewarm import tritoncompat
+from prewarm.manifest import load
+from prewarm.providers.fla_kda import intercepted
+
+spec = load(sys.argv[2]).spec()
+for call in fla_traffic.calls(spec, 11, 40, "meta"):
+    if call.label.startswith(("decode", "verify")):  # what a server compiles at a launch (kept small: no prefill)
+        with intercepted() as launches:
+            call.run()
+        for launch in launches:
+            tritoncompat.warmup(launch.kernel, launch.args, launch.kwargs, grid=(1,))
+"""
+
+
+def test_a_record_only_manifest_over_an_fla_recording_from_another_host_builds_offline(tmp_path):
+    """fla traffic recorded by `prewarm record` (options rewritten to another host's paths) -> a manifest of only
+    that record and the device -> every request builds in workers, into the recording process's own keys."""
+    import os
+
+    app = tmp_path / "app.py"
+    app.write_text(RECORDED_FLA_APP)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "app-cache")}
+    done = subprocess.run([sys.executable, "-m", "prewarm.cli", "record", "-o", str(tmp_path / "local.jsonl"), "--",
+                           sys.executable, str(app), str(REPO / "bench"), str(MANIFEST)],
+                          capture_output=True, text=True, cwd=REPO, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = []
+    for line in (tmp_path / "local.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        data = json.loads(entry["specialization_data"])
+        data["options"]["extern_libs"] = [["libdevice", "/h200/venv/triton/backends/nvidia/lib/libdevice.10.bc"]]
+        lines.append(json.dumps({**entry, "specialization_data": json.dumps(data)}))
+    (tmp_path / "h200.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "m.toml").write_text(
+        '[target]\nbackend = "cuda"\narch = "sm_90"\ndevice = "H200"\n'
+        "[model]\nkda_heads = 32\nhead_k_dim = 128\nhead_v_dim = 128\n"  # required by the manifest core for now
+        '[[kernels]]\nrecord = "h200.jsonl"\n')
+    built = run_cli("build", str(tmp_path / "m.toml"), "--cache-dir", str(tmp_path / "cache"), "--workers", "2",
+                    "--mode", "offline", "--json")
+    assert built.returncode == 0, built.stderr[-3000:]
+    report = json.loads(built.stdout)
+    assert report["failed"] == 0 and report["compiled"] == report["compiles"] >= 2
+    assert {r["key"] for r in report["results"]} == {p.name for p in (tmp_path / "app-cache").iterdir()
+                                                     if not p.name.startswith(".")} - _launcher_dirs(tmp_path / "app-cache")
+
+
+def _launcher_dirs(cache: Path) -> set[str]:
+    """Key dirs holding no kernel (a launcher .so or cuda_utils.so built at a launch)."""
+    return {d.name for d in cache.iterdir() if d.is_dir() and not any(f.suffix == ".cubin" for f in d.iterdir())}
