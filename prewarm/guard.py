@@ -11,11 +11,11 @@ installs it right after ``import triton``):
     PREWARM_GUARD_ARM=import|manual   import (default): from the start; manual: from ``prewarm.guard.arm()``,
                                   the one line a server calls after its own warmup
 
-It hooks Triton's ``jit_cache_hook``, which fires only when a request misses the in-memory kernel cache: the
-launch path of an already loaded kernel is untouched. For each such request the key is computed by Triton itself
-and looked up as the runtime will (:func:`prewarm.willhit.lookup`); a disk hit goes on unremarked. Anything else
-is logged on stderr with its explanation and appended to the record file; in ``error`` mode
-:class:`UncoveredCompile` is raised before the compiler starts.
+It sits on the compile path only: Triton's ``jit_cache_hook`` (called when a request misses the in-memory kernel
+cache, so the launch path of a loaded kernel is untouched) notes the request, and the cache manager's group lookup
+in ``compile()`` (Triton's own lookup: the entry with its metadata file = a disk hit) decides. A disk hit goes on
+unremarked; otherwise the request is logged on stderr with its explanation and appended to the record file, and in
+``error`` mode :class:`UncoveredCompile` is raised there, before the compiler starts.
 """
 from __future__ import annotations
 
@@ -41,15 +41,15 @@ class _Guard:
     def __init__(self, mode: str, record: str | None, plan: str | None):
         self.mode, self.record, self.plan = mode, record, plan
         self.armed = False
-        self.local = threading.local()  # set while the guard's own lookup runs (it re-enters the hook)
+        self.pending = threading.local()  # the request Triton is about to look up in the cache (this thread)
         self.planned = None  # the plan's compiles, expanded at the first uncovered request
 
     def hook(self, previous):
+        """The jit_cache_hook: notes the request (its lookup follows in compile()), chains to the previous hook."""
+
         def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-            if getattr(self.local, "busy", False):
-                return False  # the guard's own lookup: let it reach the cache probe
             if self.armed:
-                self.check(fn, compile)
+                self.pending.request = (fn, compile)
             if previous is not None:
                 return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                 already_compiled=already_compiled)  # fmt: skip
@@ -57,39 +57,44 @@ class _Guard:
 
         return hook
 
-    def check(self, fn, compile: dict) -> None:
+    def manager(self, base: type) -> type:
+        """``base`` (the cache manager Triton uses) with its group lookup watched: compile() asks ``get_group`` for
+        the entry and compiles when it lacks the metadata file. That very lookup decides; nothing is computed twice."""
+        guard = self
+
+        class GuardedCacheManager(base):
+            def get_group(self, filename):
+                group = super().get_group(filename)
+                if guard.armed and (group is None or filename not in group):
+                    guard.uncovered(self.key, filename)
+                return group
+
+        return GuardedCacheManager
+
+    def uncovered(self, key: str, filename: str) -> None:
+        """Triton is about to compile: log it with its explanation, record it, and in error mode refuse it."""
         from . import tritoncompat
         from .record import append, request_entry
-        from .willhit import ProbeCacheManager, entry_state, lookup
 
-        data = compile["specialization_data"]
+        fn_compile, self.pending.request = getattr(self.pending, "request", None), None
         cache_dir = tritoncompat.cache_dir()
-        self.local.busy = True
-        try:
-            with tritoncompat.cache_scope(os.path.abspath(cache_dir), ProbeCacheManager):
-                found = lookup(fn.jit_function, data)
-        except Exception as e:  # the runtime will fail on the same request; not the guard's to report
-            print(f"prewarm guard: cannot compute the cache key of {fn.module}:{fn.name}: {e}", file=sys.stderr)
-            return
-        finally:
-            self.local.busy = False
-        if found is None:
-            return
-        hit, why = entry_state(cache_dir, found.key, found.filename)
-        if hit:
-            return
-        entry = request_entry(fn, compile)
-        explanation = self.explain(entry["kernel"], data, cache_dir, found.key)
-        if self.record:
+        why = f"no {filename} under {key} in {cache_dir}"
+        if fn_compile is None:  # not through the JIT (a direct compile() call): nothing to explain or record
+            kernel, explanation, entry = filename.removesuffix(".json"), "not a JIT request: not explained", None
+        else:
+            entry = request_entry(*fn_compile)
+            kernel = entry["kernel"]
+            explanation = self.explain(kernel, entry["specialization_data"], cache_dir, key)
+        if self.record and entry is not None:
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(self.record)), exist_ok=True)
                 append(self.record, {**entry, "guard": explanation})
             except OSError as e:  # the server goes on; the log line below still says what compiled
                 print(f"prewarm guard: cannot append to {self.record}: {e}", file=sys.stderr)
         doing = "refusing to compile" if self.mode == "error" else "compiling"
-        print(f"prewarm guard: {doing} {entry['kernel']}: {why}; {explanation}", file=sys.stderr)
+        print(f"prewarm guard: {doing} {kernel}: {why}; {explanation}", file=sys.stderr)
         if self.mode == "error":
-            raise UncoveredCompile(entry["kernel"], explanation)
+            raise UncoveredCompile(kernel, explanation)
 
     def explain(self, kernel: str, data: str, cache_dir: str, key: str) -> str:
         """The nearest planned compile and what differs; a planned request missing from the cache is explained
@@ -129,6 +134,7 @@ class _Guard:
 
 
 _guard: _Guard | None = None
+GuardedCacheManager: type | None = None  # made at install, once triton is imported
 
 
 def _settings() -> tuple[str, str | None, str | None, str] | None:
@@ -161,6 +167,16 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
 
     if _guard is None:
         _guard = _Guard(mode, record, plan)
+        from triton.runtime.cache import FileCacheManager
+
+        try:
+            from triton import knobs
+
+            base = knobs.cache.manager_class or FileCacheManager  # 3.4+: a custom one this process set is kept
+        except ImportError:  # 3.2 imports TRITON_CACHE_MANAGER by name: the class must be a module attribute
+            base = FileCacheManager
+        globals()["GuardedCacheManager"] = _guard.manager(base)
+        tritoncompat.set_cache_manager(GuardedCacheManager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
     _guard.armed = _guard.armed or armed
 

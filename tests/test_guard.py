@@ -96,7 +96,7 @@ def test_warn_mode_records_uncovered_calls_of_every_process_and_a_rebuild_covers
     assert p.returncode == 0, p.stderr
     logged = guard_lines(p)
     assert len(logged) == 2, p.stderr
-    assert logged[0].startswith("prewarm guard: compiling prewarm_toy.kernels:add_kernel: not in the cache")
+    assert logged[0].startswith("prewarm guard: compiling prewarm_toy.kernels:add_kernel: no add_kernel.json under ")
     assert logged[0].endswith("nearest planned add: argument y_ptr: planned *fp32, runtime *bf16")
     assert "constexpr BLOCK: planned = 64, runtime = 128" in logged[1]  # from the child process
     lines = [json.loads(line) for line in record.read_text().splitlines()]
