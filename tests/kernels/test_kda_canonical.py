@@ -60,8 +60,8 @@ def test_prefill_bf16_params_views_unaligned_int64_equal_their_canonical_copies(
 
 
 def test_prefill_without_pool_or_indices_equals_the_indexed_form(pk):
-    """No initial state = zero states; a pool of exactly N states = indices 0..N-1; the final state is the same
-    whether or not the caller keeps it (the kernel has one form for all three)."""
+    """No initial state = zero states; a pool of exactly N states = indices 0..N-1; a negative index = a zero state;
+    the final state is the same whether or not the caller keeps it (the kernel has one form for all of them)."""
     q, k, v, raw, beta, pool, A_log, dt_bias = _inputs(pk, sum(LENS), seed=3)
     N = len(LENS)
     zeros = torch.zeros(N, H, K, V)
@@ -74,6 +74,11 @@ def test_prefill_without_pool_or_indices_equals_the_indexed_form(pk):
     o_idx, _ = _prefill(pk, q, k, v, raw, beta, pool, A_log, dt_bias, torch.arange(N, dtype=torch.int32), _cu(LENS))
     assert torch.equal(o, o_none) and torch.equal(final, final_none)
     assert torch.equal(o_exact, o_idx)
+    zeroed = pool.clone()
+    zeroed[4] = 0  # index -1 (a new sequence in a pooled batch) = slot 4 holding zeros
+    o_neg, final_neg = _prefill(pk, q, k, v, raw, beta, pool, A_log, dt_bias, torch.tensor([2, -1, 0]), _cu(LENS))
+    o_ref, final_ref = _prefill(pk, q, k, v, raw, beta, zeroed, A_log, dt_bias, torch.tensor([2, 4, 0]), _cu(LENS))
+    assert torch.equal(o_neg, o_ref) and torch.equal(final_neg, final_ref)
 
 
 def test_recurrent_bf16_beta_views_int64_equal_their_canonical_copies(pk):
