@@ -1,6 +1,6 @@
 """Zero compiles for fla-core's KDA under independent traffic: fresh processes on an installed bundle (H200).
 
-    python3 bench/fla_traffic.py --bundle BUNDLE --seeds 1,2,3 [--expect-zero] [--out bench/results/fla_traffic.json]
+    python3 bench/fla_traffic.py --bundle BUNDLE --seeds 1,2,3 [--device-runs 1] [--expect-zero]
 
 The traffic (:func:`calls`) is written from fla's public API and the manifest's envelope only, independently of
 the provider's call builder (``prewarm.providers.fla_kda``): random packed prefill batches (sequence count, every
@@ -12,9 +12,10 @@ For each seed: ``prewarm install BUNDLE`` into a fresh node dir, then a fresh pr
 that dir counts every compile with Triton's compilation listener. ``first_step_s`` starts after torch, the CUDA
 context and triton are up and stops when ``import fla`` and the first ``--calls`` calls have run and the device
 synchronized: with an offline bundle it includes fla's autotuner benchmarking each autotuned kernel once
-(``autotune_s``), which a ``--mode device`` bundle (run with TRITON_CACHE_AUTOTUNING=1) removes. Writes
-``{"runs": [{"seed", "compiles", "first_step_s", ...}]}`` after every process; exits 1 if a process failed, and
-with ``--expect-zero`` if any compiled.
+(``autotune_s``), which a ``--mode device`` bundle removes (``--device-runs N`` builds one here and runs the first
+N seeds on it; every process runs with TRITON_CACHE_AUTOTUNING=1, without which fla keeps no autotune results).
+Writes ``{"runs": [{"bundle", "seed", "compiles", "first_step_s", ...}]}`` after every process; exits 1 if a
+process or the device build failed, and with ``--expect-zero`` if any process compiled.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     DEFAULT_WORK, REPO, Probes, child_env, child_main, describe_bundle, init_device, install_bundle, load_spec, log,
-    run_calls, run_child, write_json,
+    prepare_bundle, run_calls, run_child, write_json,
 )
 
 DEFAULT_FLA_MANIFEST = REPO / "manifests" / "kimi-linear-h200-fla.toml"
@@ -128,11 +129,34 @@ def child(args) -> dict:
             "first_step_calls": first, **probes.snapshot(), **probes.details()}
 
 
+def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, out: dict) -> None:
+    """One fresh install and one fresh process per seed; the JSON is rewritten after each."""
+    for seed in seeds:
+        node = work / f"node-{label}-{seed}"
+        run = {"bundle": label, "seed": seed}
+        try:
+            run["install_s"] = round(install_bundle(bundle, node, work), 3)
+            # autotune results are read (device bundle) or written (offline) only with this set before fla imports
+            env = child_env(work, TRITON_CACHE_DIR=str(node), TRITON_CACHE_AUTOTUNING="1")
+            run |= run_child(Path(__file__), ["--child", "--seed", str(seed), "--manifest", args.manifest,
+                                              "--calls", str(args.calls), "--steps", str(args.steps)],
+                             env, work / f"result-{label}-{seed}.json", timeout=1800)
+            log(f"{label} seed {seed}: {run['compiles']} compiles, first step {run['first_step_s']} s "
+                f"(autotune {run['first_step']['autotune_s']} s), {run['cache_hits']} disk hits")
+        except Exception as e:  # noqa: BLE001 - record it, run the next seed
+            run["error"] = f"{type(e).__name__}: {e}"
+            log(f"{label} seed {seed} FAILED: {run['error']}")
+        out["runs"].append(run)
+        write_json(args.out, out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--manifest", default=str(DEFAULT_FLA_MANIFEST))
     ap.add_argument("--bundle", help="a packed bundle (e.g. built on the CPU box: prewarm build + prewarm pack)")
     ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--device-runs", type=int, default=0,
+                    help="also build a --mode device bundle here and run the first N seeds on it")
     ap.add_argument("--calls", type=int, default=8, help="calls per step (the first step is timed)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--work", default=str(DEFAULT_WORK / "fla"))
@@ -146,23 +170,23 @@ def main() -> int:
         return child_main(child, args)
     if not args.bundle:
         ap.error("--bundle is required")
-    work, bundle = Path(args.work), Path(args.bundle)
-    out = {"manifest": args.manifest, "bundle": describe_bundle(bundle), "calls_per_step": args.calls,
+    work, bundle = Path(args.work).resolve(), Path(args.bundle).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = {"manifest": args.manifest, "bundles": {"offline": describe_bundle(bundle)}, "calls_per_step": args.calls,
            "steps": args.steps, "runs": []}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        node = work / f"node-{seed}"
-        install_s = install_bundle(bundle, node, work)
-        env = child_env(work, TRITON_CACHE_DIR=str(node))
-        run = run_child(Path(__file__), ["--child", "--seed", str(seed), "--manifest", args.manifest,
-                                         "--calls", str(args.calls), "--steps", str(args.steps)],
-                        env, work / f"result-{seed}.json", timeout=1800)
-        run["install_s"] = round(install_s, 3)
-        out["runs"].append(run)
-        log(f"seed {seed}: {run['compiles']} compiles, first step {run['first_step_s']} s "
-            f"(autotune {run['first_step']['autotune_s']} s), {run['cache_hits']} disk hits")
-        write_json(args.out, out)
-    failed = args.expect_zero and any(r["compiles"] for r in out["runs"])
-    return 1 if failed else 0
+    drive("offline", bundle, seeds, args, work, out)
+    if args.device_runs:
+        try:
+            prepared = prepare_bundle(Path(args.manifest).resolve(), work, fallback=False)
+            out["bundles"]["device"] = describe_bundle(Path(prepared["bundle"])) | {"prepare": prepared}
+            drive("device", Path(prepared["bundle"]), seeds[:args.device_runs], args, work, out)
+        except Exception as e:  # noqa: BLE001 - keep the offline runs
+            out["device_error"] = f"{type(e).__name__}: {e}"
+            log(f"device bundle FAILED: {out['device_error']}")
+    write_json(args.out, out)
+    failed = "device_error" in out or any("error" in r for r in out["runs"])
+    return 1 if failed or (args.expect_zero and any(r.get("compiles") for r in out["runs"])) else 0
 
 
 if __name__ == "__main__":
