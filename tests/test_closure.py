@@ -57,3 +57,21 @@ def test_independent_traffic_compiles_nothing_the_build_did_not(manifest, seed, 
     if missed or t.refused:
         pytest.fail(failure_report(m, seed, t, missed), pytrace=False)
     assert t.launches > CALLS_PER_SEED  # the traffic reached the kernels
+
+
+def test_traffic_outside_the_plan_is_caught_and_explained(built_cache, tmp_path):
+    """The same cache under traffic of a deployment that also runs fp16 activations: the fp16 requests are found
+    missing by the cache lookup and reported next to the planned bf16 ones."""
+    manifest = REPO / "manifests" / "kimi-linear-h200.toml"
+    cache = built_cache(manifest)
+    wider = tmp_path / "wider.toml"
+    wider.write_text(manifest.read_text().replace('activation = "bfloat16"', 'activation = ["bfloat16", "float16"]', 1))
+    m = load(wider)
+    get_target(m.backend, m.arch, "offline").activate()
+    t = run_traffic(m, 0, 60)
+    results = probe_all(list(t.compiles.values()), str(cache))
+    missed = [c for c, r in zip(t.compiles.values(), results) if not r.hit]
+    assert missed and all("qkv=fp16" in c.label for c in missed)
+    assert any(r.hit for r in results)  # the bf16 calls still hit
+    report = failure_report(load(manifest), 0, t, missed)
+    assert "argument q: planned *bf16, runtime *fp16" in report, report
