@@ -164,6 +164,14 @@ def option_kwargs(options: dict) -> dict:
     return out
 
 
+def _check_build_host(advice: str) -> None:
+    """What an Ascend build needs before any compile: the .npubin kept, and CANN's compiler (``advice``: how)."""
+    if os.environ.get("TRITON_STORE_BINARY_ONLY"):
+        raise EnvironmentProblem("TRITON_STORE_BINARY_ONLY is set: on Ascend it drops the .npubin; unset it")
+    if fingerprint.bishengir_path() is None:
+        raise EnvironmentProblem(f"bishengir-compile not found (PATH, then $TRITON_NPU_COMPILER_PATH/npuc): {advice}")
+
+
 def _claim_once(arch: str) -> None:
     """Before this process's first compile into the active cache dir: never add to a dir of another toolchain."""
     cache_dir = tritoncompat.cache_dir()
@@ -179,13 +187,7 @@ class NpuTarget(Target):
     mode: ClassVar[str] = "device"
 
     def activate(self) -> None:
-        if os.environ.get("TRITON_STORE_BINARY_ONLY"):
-            raise EnvironmentProblem("TRITON_STORE_BINARY_ONLY is set: on Ascend it drops the .npubin; unset it")
-        if fingerprint.bishengir_path() is None:
-            raise EnvironmentProblem(
-                "bishengir-compile not found (PATH, then $TRITON_NPU_COMPILER_PATH/npuc): source the CANN "
-                "toolkit's set_env.sh first"
-            )
+        _check_build_host("source the CANN toolkit's set_env.sh first")
         from triton.runtime.driver import driver
 
         try:
@@ -276,13 +278,8 @@ class NpuOfflineTarget(Target):
     mode: ClassVar[str] = "offline"
 
     def activate(self) -> None:
-        if os.environ.get("TRITON_STORE_BINARY_ONLY"):
-            raise EnvironmentProblem("TRITON_STORE_BINARY_ONLY is set: on Ascend it drops the .npubin; unset it")
-        if fingerprint.bishengir_path() is None:
-            raise EnvironmentProblem(
-                "bishengir-compile not found (PATH, then $TRITON_NPU_COMPILER_PATH/npuc): an offline NPU build needs "
-                "the CANN toolkit (source its set_env.sh); `prewarm lower` checks the front end without it"
-            )
+        _check_build_host("an offline NPU build needs the CANN toolkit (source its set_env.sh); `prewarm lower` "
+                          "checks the front end without it")
         activate_offline(self.arch)
         _answer_soc(self.arch)
 

@@ -42,18 +42,24 @@ def build(manifest: Path, cache: Path, env: dict):
     return run_prewarm("build", "--json", manifest, "--cache-dir", cache, "--mode", "device", "--workers", "1", env=env)
 
 
+def assert_compiled_as_lowered(manifest: Path, cache: Path, soc: str = ARCH) -> dict:
+    """Every planned compile was compiled into ``cache``, under the key dir `prewarm lower` predicts for the target,
+    its .npubin made by the stand-in bishengir-compile for ``soc``; returns the build record."""
+    record = json.loads((cache / ".prewarm" / "build.json").read_text())
+    assert [r["status"] for r in record["requests"]] == ["compiled"] * TOY_COMPILES
+    lowered = json.loads(run_prewarm("lower", "--json", manifest).stdout)
+    assert sorted(r["key"] for r in record["requests"]) == sorted(c["cache_key"] for c in lowered["compiles"])
+    for r in record["requests"]:
+        (npubin,) = (cache / r["key"]).glob("*.npubin")
+        assert npubin.read_bytes().startswith(f"NPUBIN 8.3.RC1 --target={soc} ".encode())
+    return record
+
+
 def test_device_build_makes_the_planned_compiles_with_compile_only_launches(toy_manifest, tmp_path, node):
     cache = tmp_path / "cache"
     p = build(toy_manifest, cache, node)
     assert p.returncode == 0, p.stderr[-3000:]
-    record = json.loads((cache / ".prewarm" / "build.json").read_text())
-    assert [r["status"] for r in record["requests"]] == ["compiled"] * TOY_COMPILES
-    # exactly the compiles the plan makes: the key dirs `prewarm lower` predicts for this target
-    lowered = json.loads(run_prewarm("lower", "--json", toy_manifest).stdout)
-    assert sorted(r["key"] for r in record["requests"]) == sorted(c["cache_key"] for c in lowered["compiles"])
-    for r in record["requests"]:
-        (npubin,) = (cache / r["key"]).glob("*.npubin")
-        assert npubin.read_bytes().startswith(f"NPUBIN 8.3.RC1 --target={ARCH} ".encode())
+    record = assert_compiled_as_lowered(toy_manifest, cache)
     # every launch was compile-only: the stand-in launcher refuses to run, and triton-ascend says it skipped
     assert p.stdout.count("[INFO]: skip running kernel") == TOY_COMPILES
     # what the first real launch would otherwise build on the node is in the cache dir too
@@ -139,13 +145,7 @@ def test_offline_build_on_a_cann_host_without_an_npu_gives_bishengir_the_manifes
     p = run_prewarm("build", "--json", toy_manifest, "--cache-dir", cache, "--mode", "offline", "--workers", "2",
                     env=host)
     assert p.returncode == 0, p.stderr[-3000:]
-    record = json.loads((cache / ".prewarm" / "build.json").read_text())
-    assert [r["status"] for r in record["requests"]] == ["compiled"] * TOY_COMPILES
-    lowered = json.loads(run_prewarm("lower", "--json", toy_manifest).stdout)
-    assert sorted(r["key"] for r in record["requests"]) == sorted(c["cache_key"] for c in lowered["compiles"])
-    for r in record["requests"]:
-        (npubin,) = (cache / r["key"]).glob("*.npubin")
-        assert npubin.read_bytes().startswith(f"NPUBIN 8.3.RC1 --target={ARCH} ".encode())
+    assert_compiled_as_lowered(toy_manifest, cache)
     assert not list(cache.glob("*/launcher_cxx11abi*")) and not list(cache.glob("*/npu_utils.so"))
     assert (cache / fingerprint.TOOLCHAIN_RECORD).is_file()
     # a node of that SoC (device boundary only) finds every kernel; its launchers are what it still builds
