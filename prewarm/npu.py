@@ -1,4 +1,4 @@
-"""Ascend (triton-ascend 3.2) build targets. Imported by ``targets.get_target`` for backend "npu".
+"""Ascend (triton-ascend) targets and node checks. Imported by ``targets.get_target`` for backend "npu".
 
 - :class:`NpuOfflineDriver`: the smallest driver triton-ascend's JIT needs to bind and specialize a call (target,
   device 0, stream 0) on a machine without an NPU. ``plan`` and ``lower`` run through it.
@@ -7,6 +7,11 @@
   per-signature launcher ``.so``, ``npu_utils.so`` and the precompiled header into the cache dir, so the first
   real launch on a node compiles nothing. Before its first compile a worker claims the cache dir for this
   node's toolchain (``fingerprint.claim_cache_dir``): Triton's key would reuse kernels of another CANN silently.
+- :class:`NpuOfflineTarget` (mode "offline"): a build host with the CANN toolkit and no NPU compiles the kernel
+  binaries for the manifest's SoC; the node builds launchers, npu_utils and the header.
+- SoCs (``socs``, ``for_soc``, ``node_soc``): ``[target] arch`` may list several; every key contains the SoC.
+- :func:`serving_env_mismatches` / :func:`check_serving_env`: the serving process's codegen env against the
+  installed bundles' (the guard runs it when it arms).
 """
 from __future__ import annotations
 
@@ -96,7 +101,7 @@ def node_soc(manifest) -> str:
         raise FingerprintMismatch(
             f"target.arch: this node's Ascend SoC is unknown ({why}): every cache key contains it, so which kernels "
             f"the node would look up cannot be checked. Run where torch_npu sees the NPU, or set TRITON_ASCEND_ARCH "
-            f"to the node's SoC (npu-smi info -t board -i 0 -c 0: 'Chip Name'; torch.npu.get_device_name(0))")
+            f"to the node's SoC (what torch.npu.get_device_name(0) says with torch_npu, e.g. Ascend910_9391)")
     if soc not in socs(manifest):
         raise FingerprintMismatch(f"target.arch: this node's SoC is {soc}, which {manifest.path} does not target "
                                   f"({', '.join(socs(manifest))}): every kernel would miss")
@@ -261,11 +266,9 @@ def _answer_soc(soc: str) -> None:
 
     from triton.backends import backends
 
-    copies = [vars(sys.modules["triton.backends.ascend.compiler"])] if "triton.backends.ascend.compiler" in sys.modules \
-        else []
-    copies.append(backends["ascend"].compiler.add_stages.__globals__)
-    for module in copies:
-        module["NPUUtils"] = SocAnswer(soc)
+    named = sys.modules.get("triton.backends.ascend.compiler")
+    for namespace in ([vars(named)] if named else []) + [backends["ascend"].compiler.add_stages.__globals__]:
+        namespace["NPUUtils"] = SocAnswer(soc)
 
 
 @dataclass
@@ -302,24 +305,16 @@ register("npu", "offline", NpuOfflineTarget)
 
 
 # --- the serving process's codegen env ----------------------------------------------------------------------------
-# These change the code triton-ascend generates (or the launcher it builds on the node) but not the cache key, and
-# they are read in the serving process, where deployments export them or libraries set them at import: install and
-# verify comparing their own env is not enough. Example: TRITON_ALL_BLOCKS_PARALLEL=1 makes the node's launcher
-# clamp the block count to the physical core count (driver.py, generate_npu_wrapper_src), so a kernel compiled
-# without auto-blockify silently skips the programs past it.
-SERVING_ENV = (
-    "TRITON_ALL_BLOCKS_PARALLEL",
-    "TRITON_ENABLE_SANITIZER",
-    "TRITON_DISABLE_FFTS",
-    "ENABLE_PRINT_UB_BITS",
-    "TRITON_ENABLE_LIBDEVICE_SIMT",
-    "TRITON_F32_DEFAULT",
-)
+# fingerprint.ASCEND_CODEGEN_ENV change the code triton-ascend generates (or the launcher it builds on the node) but
+# not the cache key, and they are read in the serving process, where deployments export them or libraries set them
+# at import: install and verify comparing their own env is not enough. Example: TRITON_ALL_BLOCKS_PARALLEL=1 makes
+# the node's launcher clamp the block count to the physical core count (driver.py, generate_npu_wrapper_src), so a
+# kernel compiled without auto-blockify silently skips the programs past it.
 
 
 def serving_env_mismatches(cache_dir: str | os.PathLike | None = None,
                            environ: dict | None = None) -> list[fingerprint.Mismatch]:
-    """This process's Ascend codegen env (``SERVING_ENV``) against the values each Ascend bundle installed in
+    """This process's Ascend codegen env (``fingerprint.ASCEND_CODEGEN_ENV``) against the values each Ascend bundle installed in
     ``cache_dir`` (default: this process's TRITON_CACHE_DIR) was built with, read from the install receipts.
 
     prewarm.guard calls this when it arms in a serving process (PREWARM_GUARD=warn|error): each mismatch names the
@@ -336,14 +331,14 @@ def serving_env_mismatches(cache_dir: str | os.PathLike | None = None,
         if built.get("target.backend") != "npu" or built in seen:
             continue
         seen.append(built)
-        for name in SERVING_ENV:
+        for name in fingerprint.ASCEND_CODEGEN_ENV:
             factor = f"ascend.env.{name}"
             ours = environ.get(name, fingerprint.UNSET)
             theirs = built.get(factor)
             if theirs is None and ours == fingerprint.UNSET or theirs == ours:
                 continue
             out.append(fingerprint.Mismatch(
-                factor, theirs or "(not recorded)", ours, True,
+                factor, theirs or fingerprint.MISSING, ours, True,
                 f"this serving process's {name} differs from the bundle's build: the cached binaries (or the "
                 f"launchers this process builds) do not match what it would compile; set it as the build did or "
                 f"rebuild under this value"))
