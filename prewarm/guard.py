@@ -57,20 +57,6 @@ class _Guard:
 
         return hook
 
-    def manager(self, base: type) -> type:
-        """``base`` (the cache manager Triton uses) with its group lookup watched: compile() asks ``get_group`` for
-        the entry and compiles when it lacks the metadata file. That very lookup decides; nothing is computed twice."""
-        guard = self
-
-        class GuardedCacheManager(base):
-            def get_group(self, filename):
-                group = super().get_group(filename)
-                if guard.armed and (group is None or filename not in group):
-                    guard.uncovered(self.key, filename)
-                return group
-
-        return GuardedCacheManager
-
     def uncovered(self, key: str, filename: str) -> None:
         """Triton is about to compile: log it with its explanation, record it, and in error mode refuse it."""
         from . import tritoncompat
@@ -116,15 +102,14 @@ class _Guard:
 
     def planned_compiles(self):
         """The plan's compiles, expanded once, in a separate process: the planner imports providers and activates
-        a target driver, which a serving process must not have done to it."""
-        from .manifest import load
+        a target driver, which a serving process must not have done to it. The offline target: the same requests,
+        and the device is left to the server."""
         from .plan import Compile
 
         if self.planned is None:
-            mode = "offline" if load(self.plan).backend == "cuda" else "auto"
-            env = {k: v for k, v in os.environ.items() if k not in (MODE, "PREWARM_RECORD_FILE")}
-            done = subprocess.run([sys.executable, "-m", "prewarm.cli", "plan", "--compiles", "--json", "--mode", mode,
-                                   self.plan], capture_output=True, text=True, env=env)
+            env = {k: v for k, v in os.environ.items() if k not in (MODE, "PREWARM_RECORD_FILE", "TRITON_CACHE_MANAGER")}
+            done = subprocess.run([sys.executable, "-m", "prewarm.cli", "plan", "--compiles", "--json", "--mode",
+                                   "offline", self.plan], capture_output=True, text=True, env=env)
             if done.returncode:
                 raise RuntimeError((done.stderr.strip().splitlines() or ["no message"])[-1])
             doc = json.loads(done.stdout)
@@ -134,7 +119,32 @@ class _Guard:
 
 
 _guard: _Guard | None = None
-GuardedCacheManager: type | None = None  # made at install, once triton is imported
+
+
+def _watched(base: type) -> type:
+    """``base`` (the cache manager Triton uses) with its group lookup watched: compile() asks ``get_group`` for the
+    entry and compiles when it lacks the metadata file. That very lookup decides; nothing is computed twice."""
+
+    class GuardedCacheManager(base):
+        def get_group(self, filename):
+            group = super().get_group(filename)
+            if _guard is not None and _guard.armed and (group is None or filename not in group):
+                _guard.uncovered(self.key, filename)
+            return group
+
+    GuardedCacheManager.__qualname__ = "GuardedCacheManager"
+    return GuardedCacheManager
+
+
+def __getattr__(name: str):
+    """``prewarm.guard:GuardedCacheManager``, as triton 3.2 imports TRITON_CACHE_MANAGER (a child process inherits
+    the variable; the class is made once triton is there, and watches nothing where no guard is installed)."""
+    if name == "GuardedCacheManager":
+        from triton.runtime.cache import FileCacheManager
+
+        globals()[name] = cls = _watched(FileCacheManager)
+        return cls
+    raise AttributeError(name)
 
 
 def _settings() -> tuple[str, str | None, str | None, str] | None:
@@ -167,16 +177,14 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
 
     if _guard is None:
         _guard = _Guard(mode, record, plan)
-        from triton.runtime.cache import FileCacheManager
-
         try:
             from triton import knobs
+            from triton.runtime.cache import FileCacheManager
 
-            base = knobs.cache.manager_class or FileCacheManager  # 3.4+: a custom one this process set is kept
-        except ImportError:  # 3.2 imports TRITON_CACHE_MANAGER by name: the class must be a module attribute
-            base = FileCacheManager
-        globals()["GuardedCacheManager"] = _guard.manager(base)
-        tritoncompat.set_cache_manager(GuardedCacheManager)
+            manager = _watched(knobs.cache.manager_class or FileCacheManager)  # 3.4+: a custom one is kept
+        except ImportError:  # 3.2 imports TRITON_CACHE_MANAGER by name
+            manager = __getattr__("GuardedCacheManager")
+        tritoncompat.set_cache_manager(manager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
     _guard.armed = _guard.armed or armed
 

@@ -1,0 +1,51 @@
+"""prewarm guard on triton 3.2 (triton-ascend): a process under `prewarm guard --mode error` finds the planned
+kernel on disk (compiled by an offline build with stand-in CANN) and is refused the unplanned one before compiling,
+with the explanation against the plan (tests/test_guard.py has the full story on 3.6)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import standin
+from conftest import ARCH, HERE, run_prewarm, write_manifest
+
+from prewarm import fingerprint
+
+KERNELS = """
+    [[kernels]]
+    function = "ascend_toy_kernels:add_kernel"
+    args = { x = {tensor = "float32"}, y = {tensor = "float32"}, o = {tensor = "float32"}, T = 100, n = 4096, BS = 64 }
+"""
+APP = """
+import sys, torch
+from prewarm.npu import activate_offline
+import ascend_toy_kernels as k
+activate_offline({arch!r})
+k.add_kernel.warmup(torch.float32, torch.float32, torch.float32, 7, 4096, BS=64, grid=(1,))
+print("planned call: no compile", flush=True)
+k.add_kernel.warmup(torch.float32, torch.bfloat16, torch.float32, 7, 4096, BS=64, grid=(1,))
+"""
+
+
+def test_guard_refuses_an_unplanned_compile_on_triton_32(tmp_path):
+    bindir = tmp_path / "cann-bin"
+    standin.make_bishengir(bindir)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREWARM_", "TRITON_"))
+           and k not in fingerprint.ASCEND_CODEGEN_ENV}
+    env.update(ASCEND_HOME_PATH=str(standin.make_toolkit(tmp_path / "ascend-toolkit")),
+               PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", HOME=str(tmp_path / "home"))
+    manifest = write_manifest(tmp_path / "m.toml", KERNELS)
+    cache = tmp_path / "cache"
+    p = run_prewarm("build", manifest, "--cache-dir", cache, "--mode", "offline", "--workers", "1", env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    app = tmp_path / "app.py"
+    app.write_text(APP.format(arch=ARCH))
+    env.update(TRITON_CACHE_DIR=str(cache), PYTHONPATH=str(HERE))
+    p = subprocess.run([sys.executable, "-m", "prewarm.cli", "guard", "--mode", "error", "--plan", manifest, "--",
+                        sys.executable, str(app)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "planned call: no compile" in p.stdout, p.stderr[-3000:]
+    assert ("UncoveredCompile: prewarm guard: ascend_toy_kernels:add_kernel is not in the cache and would compile "
+            "here: nearest add_kernel: argument y: planned *fp32, runtime *bf16") in p.stderr, p.stderr[-3000:]
+    assert len(list(Path(cache).glob("*/*.npubin"))) == 1  # refused before compiling
