@@ -120,35 +120,36 @@ _CUDA_SOURCES = {
 _CUDA_COMMON = dict(shared_memory_per_block=48 * KiB, regs_per_multiprocessor=64 * KiB, max_registers_per_block=64 * KiB,
                     max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32)  # fmt: skip
 
+# H100 and H200 SXM5: the same GH100 configuration, different memory
+_HOPPER_SXM5 = dict(backend="cuda", arch="sm_90", capability=(9, 0), multi_processor_count=132,
+                    shared_memory_per_block_optin=227 * KiB, shared_memory_per_multiprocessor=228 * KiB,
+                    L2_cache_size=50 * MiB, clock_rate=1_980_000, **_CUDA_COMMON)  # fmt: skip
+_HOPPER_SXM5_SOURCES = {
+    **_CUDA_SOURCES,
+    "multi_processor_count": "documented: Hopper whitepaper, GH100 SXM5 132 SMs (H100 SXM5; the H200 is the same part)",
+    "L2_cache_size": "documented: Hopper whitepaper, 50 MB L2 (SXM5)",
+    "clock_rate": "documented: H100/H200 SXM5 max boost 1980 MHz",
+}
+
 PROFILES: dict[str, DeviceProfile] = {
     "H200": DeviceProfile(
-        name="NVIDIA H200", backend="cuda", arch="sm_90", capability=(9, 0), multi_processor_count=132,
-        shared_memory_per_block_optin=227 * KiB, shared_memory_per_multiprocessor=228 * KiB, L2_cache_size=50 * MiB,
-        total_memory=141 * 10**9, clock_rate=1_980_000, memory_clock_rate=2_619_000, memory_bus_width=6144,
-        **_CUDA_COMMON,
+        name="NVIDIA H200", total_memory=141 * 10**9, memory_clock_rate=2_619_000, memory_bus_width=6144,
+        **_HOPPER_SXM5,
         sources={
-            **_CUDA_SOURCES,
+            **_HOPPER_SXM5_SOURCES,
             "name": "measured: torch.cuda.get_device_name(0) on the H200 (bench/results/cold_start.json)",
-            "multi_processor_count": "documented: NVIDIA H200 = GH100 SXM5 configuration, 132 SMs (Hopper whitepaper)",
-            "L2_cache_size": "documented: Hopper whitepaper, 50 MB L2 (H100/H200 SXM5)",
             "total_memory": "documented: NVIDIA H200 datasheet, 141 GB HBM3e (torch reports a little less)",
-            "clock_rate": "documented: H100/H200 SXM5 max boost 1980 MHz",
             "memory_clock_rate": "unverified: derived from 4.8 TB/s over a 6144-bit bus; measure",
             "memory_bus_width": "unverified: 6 HBM3e stacks x 1024 bits; measure",
         },
     ),
     "H100": DeviceProfile(
-        name="NVIDIA H100 80GB HBM3", backend="cuda", arch="sm_90", capability=(9, 0), multi_processor_count=132,
-        shared_memory_per_block_optin=227 * KiB, shared_memory_per_multiprocessor=228 * KiB, L2_cache_size=50 * MiB,
-        total_memory=80 * GiB, clock_rate=1_980_000, memory_clock_rate=2_619_000, memory_bus_width=5120,
-        **_CUDA_COMMON,
+        name="NVIDIA H100 80GB HBM3", total_memory=80 * GiB, memory_clock_rate=2_619_000, memory_bus_width=5120,
+        **_HOPPER_SXM5,
         sources={
-            **_CUDA_SOURCES,
+            **_HOPPER_SXM5_SOURCES,
             "name": "documented: the SXM5 80 GB board's device name",
-            "multi_processor_count": "documented: Hopper whitepaper, H100 SXM5 132 SMs",
-            "L2_cache_size": "documented: Hopper whitepaper, 50 MB L2",
             "total_memory": "documented: H100 SXM5 datasheet, 80 GB HBM3",
-            "clock_rate": "documented: H100 SXM5 max boost 1980 MHz",
             "memory_clock_rate": "documented: Hopper whitepaper, HBM3 at 2619 MHz (3.35 TB/s)",
             "memory_bus_width": "documented: Hopper whitepaper, 5 HBM3 stacks, 5120-bit",
         },

@@ -3,7 +3,6 @@ become this host's, so it builds into the same key dirs as a local recording; wh
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,37 +15,19 @@ from prewarm.build import build  # noqa: E402
 from prewarm.cli import main  # noqa: E402
 from prewarm.errors import ManifestError  # noqa: E402
 from prewarm.plan import load_record  # noqa: E402
-
-MANIFEST = """
-[target]
-backend = "cuda"
-arch = "sm_90"
-
-[model]
-kda_heads = 4
-head_k_dim = 64
-head_v_dim = 64
-
-[[kernels]]
-record = "{record}"
-"""
-ELSEWHERE = "/opt/h200-node/venv/lib/python3.12/site-packages/triton/backends/nvidia/lib/libdevice.10.bc"
+from test_record import MANIFEST as APP_MANIFEST  # noqa: E402
+from test_record import recorded as recording  # noqa: E402  (the fixture: a real `prewarm record` of the toy app)
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    """A real `prewarm record` of the toy app (3 processes) and the cache the app itself compiled into."""
-    tmp = tmp_path_factory.mktemp("replay")
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TRITON_CACHE_DIR")}
-    os.environ["PYTHONPATH"] = str(FIXTURES)
-    os.environ["TRITON_CACHE_DIR"] = str(tmp / "app-cache")
-    try:
-        code = main(["record", "-o", str(tmp / "local.jsonl"), "--", sys.executable, "-m", "prewarm_toy.record_app"])
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    assert code == 0
+def recorded(recording):
+    """The toy app's recording as ``local.jsonl`` beside the cache the app compiled into (``app-cache``)."""
+    tmp, _ = recording
+    (tmp / "local.jsonl").write_text((tmp / "app.jsonl").read_text())
     return tmp
+
+
+ELSEWHERE = "/opt/h200-node/venv/lib/python3.12/site-packages/triton/backends/nvidia/lib/libdevice.10.bc"
 
 
 def rewrite_options(src: Path, dst: Path, change) -> None:
@@ -64,7 +45,7 @@ def rewrite_options(src: Path, dst: Path, change) -> None:
 
 def manifest(tmp: Path, record: str) -> Path:
     path = tmp / f"{Path(record).stem}.toml"
-    path.write_text(MANIFEST.format(record=record))
+    path.write_text(APP_MANIFEST.replace('record = "app.jsonl"', f'record = "{record}"'))
     return path
 
 
