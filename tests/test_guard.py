@@ -16,6 +16,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
 from prewarm.build import build  # noqa: E402
+from prewarm.bundle import pack  # noqa: E402
+from prewarm.install import install  # noqa: E402
 from prewarm_helpers import copy_cache  # noqa: E402
 
 MANIFEST = """
@@ -41,10 +43,13 @@ BLOCK_128 = "float32,float32,4096,128"  # another constexpr and another class of
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, Path]:
+    """The manifest, and a node's cache: built, packed and installed at another path, as a node gets it."""
     tmp = tmp_path_factory.mktemp("guard")
     (tmp / "m.toml").write_text(MANIFEST)
-    report = build(tmp / "m.toml", tmp / "cache", workers=1, mode="offline")
+    report = build(tmp / "m.toml", tmp / "build", workers=1, mode="offline")
     assert report.ok and report.count("compiled") == 1
+    pack(tmp / "build", tmp / "bundle")
+    install(str(tmp / "bundle"), tmp / "cache")
     return tmp / "m.toml", tmp / "cache"
 
 
