@@ -261,6 +261,16 @@ class ProfileUtils:
         return self.profile.triton_properties()
 
 
+def chosen_driver():
+    """The driver Triton was given or has made, without making one (None: none yet; making one probes the GPU)."""
+    from triton.runtime.driver import driver
+
+    if hasattr(driver, "_active"):  # 3.4+
+        return driver._active
+    current = driver.active  # 3.2: a LazyProxy until first used
+    return current._obj if type(current).__name__ == "LazyProxy" else current
+
+
 def active() -> DeviceProfile | None:
     """The profile this process answers device queries with (None: the real device, or none)."""
     return _ACTIVE[0] if _ACTIVE else None
@@ -270,11 +280,9 @@ def activate(profile: DeviceProfile) -> None:
     """From now on, in this process: torch.cuda's device queries (CUDA profiles) and the active target-only
     Triton driver's ``utils.get_device_properties`` answer as ``profile``. Idempotent; :func:`deactivate` undoes.
     Call only where a target-only driver is active (plan and build processes), never on a node."""
-    from triton.runtime.driver import driver
-
     from .targets import OfflineDriver
 
-    current = driver._active  # .active would create the real driver
+    current = chosen_driver()
     if not isinstance(current, OfflineDriver):
         raise RuntimeError("a device profile answers only under a target-only driver (none is active)")
     current.utils = ProfileUtils(profile)

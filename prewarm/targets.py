@@ -229,11 +229,10 @@ def get_target(backend: str, arch: str, mode: str = "auto", device_profile: str 
 def activate_profile(backend: str, arch: str, device_profile: str) -> None:
     """Plan processes: device queries answer as ``device_profile`` unless a real device answers them (a device
     build on the node). With no driver chosen yet, the backend's target-only driver is installed first."""
-    from triton.runtime.driver import driver
-
     from . import devices
 
-    if isinstance(driver._active, OfflineDriver):
+    current = devices.chosen_driver()
+    if isinstance(current, OfflineDriver):
         devices.activate(devices.lookup(device_profile, "target"))
-    elif driver._active is None and backend == "cuda" and _auto_mode("cuda") == "offline":
+    elif current is None and backend == "cuda" and _auto_mode("cuda") == "offline":
         CudaOfflineTarget(backend, arch, device_profile).activate()

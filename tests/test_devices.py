@@ -111,3 +111,20 @@ def test_an_unknown_device_or_one_of_another_arch_is_a_manifest_error(tmp_path):
     with pytest.raises(ManifestError, match=r"target\.device = 'A100': that device is cuda sm_80, but the manifest "
                                             r"targets cuda sm_90"):
         devices.manifest_device(manifest_with(tmp_path, 'backend = "cuda"\narch = "sm_90"\ndevice = "A100"'))
+
+
+def test_an_ascend_plan_process_answers_the_a3s_core_counts_through_triton_ascends_driver():
+    """triton-ascend 3.2 (its own env): the target-only NPU driver answers as the A3; torch.cuda is untouched."""
+    from prewarm_helpers import REPO
+
+    python = REPO / ".venv-ascend" / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no .venv-ascend here (bash .ci/setup makes it)")
+    code = ("import json, torch\nfrom prewarm.npu import activate_offline\nfrom prewarm.targets import activate_profile\n"
+            "activate_offline('Ascend910_9391'); activate_profile('npu', 'Ascend910_9391', 'A3')\n"
+            "from triton.runtime.driver import driver\n"
+            "print(json.dumps([driver.active.utils.get_device_properties(0), torch.cuda.is_available()]))")
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [
+        {"max_shared_mem": 1, "num_aicore": 24, "num_vectorcore": 48}, False]
