@@ -26,6 +26,13 @@ MEASURE_COMMAND = (
     "'triton': triton.runtime.driver.active.utils.get_device_properties(0)}, default=str))\""
 )
 
+# The same on an Ascend node (torch_npu and CANN installed): triton-ascend's own answer.
+NPU_MEASURE_COMMAND = (
+    "python -c \"import json,torch,torch_npu,triton; "
+    "print(json.dumps({'soc': torch.npu.get_device_name(0), "
+    "'triton': triton.runtime.driver.active.utils.get_device_properties(0)}))\""
+)
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
@@ -194,7 +201,7 @@ PROFILES: dict[str, DeviceProfile] = {
         name="Ascend910B2", backend="npu", arch="Ascend910B2", num_aicore=24, num_vectorcore=48, ub_size=192 * KiB,
         sources={
             "name": "documented: CANN SoC name", "arch": "documented: CANN SoC name",
-            "num_aicore": "documented: Ascend 910B2, 24 AI (cube) cores",
+            "num_aicore": "unverified: 24 AI (cube) cores as reported for the 910B2; measure (NPU_MEASURE_COMMAND)",
             "num_vectorcore": "documented: 2 vector cores per AI core (triton-ascend: num_aicore * 2)",
             "ub_size": "documented: CANN Ascend C docs, 192 KB unified buffer per core on A2",
         },
@@ -205,7 +212,7 @@ PROFILES: dict[str, DeviceProfile] = {
         sources={
             "name": "documented: CANN SoC name of the A3 (Atlas 800T A3) die",
             "arch": "documented: CANN SoC name",
-            "num_aicore": "documented: Atlas A3, 24 AI (cube) cores per die",
+            "num_aicore": "unverified: 24 AI (cube) cores per A3 die as reported; measure (NPU_MEASURE_COMMAND)",
             "num_vectorcore": "documented: 2 vector cores per AI core (triton-ascend: num_aicore * 2)",
             "ub_size": "documented: CANN Ascend C docs, 192 KB unified buffer per core on A3",
         },
