@@ -22,31 +22,16 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, DEFAULT_WORK, child_env, fresh_dir, log, write_json  # noqa: E402
 
 FIXTURES = REPO / "tests" / "fixtures"  # prewarm_toy: small kernels importable by name
-BLOCKS = [16, 32, 64, 128, 256, 512, 1024, 2048]
-DTYPES = ["float16", "float32"]
-N = 4096
-
-MANIFEST = """
-name = "guard-overhead"
-[target]
-backend = "cuda"
-arch = "sm_90"
-[model]
-kda_heads = 4
-head_k_dim = 64
-head_v_dim = 64
-[[kernels]]
-function = "prewarm_toy.kernels:add_kernel"
-label = "add"
-args = {{ x_ptr = {dtypes}, y_ptr = {{ tensor = "float32" }}, out_ptr = {{ tensor = "float32" }}, n = {n}, BLOCK = {blocks} }}
-options = {{ num_warps = 4 }}
-"""
+MANIFEST = Path(__file__).with_suffix(".toml")  # the variants: the kernel's dtypes x BLOCK values
+ARGS = tomllib.loads(MANIFEST.read_text())["kernels"][0]["args"]
+DTYPES, BLOCKS, N = [x["tensor"] for x in ARGS["x_ptr"]], ARGS["BLOCK"], ARGS["n"]
 
 
 def child(args) -> None:
@@ -130,14 +115,11 @@ def main() -> None:
     if args.child:
         return child(args)
     work = fresh_dir(args.work)
-    manifest = work / "m.toml"
-    dtypes = "[" + ", ".join(f'{{ tensor = "{d}" }}' for d in DTYPES) + "]"
-    manifest.write_text(MANIFEST.format(dtypes=dtypes, n=N, blocks=json.dumps(BLOCKS)))
     env = child_env(work)
     env["PYTHONPATH"] = os.pathsep.join([str(FIXTURES), env["PYTHONPATH"]])
     cache = work / "cache"
     log(f"building {len(BLOCKS) * len(DTYPES)} variants into {cache}")
-    p = subprocess.run([sys.executable, "-m", "prewarm.cli", "build", str(manifest), "--cache-dir", str(cache),
+    p = subprocess.run([sys.executable, "-m", "prewarm.cli", "build", str(MANIFEST), "--cache-dir", str(cache),
                         "--mode", "offline", "--workers", "2"], env=env, capture_output=True, text=True, timeout=900)
     if p.returncode:
         raise SystemExit(f"prewarm build failed ({p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")

@@ -20,22 +20,7 @@ from prewarm.bundle import pack  # noqa: E402
 from prewarm.install import install  # noqa: E402
 from prewarm_helpers import copy_cache  # noqa: E402
 
-MANIFEST = """
-[target]
-backend = "cuda"
-arch = "sm_90"
-
-[model]
-kda_heads = 4
-head_k_dim = 64
-head_v_dim = 64
-
-[[kernels]]
-function = "prewarm_toy.kernels:add_kernel"
-label = "planned add"
-args = { x_ptr = { tensor = "float32" }, y_ptr = { tensor = "float32" }, out_ptr = { tensor = "float32" }, n = 1000, BLOCK = 64 }
-options = { num_warps = 4 }
-"""
+MANIFEST = FIXTURES / "toy-guard.toml"
 PLANNED = "float32,float32,1000,64"  # the app's own launch, written apart from the manifest: the same request
 BF16_Y = "float32,bfloat16,1000,64"  # y in bf16: another pointer dtype
 BLOCK_128 = "float32,float32,4096,128"  # another constexpr and another class of n
@@ -45,12 +30,11 @@ BLOCK_128 = "float32,float32,4096,128"  # another constexpr and another class of
 def built(tmp_path_factory) -> tuple[Path, Path]:
     """The manifest, and a node's cache: built, packed and installed at another path, as a node gets it."""
     tmp = tmp_path_factory.mktemp("guard")
-    (tmp / "m.toml").write_text(MANIFEST)
-    report = build(tmp / "m.toml", tmp / "build", workers=1, mode="offline")
+    report = build(MANIFEST, tmp / "build", workers=1, mode="offline")
     assert report.ok and report.count("compiled") == 1
     pack(tmp / "build", tmp / "bundle")
     install(str(tmp / "bundle"), tmp / "cache")
-    return tmp / "m.toml", tmp / "cache"
+    return MANIFEST, tmp / "cache"
 
 
 def entries(cache: Path) -> set[str]:
