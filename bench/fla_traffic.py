@@ -1,6 +1,6 @@
 """Zero compiles for fla-core's KDA under independent traffic: fresh processes on an installed bundle (H200).
 
-    python3 bench/fla_traffic.py --bundle BUNDLE --seeds 1,2,3 [--device-runs 1] [--expect-zero]
+    python3 bench/fla_traffic.py [--bundle BUNDLE] --seeds 1,2,3 [--device-runs N] [--expect-zero] [--out JSON]
 
 The traffic (:func:`calls`) is written from fla's public API and the manifest's envelope only, independently of
 the provider's call builder (``prewarm.providers.fla_kda``): random packed prefill batches (sequence count, every
@@ -153,7 +153,7 @@ def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, out: dic
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--manifest", default=str(DEFAULT_FLA_MANIFEST))
-    ap.add_argument("--bundle", help="a packed bundle (e.g. built on the CPU box: prewarm build + prewarm pack)")
+    ap.add_argument("--bundle", help="a packed bundle built on the CPU box (prewarm build + prewarm pack): every seed")
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--device-runs", type=int, default=0,
                     help="also build a --mode device bundle here and run the first N seeds on it")
@@ -168,14 +168,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child_main(child, args)
-    if not args.bundle:
-        ap.error("--bundle is required")
-    work, bundle = Path(args.work).resolve(), Path(args.bundle).resolve()
+    if not args.bundle and not args.device_runs:
+        ap.error("give --bundle (runs every seed on it), --device-runs N, or both")
+    work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    out = {"manifest": args.manifest, "bundles": {"offline": describe_bundle(bundle)}, "calls_per_step": args.calls,
-           "steps": args.steps, "runs": []}
-    drive("offline", bundle, seeds, args, work, out)
+    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
+    if args.bundle:
+        out["bundles"]["offline"] = describe_bundle(Path(args.bundle).resolve())
+        drive("offline", Path(args.bundle).resolve(), seeds, args, work, out)
     if args.device_runs:
         try:
             prepared = prepare_bundle(Path(args.manifest).resolve(), work, fallback=False)
