@@ -321,19 +321,9 @@ def _short(v: Any) -> str:
 
 def describe_specialization(data: str) -> str:
     """"BT=64 BK=32 warps=4 stages=3": the constexprs and options that tell one compile of a kernel from another."""
-    obj = json.loads(data)
-    names = list(obj["signature"])
-    if "constants" in obj:  # triton 3.2: keyed by parameter name
-        pairs = list(obj["constants"].items())
-    else:  # 3.4+: keyed by argument path, e.g. [3]
-        pairs = [(names[k[0]] if k and k[0] < len(names) else str(k), v)
-                 for k, v in zip(obj["constant_keys"], obj["constant_vals"])]  # fmt: skip
-    parts = []
-    for name, val in pairs:
-        val = val.get("constexpr", val) if isinstance(val, dict) else val
-        parts.append(f"{name}={val}")
-    opts = obj["options"]
-    parts.append(f"warps={opts.get('num_warps')} stages={opts.get('num_stages')}")
+    spec = tritoncompat.parse_specialization(data)
+    parts = [f"{name}={a.value}" for name, a in spec.args.items() if a.type == "constexpr"]
+    parts.append(f"warps={spec.options.get('num_warps')} stages={spec.options.get('num_stages')}")
     return " ".join(parts)
 
 
