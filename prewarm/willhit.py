@@ -315,7 +315,8 @@ def probe_npu_modules(compiles: list[Compile], results: list[RequestResult], cac
                    for c, r in zip(compiles, results) if r.hit]  # disk hits: loaded, nothing compiled
     found: dict[str, ModuleResult] = {}
 
-    def lookups(run, kernels: int) -> None:
+    def lookups(run, users: int) -> None:
+        """Run one construction; record each key it looked up (``users``: planned compiles launching through it)."""
         _NpuModuleLookup.seen.clear()
         try:
             run()
@@ -328,7 +329,7 @@ def probe_npu_modules(compiles: list[Compile], results: list[RequestResult], cac
             name = ("npu_utils" if files[0][0] == tritoncompat.NPU_UTILS_FILE else
                     "precompiled.h" if files[0][0] in tritoncompat.NPU_HEADER_FILES else "launcher")
             m = found.setdefault(key, ModuleResult(name, key, any(present for _, present in files), 0))
-            m.kernels += kernels if name != "npu_utils" else 0
+            m.kernels += users if name != "npu_utils" else 0
 
     with tritoncompat.cache_scope(os.path.abspath(cache_dir), _NpuModuleLookup):
         lookups(tritoncompat.npu_utils, 0)
