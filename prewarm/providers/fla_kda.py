@@ -110,7 +110,11 @@ def _roles(spec: dict) -> dict[str, list[str]]:
 def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
     """(label prefix, thunk) for every call of the serving path, tensors on ``device`` (meta: shapes only)."""
     import torch
-    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except ImportError as e:
+        raise ValueError(f"fla-core is not importable ({e}): install the fla extra, pip install -e '.[fla]'") from e
 
     H, K, V = spec["heads"], spec["head_k_dim"], spec["head_v_dim"]
     lb = spec.get("gate_lower_bound")
