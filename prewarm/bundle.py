@@ -195,10 +195,11 @@ def absolute_group(data: bytes, entry_dir: str) -> bytes:
 
 def read_build_record(cache_dir: Path) -> dict:
     """`prewarm build`'s record (``.prewarm/build.json``), or {} when absent or unreadable."""
+    path = cache_dir / META_DIR / "build.json"
     try:
-        doc = json.loads((cache_dir / META_DIR / "build.json").read_text())
+        doc = json.loads(read_bounded(open_regular(path), MAX_INDEX_BYTES, str(path)))
         return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError, IntegrityError):
         return {}
 
 

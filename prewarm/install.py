@@ -185,9 +185,17 @@ class EntryCheck:
         return not (self.modified or self.missing or self.unexpected or self.outside)
 
 
-def check_entry(cache_dir: str, key: str, files: tuple[FileRecord, ...]) -> EntryCheck:
+def stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes whenever a file's bytes do (any write moves ctime, which no tool can set back)."""
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def check_entry(cache_dir: str, key: str, files: tuple[FileRecord, ...],
+                unchanged: dict[str, tuple[FileRecord, tuple]] | None = None) -> EntryCheck:
     """Hash every listed file of ``<cache_dir>/<key>`` (group files in their relative form: install wrote them
-    absolute) and list what is not listed. Never follows a link or opens anything but a regular file."""
+    absolute) and list what is not listed. Never follows a link or opens anything but a regular file.
+    ``unchanged`` (install's fast path): {path: (record, stat key)} of files hashed or written by the last install
+    of this bundle; a file whose stat key is still that one holds that record's bytes and is not read again."""
     base = f"{cache_dir}/{key}"
     c = EntryCheck()
     names = {f.path.rsplit("/", 1)[-1] for f in files}
@@ -200,6 +208,12 @@ def check_entry(cache_dir: str, key: str, files: tuple[FileRecord, ...]) -> Entr
             continue
         if not stat.S_ISREG(st.st_mode):
             c.modified.append(f"{rel} ({'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a regular file'})")
+            continue
+        known = (unchanged or {}).get(f.path)
+        if known is not None and known[1] == stat_key(st):
+            c.on_disk.append(known[0])
+            if (known[0].sha256, known[0].size) != (f.sha256, f.size):
+                c.modified.append(rel)
             continue
         try:
             with open_regular(path) as fh:
@@ -265,6 +279,16 @@ class Receipt:
 
     def files(self) -> dict[str, tuple[FileRecord, ...]]:
         return {e.key: self.kept.get(e.key, e.files) for e in self.index.entries}
+
+    def unchanged(self) -> dict[str, dict[str, tuple[FileRecord, tuple]]]:
+        """{key: {path: (record, stat key)}} as this install left them (install's fast path; verify always hashes).
+        A malformed or partial stat table only costs hashing."""
+        try:
+            table = self.doc.get("stat") or {}
+            return {key: {f.path: (f, tuple(table[key][f.path])) for f in files if f.path in table.get(key, ())}
+                    for key, files in self.files().items()}
+        except (AttributeError, TypeError):
+            return {}
 
 
 def receipt_path(cache_dir: Path, index_digest: str) -> Path:
@@ -332,6 +356,7 @@ def _write_receipt(cache_dir: Path, bundle: Bundle, source: str, seq: int,
         "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # for people; order is seq's
         "kept": {k: [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files]
                  for k, files in sorted(kept.items())},
+        "stat": _stat_table(cache_dir, bundle.index, kept),
         "index": bundle.index_bytes.decode(),  # verbatim: its checksum and digest still hold
     }
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
@@ -344,6 +369,19 @@ def _write_receipt(cache_dir: Path, bundle: Bundle, source: str, seq: int,
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def _stat_table(cache_dir: Path, index: Index, kept: dict[str, tuple[FileRecord, ...]]) -> dict:
+    """{key: {path: stat key}} of every file as this install leaves it: the next install of the bundle re-reads only
+    files whose stat key moved since (a same-size flip moves ctime)."""
+    table: dict[str, dict[str, list[int]]] = {}
+    for e in index.entries:
+        for f in kept.get(e.key, e.files):
+            try:
+                table.setdefault(e.key, {})[f.path] = list(stat_key(os.lstat(cache_dir / e.key / f.path)))
+            except OSError:
+                continue  # gone already: hashed (and found missing) next time
+    return table
 
 
 def _fsync_dir(path: Path) -> None:
@@ -453,8 +491,11 @@ def _install_locked(bundle: Bundle, source: str, cache_dir: Path, res: InstallRe
     entries = bundle.index.entries
     receipts = read_receipts(cache_dir, strict=False)
     recorded = installed_files(receipts)
+    own = next((r for r in receipts if r.index.digest == res.index_digest), None)
+    unchanged = own.unchanged() if own else {}
     with cf.ThreadPoolExecutor(workers) as pool:
-        checks = list(pool.map(lambda e: check_entry(str(cache_dir), e.key, e.files), entries))
+        checks = list(pool.map(lambda e: check_entry(str(cache_dir), e.key, e.files, unchanged.get(e.key)),
+                               entries))
     todo, kept = [], {}
     for e, c in zip(entries, checks):
         if c.clean:
@@ -464,7 +505,6 @@ def _install_locked(bundle: Bundle, source: str, cache_dir: Path, res: InstallRe
             continue
         todo.append(e)
     res.present, res.kept = len(entries) - len(todo), len(kept)
-    own = next((r for r in receipts if r.index.digest == res.index_digest), None)
     agrees = all(set(recorded.get(e.key, ())) == set(kept.get(e.key, e.files)) for e in entries)
     if not todo and own is not None and own.kept == kept and agrees:
         res.noop = True
