@@ -4,7 +4,8 @@ Order of work: read the index (and check its signature when keys are given or on
 bundle's fingerprint against this node (the one place that judges the node: ``check_node``) -> take
 ``<cache>/.prewarm/install.lock`` -> skip entries already present (by content: every file's sha256 as the
 bundle lists it; for a C module the runtime builds non-reproducibly, a complete entry for the same key, unless a
-receipt recorded other bytes for it) -> stream the other objects in parallel through one check-as-you-write pass
+receipt recorded other bytes for it; a file whose size, mtime, ctime and inode are still those this bundle's last
+install recorded is not re-read, so a repeated install is a stat per file) -> stream the other objects in parallel through one check-as-you-write pass
 (object sha256 and size, bounded decompression, tar members, every file's sha256 and size) into
 ``<cache>/.prewarm/staging-*/<KEY>`` with group files pointing at the final location, fsync, rename the key dir
 into place (a modified entry is replaced the same way) -> write the receipt
