@@ -223,7 +223,7 @@ def _this_hosts(data: str, where: str) -> str:
                                 f"expected options without machine-specific paths, or the file at that path")
     if not replaced:
         return data
-    key = json.dumps(obj.get("key"))  # the in-memory cache key repeats str(options)
+    key = json.dumps(obj.get("key"))  # the in-memory key repeats option kwargs the launch passed (extern_libs=...)
     for old, new in replaced.items():
         key = key.replace(json.dumps(old)[1:-1], json.dumps(new)[1:-1])
     obj["key"] = json.loads(key)
