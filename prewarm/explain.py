@@ -239,19 +239,20 @@ def explain_key_dir(path: str | os.PathLike, planned: Iterable[Compile],
 _MISS_SIDES = ("cache", "planned")  # the planned compile is the request here; the cache entry is what it is held to
 
 
-def explain_miss(c: Compile, cache_dir: str | os.PathLike, key: str) -> Explanation:
+def explain_miss(c: Compile, cache_dir: str | os.PathLike, key: str,
+                 sides: tuple[str, str] = _MISS_SIDES) -> Explanation:
     """Why a planned compile (looked up under ``key``) would miss in ``cache_dir``: the cache's nearest entry of that
     kernel and what differs (this process's env vars against those the entry was compiled under, too). No entry of
-    the kernel: nearest None."""
+    the kernel: nearest None. ``sides`` names the two sides in the text (the guard: the cache and this process)."""
     spec = _parse(c.specialization, c.kernel)
     entries = ((CacheEntry(key, f"{s.function} in {key}", s.name), s, s.context.get("env"))
                for key, s in _cache_entries(os.path.realpath(cache_dir)))
     nearest, diffs = _nearest(spec, entries, tritoncompat.cache_invalidating_env_vars())
     if nearest is None:
-        return Explanation(c.specialization, spec.name, None, (), sides=_MISS_SIDES,
+        return Explanation(c.specialization, spec.name, None, (), sides=sides,
                            note=f"the cache holds no compile of {spec.function}: it was not built into this bundle")
     return Explanation(c.specialization, spec.name, nearest, tuple(diffs or [_unrecorded(nearest.key, key)]),
-                       sides=_MISS_SIDES)
+                       sides=sides)
 
 
 @functools.lru_cache(maxsize=8)

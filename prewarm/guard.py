@@ -57,12 +57,16 @@ class _Guard:
 
         return hook
 
-    def uncovered(self, key: str, filename: str) -> None:
+    def take_request(self):
+        """The (fn, compile) the jit_cache_hook noted for the lookup now running in this thread, or None."""
+        request, self.pending.request = getattr(self.pending, "request", None), None
+        return request
+
+    def uncovered(self, key: str, filename: str, fn_compile) -> None:
         """Triton is about to compile: log it with its explanation, record it, and in error mode refuse it."""
         from . import tritoncompat
         from .record import append, request_entry
 
-        fn_compile, self.pending.request = getattr(self.pending, "request", None), None
         cache_dir = tritoncompat.cache_dir()
         why = f"no {filename} under {key} in {cache_dir}"
         if fn_compile is None:  # not through the JIT (a direct compile() call): nothing to explain or record
@@ -97,7 +101,8 @@ class _Guard:
         e = explain(data, planned, kernel=kernel)
         if not e.planned:
             return e.summary()
-        missing = explain_miss(Compile(e.nearest.request, kernel, e.nearest.label, data), cache_dir, key)
+        missing = explain_miss(Compile(e.nearest.request, kernel, e.nearest.label, data), cache_dir, key,
+                               sides=("cache", "this process"))
         return f"planned as {e.nearest.label!r} but not in the cache: {missing.summary()}"
 
     def planned_compiles(self):
@@ -128,8 +133,10 @@ def _watched(base: type) -> type:
     class GuardedCacheManager(base):
         def get_group(self, filename):
             group = super().get_group(filename)
-            if _guard is not None and _guard.armed and (group is None or filename not in group):
-                _guard.uncovered(self.key, filename)
+            if _guard is not None and _guard.armed:
+                request = _guard.take_request()  # this lookup's request, hit or miss
+                if group is None or filename not in group:
+                    _guard.uncovered(self.key, filename, request)
             return group
 
     GuardedCacheManager.__qualname__ = "GuardedCacheManager"

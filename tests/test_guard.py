@@ -75,6 +75,18 @@ def test_error_mode_refuses_an_uncovered_call_before_compiling_and_names_the_arg
     assert entries(cache) == before  # refused before the compiler ran: nothing new in the cache
 
 
+def test_a_planned_call_missing_for_an_env_var_of_tritons_key_is_explained_against_the_cache(built):
+    """The node sets TRITON_DISABLE_LINE_INFO (in Triton's key): the planned call misses; the guard says it is
+    planned, and that the cache's entry was compiled without that variable."""
+    manifest, cache = built
+    p = serve(cache, PLANNED, env={"PREWARM_GUARD": "error", "PREWARM_GUARD_PLAN": str(manifest),
+                                   "TRITON_DISABLE_LINE_INFO": "1"})
+    assert p.returncode != 0
+    (logged,) = guard_lines(p)
+    assert "planned as 'planned add' but not in the cache: nearest add_kernel in " in logged
+    assert logged.endswith("env var TRITON_DISABLE_LINE_INFO: cache unset, this process true"), logged
+
+
 def test_warn_mode_records_uncovered_calls_of_every_process_and_a_rebuild_covers_them(built, tmp_path):
     manifest, cache = built
     cache = copy_cache(cache, tmp_path / "cache")  # warn mode compiles into it
