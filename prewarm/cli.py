@@ -224,7 +224,9 @@ def cmd_install(args) -> int:
         out.print(f"{r.cache_dir}: already installed ({r.entries} entries), nothing to do")
     else:
         out.print(f"{r.cache_dir}: installed {r.installed} entries ({r.bytes_fetched / 1e6:.1f} MB fetched), "
-                  f"{r.present} already present, {r.replaced} replaced, in {r.seconds:.2f} s"
+                  f"{r.present} already present"
+                  + (f" ({r.kept} C modules as built here, kept)" if r.kept else "")
+                  + f", {r.replaced} replaced, in {r.seconds:.2f} s"
                   + (f"; signed by {r.signed_by}" if r.signed_by else ""))
     return 0
 
