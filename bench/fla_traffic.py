@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -146,6 +147,8 @@ def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, out: dic
         except Exception as e:  # noqa: BLE001 - record it, run the next seed
             run["error"] = f"{type(e).__name__}: {e}"
             log(f"{label} seed {seed} FAILED: {run['error']}")
+        finally:
+            shutil.rmtree(node, ignore_errors=True)
         out["runs"].append(run)
         write_json(args.out, out)
 
