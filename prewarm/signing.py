@@ -17,7 +17,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import EnvironmentProblem, SignatureError
+from .bundle import open_regular, read_bounded
+from .errors import EnvironmentProblem, IntegrityError, SignatureError
 
 
 def key_id(public: Ed25519PublicKey) -> str:
@@ -55,9 +56,11 @@ def keygen(name: str | os.PathLike, *, force: bool = False) -> tuple[Path, Path,
 
 def _load(path: str | os.PathLike, private: bool):
     try:
-        data = Path(path).read_bytes()
+        data = read_bounded(open_regular(path), 64 << 10, str(path))
     except OSError as e:
         raise SignatureError(f"{path}: cannot read key ({e.strerror})") from None
+    except IntegrityError as e:  # not a regular file, or far too large for a PEM key
+        raise SignatureError(f"{e} (expected a PEM key)") from None
     try:
         key = (
             serialization.load_pem_private_key(data, password=None)
