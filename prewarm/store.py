@@ -90,12 +90,6 @@ class Store(ABC):
         hold things other than plain files refuse them here, before reading (a FIFO would hang the reader)."""
         return io.BytesIO(self.read(name))
 
-    def read_optional(self, name: str) -> bytes | None:
-        try:
-            return self.read(name)
-        except FileNotFoundError:
-            return None
-
 
 class LocalStore(Store):
     """A local directory: writes go through a temp file, fsync and rename."""
