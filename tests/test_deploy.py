@@ -190,11 +190,11 @@ def _toml(value) -> str:
     raise TypeError(f"cannot write {value!r} as TOML here")
 
 
-def small_manifest(shipped: Path, dest: Path, buckets: tuple[int, ...] = (1,)) -> Path:
-    """The shipped manifest with decode buckets only (no prefill, no drafts): same target, model and kernels."""
+def small_manifest(shipped: Path, dest: Path) -> Path:
+    """The shipped manifest with one decode bucket only (no prefill, no drafts): same target, model and kernels."""
     doc = tomllib.loads(shipped.read_text())
     doc["name"] = doc.get("name", shipped.stem) + "-deploy-test"
-    doc["serving"] = {"prefill": False, "decode_batch_buckets": list(buckets), "draft_widths": []}
+    doc["serving"] = {"prefill": False, "decode_batch_buckets": [1], "draft_widths": []}
     lines = [f"{k} = {_toml(v)}" for k, v in doc.items() if not isinstance(v, (dict, list))]
     for k, v in doc.items():
         if isinstance(v, dict):
@@ -383,12 +383,15 @@ def test_prelaunch_script_every_branch_runs_and_starts_the_server(baked, tmp_pat
 
 
 def test_prelaunch_script_does_not_start_the_server_when_a_planned_kernel_would_miss(baked, tmp_path):
-    """The node serves a shape the bundle was not built for: verify fails (exit 5) and the server stays down."""
+    """The node also serves fp16 activations, which the bundle was not built for: verify fails (exit 5), says what
+    differs from the cache's nearest entry, and the server stays down."""
     image: Image = baked["image"]
-    wider = small_manifest(REPO / "manifests" / "kimi-linear-h200.toml", tmp_path / "wider.toml", buckets=(1, 2))
+    wider = small_manifest(REPO / "manifests" / "kimi-linear-h200.toml", tmp_path / "wider.toml")
+    wider.write_text(wider.read_text().replace('activation = "bfloat16"', 'activation = ["bfloat16", "float16"]', 1))
     p = prelaunch(image, {"TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "PREWARM_MANIFEST": str(wider),
                           "PREWARM_SOURCE": image.path(baked["env"]["PREWARM_BUNDLE"])})
     assert p.returncode == 5, f"expected the will-miss exit code 5, got {p.returncode}:\n{p.stdout}\n{p.stderr}"
+    assert "cache *bf16, planned *fp16" in p.stdout, p.stdout
     assert "server-started" not in p.stdout
     assert image.verbs_run() == ["install", "verify"]
 
