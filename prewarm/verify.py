@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import functools
-import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
