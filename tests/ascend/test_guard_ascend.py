@@ -49,3 +49,6 @@ def test_guard_refuses_an_unplanned_compile_on_triton_32(tmp_path):
     assert ("UncoveredCompile: prewarm guard: ascend_toy_kernels:add_kernel is not in the cache and would compile "
             "here: nearest add_kernel: argument y: planned *fp32, runtime *bf16") in p.stderr, p.stderr[-3000:]
     assert len(list(Path(cache).glob("*/*.npubin"))) == 1  # refused before compiling
+    # the cache's key dirs, read back as requests: the one kernel entry is the planned compile
+    p = run_prewarm("explain", cache, "--plan", manifest, "--mode", "offline", env=env)
+    assert p.returncode == 0 and "1 runtime requests: 1 planned, 0 not planned" in p.stdout, p.stdout + p.stderr
