@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from . import tritoncompat
-from .plan import Compile, resolve
+from .errors import ManifestError
+from .plan import Compile, load_record, resolve
 from .tritoncompat import Arg, Specialization
 
 UNSET = "unset"
@@ -68,7 +69,6 @@ class Explanation:
     differences: tuple[Difference, ...]
     note: str = ""  # what could not be compared (a key dir's unrecorded fields)
     sides: tuple[str, str] = ("planned", "runtime")  # verify's MISS rows compare the cache with the plan
-
 
     @property
     def planned(self) -> bool:
@@ -201,8 +201,8 @@ def _nearest(runtime: Specialization, candidates: Iterable[tuple[Any, Specializa
 def explain(runtime: str, planned: Iterable[Compile], *, kernel: str | None = None,
             runtime_env: Mapping[str, str] | None = None, planned_env: Mapping[str, str] | None = None) -> Explanation:
     """The planned compile nearest to the request ``runtime`` (specialization data of either triton version) and
-    what differs. ``kernel``: its "module:qualname" where known (orders triton 3.2's parameters); the env vars are
-    compared only when both are given (the plan's are known when it was built elsewhere: a bundle's fingerprint)."""
+    what differs. ``kernel``: its "module:qualname" where known (orders triton 3.2's parameters); the env vars of
+    Triton's key are compared only when both sides' are given."""
     spec = _parse(runtime, kernel)
     candidates = ((c, _parse(c.specialization, c.kernel), planned_env) for c in planned)
     nearest, diffs = _nearest(spec, candidates, runtime_env)
@@ -245,8 +245,8 @@ def explain_miss(c: Compile, cache_dir: str | os.PathLike, key: str,
     kernel and what differs (this process's env vars against those the entry was compiled under, too). No entry of
     the kernel: nearest None. ``sides`` names the two sides in the text (the guard: the cache and this process)."""
     spec = _parse(c.specialization, c.kernel)
-    entries = ((CacheEntry(key, f"{s.function} in {key}", s.name), s, s.context.get("env"))
-               for key, s in _cache_entries(os.path.realpath(cache_dir)))
+    entries = ((CacheEntry(k, f"{s.function} in {k}", s.name), s, s.context.get("env"))
+               for k, s in _cache_entries(os.path.realpath(cache_dir)))
     nearest, diffs = _nearest(spec, entries, tritoncompat.cache_invalidating_env_vars())
     if nearest is None:
         return Explanation(c.specialization, spec.name, None, (), sides=sides,
@@ -282,9 +282,6 @@ def explain_path(path: str | os.PathLike, planned: list[Compile],
                  planned_keys: Mapping[str, Compile]) -> list[tuple[str, Explanation]]:
     """(label, explanation) for every runtime request in ``path``: a ``prewarm record`` / guard file (one request
     per distinct line), a key dir, or a cache dir (each key dir in it that holds a kernel)."""
-    from .errors import ManifestError
-    from .plan import load_record
-
     p = Path(path)
     if p.is_dir():
         dirs = [p] if tritoncompat.read_key_dir(p) is not None else sorted(d for d in p.iterdir() if d.is_dir())
