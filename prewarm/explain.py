@@ -10,6 +10,7 @@ MISS rows): there the cache's entries of that kernel are the candidates. Parsing
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Iterable, Mapping
@@ -34,8 +35,10 @@ class Difference:
     name: str  # the argument, option or env var
     planned: str
     runtime: str
+    sides: tuple[str, str] | None = None  # its own names of the two sides, where the explanation's do not fit
 
     def format(self, sides: tuple[str, str] = ("planned", "runtime")) -> str:
+        sides = self.sides or sides
         if self.kind == "key":
             return (f"cache key: {sides[0]} {self.planned}, {sides[1]} {self.runtime} (the same in every field a key "
                     f"dir records: a constexpr value, the kernel's source or line, or the triton build differs)")
@@ -47,6 +50,7 @@ class Difference:
         return self.format()
 
     def to_json(self, sides: tuple[str, str] = ("planned", "runtime")) -> dict:
+        sides = self.sides or sides
         return {"kind": self.kind, "name": self.name, sides[0]: self.planned, sides[1]: self.runtime}
 
 
@@ -251,6 +255,8 @@ def explain_miss(c: Compile, cache_dir: str | os.PathLike, key: str,
     if nearest is None:
         return Explanation(c.specialization, spec.name, None, (), sides=sides,
                            note=f"the cache holds no compile of {spec.function}: it was not built into this bundle")
+    # env vars are this process's, whichever side the planned compile stands for
+    diffs = [dataclasses.replace(d, sides=("cache", "this process")) if d.kind == "env" else d for d in diffs]
     return Explanation(c.specialization, spec.name, nearest, tuple(diffs or [_unrecorded(nearest.key, key)]),
                        sides=sides)
 

@@ -151,7 +151,7 @@ def test_a_planned_compile_missing_from_a_cache_is_explained_against_the_cache(p
     assert e.nearest.key == next(d.name for d in tmp_path.iterdir())
     assert diffs(e) == [("dtype", "y_ptr", "*bf16", "*fp32"), ("env", "TRITON_DISABLE_LINE_INFO", "unset", "true")]
     assert str(e).splitlines()[1:] == ["  argument y_ptr: cache *bf16, planned *fp32",
-                                       "  env var TRITON_DISABLE_LINE_INFO: cache unset, planned true"]
+                                       "  env var TRITON_DISABLE_LINE_INFO: cache unset, this process true"]
     assert explain_miss(planned[2], tmp_path, "KEY").nearest is None  # no decode_kernel at all in that cache
     assert "holds no compile of decode_kernel" in explain_miss(planned[2], tmp_path, "KEY").note
 
