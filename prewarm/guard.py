@@ -193,6 +193,10 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
             manager = __getattr__("GuardedCacheManager")
         tritoncompat.set_cache_manager(manager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
+    if armed and not _guard.armed and tritoncompat.triton_distribution()[0] == "triton-ascend":
+        from .npu import check_serving_env  # Ascend codegen env vars the cache key misses: refused (error) or said
+
+        check_serving_env(mode)
     _guard.armed = _guard.armed or armed
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import standin
 from conftest import ARCH, HERE, run_prewarm, write_manifest
 
@@ -29,17 +30,25 @@ k.add_kernel.warmup(torch.float32, torch.bfloat16, torch.float32, 7, 4096, BS=64
 """
 
 
-def test_guard_refuses_an_unplanned_compile_on_triton_32(tmp_path):
-    bindir = tmp_path / "cann-bin"
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """(manifest, cache, env): a build host with stand-in CANN (toolkit, bishengir-compile), no NPU."""
+    tmp = tmp_path_factory.mktemp("guard-ascend")
+    bindir = tmp / "cann-bin"
     standin.make_bishengir(bindir)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREWARM_", "TRITON_"))
            and k not in fingerprint.ASCEND_CODEGEN_ENV}
-    env.update(ASCEND_HOME_PATH=str(standin.make_toolkit(tmp_path / "ascend-toolkit")),
-               PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", HOME=str(tmp_path / "home"))
-    manifest = write_manifest(tmp_path / "m.toml", KERNELS)
-    cache = tmp_path / "cache"
-    p = run_prewarm("build", manifest, "--cache-dir", cache, "--mode", "offline", "--workers", "1", env=env)
+    env.update(ASCEND_HOME_PATH=str(standin.make_toolkit(tmp / "ascend-toolkit")),
+               PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", HOME=str(tmp / "home"))
+    manifest = write_manifest(tmp / "m.toml", KERNELS)
+    p = run_prewarm("build", manifest, "--cache-dir", tmp / "cache", "--mode", "offline", "--workers", "1", env=env)
     assert p.returncode == 0, p.stderr[-3000:]
+    return manifest, tmp / "cache", env
+
+
+def test_guard_refuses_an_unplanned_compile_on_triton_32(built, tmp_path):
+    manifest, cache, env = built
+    env = dict(env)
     app = tmp_path / "app.py"
     app.write_text(APP.format(arch=ARCH))
     env.update(TRITON_CACHE_DIR=str(cache), PYTHONPATH=str(HERE))
@@ -52,3 +61,21 @@ def test_guard_refuses_an_unplanned_compile_on_triton_32(tmp_path):
     # the cache's key dirs, read back as requests: the one kernel entry is the planned compile
     p = run_prewarm("explain", cache, "--plan", manifest, "--mode", "offline", env=env)
     assert p.returncode == 0 and "1 runtime requests: 1 planned, 0 not planned" in p.stdout, p.stdout + p.stderr
+
+
+def test_guard_arming_refuses_an_ascend_codegen_env_the_installed_bundle_was_not_built_with(built, tmp_path):
+    """TRITON_ALL_BLOCKS_PARALLEL is not in Triton's key: a rank exporting it would reuse the bundle's kernels built
+    without it. The guard, arming at `import triton`, checks the serving env against the install receipts
+    (npu.check_serving_env): error mode refuses to start, naming the variable; warn mode says it and serves."""
+    _, cache, env = built
+    assert run_prewarm("pack", cache, "-o", tmp_path / "bundle", env=env).returncode == 0
+    node = tmp_path / "node"
+    p = run_prewarm("install", tmp_path / "bundle", "--cache-dir", node, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    serve = {**env, "TRITON_CACHE_DIR": str(node), "TRITON_ALL_BLOCKS_PARALLEL": "1"}
+    code = "import triton; print('serving')"
+    for mode in ("error", "warn"):
+        p = subprocess.run([sys.executable, "-m", "prewarm.cli", "guard", "--mode", mode, "--", sys.executable, "-c",
+                            code], env=serve, capture_output=True, text=True, timeout=300)
+        assert "ascend.env.TRITON_ALL_BLOCKS_PARALLEL: bundle has 'unset', this node has '1'" in p.stderr, p.stderr
+        assert ("serving" in p.stdout) == (mode == "warn") and (p.returncode == 0) == (mode == "warn"), p.stderr
