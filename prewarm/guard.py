@@ -15,7 +15,9 @@ It sits on the compile path only: Triton's ``jit_cache_hook`` (called when a req
 cache, so the launch path of a loaded kernel is untouched) notes the request, and the cache manager's group lookup
 in ``compile()`` (Triton's own lookup: the entry with its metadata file = a disk hit) decides. A disk hit goes on
 unremarked; otherwise the request is logged on stderr with its explanation and appended to the record file, and in
-``error`` mode :class:`UncoveredCompile` is raised there, before the compiler starts.
+``error`` mode :class:`UncoveredCompile` is raised there, before the compiler starts. On triton-ascend, arming also
+checks the process's Ascend codegen env vars, which the key misses, against the installed bundles' build
+(:func:`prewarm.npu.check_serving_env`: error mode refuses to serve).
 """
 from __future__ import annotations
 
