@@ -287,8 +287,8 @@ def _print_verify_summary(r, hit, args) -> None:
         if hit.modules:
             have = sum(m.present for m in hit.modules)
             line("C modules", ok if have == len(hit.modules) else (bad if args.require_launchers else info),
-                 f"{have} of {len(hit.modules)} in the cache (a launcher per kernel signature, and cuda_utils; on "
-                 f"Ascend npu_utils and the precompiled header)")
+                 f"{have} of {len(hit.modules)} in the cache (a launcher per kernel signature, and "
+                 + ("npu_utils and the precompiled header)" if hit.target.startswith("npu") else "cuda_utils)"))
     for name, items in (("modified", r.modified), ("missing", r.missing), ("unexpected", r.unexpected),
                         ("group pointing outside", r.groups_outside)):
         for item in items[:20]:

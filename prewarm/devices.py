@@ -138,16 +138,20 @@ _HOPPER_SXM5_SOURCES = {
     "clock_rate": "documented: H100/H200 SXM5 max boost 1980 MHz",
 }
 
+_H200_MEASURED = ("measured: torch.cuda.get_device_properties(0) and Triton's get_device_properties(0) on the "
+                  "H200 device machine, 2026-11-30 (bench/results/h200_properties.json; MEASURE_COMMAND)")
+
 PROFILES: dict[str, DeviceProfile] = {
     "H200": DeviceProfile(
-        name="NVIDIA H200", total_memory=141 * 10**9, memory_clock_rate=2_619_000, memory_bus_width=6144,
-        **_HOPPER_SXM5,
+        name="NVIDIA H200", **{**_HOPPER_SXM5, "L2_cache_size": 60 * MiB}, total_memory=150_109_880_320,
+        memory_clock_rate=3_201_000, memory_bus_width=6016,
         sources={
             **_HOPPER_SXM5_SOURCES,
-            "name": "measured: torch.cuda.get_device_name(0) on the H200 (bench/results/cold_start.json)",
-            "total_memory": "documented: NVIDIA H200 datasheet, 141 GB HBM3e (torch reports a little less)",
-            "memory_clock_rate": "unverified: derived from 4.8 TB/s over a 6144-bit bus; measure",
-            "memory_bus_width": "unverified: 6 HBM3e stacks x 1024 bits; measure",
+            **{k: _H200_MEASURED for k in ("name", "capability", "multi_processor_count", "shared_memory_per_block",
+                                           "shared_memory_per_block_optin", "shared_memory_per_multiprocessor",
+                                           "L2_cache_size", "regs_per_multiprocessor", "warp_size", "clock_rate",
+                                           "total_memory", "memory_clock_rate", "memory_bus_width",
+                                           "max_threads_per_multi_processor", "max_threads_per_block")},
         },
     ),
     "H100": DeviceProfile(

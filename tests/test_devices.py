@@ -3,6 +3,7 @@ manifest's device; every other process (a node, `prewarm record`'s children, ver
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 from dataclasses import fields
@@ -34,12 +35,14 @@ def run(prelude: str) -> dict:
 
 
 def test_a_build_process_answers_every_device_query_as_the_h200():
+    """As the real H200 answered on the device machine (bench/results/h200_properties.json, devices.MEASURE_COMMAND)."""
+    real = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "h200_properties.json").read_text())
     seen = run("from prewarm.targets import get_target; get_target('cuda', 'sm_90', 'offline', 'H200').activate()\n")
+    t = real["torch"]
     assert seen == {
-        "available": True, "count": 1, "current": 0, "name": "NVIDIA H200", "capability": [9, 0],
-        "optin": 232448, "sms": 132, "l2": 50 * 2**20,
-        "triton": {"max_shared_mem": 232448, "max_num_regs": 65536, "multiprocessor_count": 132, "warpSize": 32,
-                   "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 6144},
+        "available": True, "count": 1, "current": 0, "name": t["name"], "capability": real["capability"],
+        "optin": t["shared_memory_per_block_optin"], "sms": t["multi_processor_count"], "l2": t["L2_cache_size"],
+        "triton": real["triton"],
     }  # fmt: skip
 
 
