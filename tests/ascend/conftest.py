@@ -3,6 +3,7 @@
 name, as a manifest refers to it); the CANN stand-ins in tests/fixtures/cann."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,13 +19,13 @@ sys.path[:0] = [str(HERE), str(REPO / "tests" / "fixtures" / "cann")]
 ARCH = "Ascend910_9391"
 
 
-def write_manifest(path: Path, kernels: str, arch: str = ARCH) -> Path:
-    """An npu manifest whose [[kernels]] are ``kernels`` (TOML text)."""
+def write_manifest(path: Path, kernels: str, arch: str | list[str] = ARCH) -> Path:
+    """An npu manifest whose [[kernels]] are ``kernels`` (TOML text), for ``arch`` (one SoC or a list)."""
     path.write_text(textwrap.dedent(f"""
         name = "ascend-toy"
         [target]
         backend = "npu"
-        arch = "{arch}"
+        arch = {json.dumps(arch)}
         [model]
         kda_heads = 6
         head_k_dim = 128
