@@ -12,7 +12,6 @@ Every figure names its source: ``measured`` (on the device, with :data:`MEASURE_
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -235,23 +234,14 @@ def lookup(name: str, where: str) -> DeviceProfile:
 
 
 def manifest_device(manifest) -> str | None:
-    """The profile name a manifest's ``[target] device`` gives (None: none), checked against its backend and
-    arch. Read from the manifest's own field when it has one, else from its TOML."""
-    name = getattr(manifest, "device", None)
-    if name is None:
-        try:
-            name = tomllib.loads(manifest.path.read_text()).get("target", {}).get("device")
-        except (OSError, tomllib.TOMLDecodeError):
-            name = None
+    """The profile name a manifest's ``[target] device`` gives (None: none), checked against its backend and arch."""
+    name = manifest.device
     if name is None:
         return None
-    where = f"{manifest.path}: target.device"
-    if not isinstance(name, str):
-        raise ManifestError(f"{where} = {name!r}: expected a device profile name")
     profile = lookup(name, f"{manifest.path}: target")
     arch = manifest.arch.lower().removesuffix("a").replace("sm", "sm_").replace("__", "_")
     if profile.backend != manifest.backend or arch != profile.arch.lower():
-        raise ManifestError(f"{where} = {name!r}: that device is {profile.backend} {profile.arch}, but the manifest "
+        raise ManifestError(f"{manifest.path}: target.device = {name!r}: that device is {profile.backend} {profile.arch}, but the manifest "
                             f"targets {manifest.backend} {manifest.arch}: expected a device of the target's arch")
     return ALIASES.get(name, name)
 

@@ -41,12 +41,10 @@ class KernelSource:
 
 
 @dataclass(frozen=True)
-class Manifest:
-    path: Path
-    name: str
-    digest: str  # sha256 over the manifest bytes and every record file it includes
-    backend: str
-    arch: str
+class Envelope:
+    """The model and serving envelope a kernel provider plans over (``[model]``, ``[parallel]``, ``[dtypes]``,
+    ``[serving]``). Optional: a manifest of record files or function entries needs none of it."""
+
     heads: int  # model KDA heads (all ranks)
     attention_tp: int
     head_k_dim: int
@@ -59,7 +57,6 @@ class Manifest:
     draft_widths: tuple[int, ...]
     fused_gate: bool  # the server passes the raw gate with A_log / dt_bias (activated in-kernel)
     qk_l2norm: bool  # the server asks for the in-kernel L2 norm of q and k
-    kernels: tuple[KernelSource, ...]
 
     @property
     def heads_per_rank(self) -> int:
@@ -71,11 +68,9 @@ class Manifest:
         return self.dtypes["activation"][0]
 
     def spec(self) -> dict[str, Any]:
-        """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives. ``dtype`` (the first
-        activation dtype) predates ``dtypes`` (every declared dtype per role: plan their cross product)."""
+        """``dtype`` (the first activation dtype) predates ``dtypes`` (every declared dtype per role: plan their
+        cross product)."""
         return {
-            "backend": self.backend,
-            "arch": self.arch,
             "heads": self.heads_per_rank,
             "head_k_dim": self.head_k_dim,
             "head_v_dim": self.head_v_dim,
@@ -89,6 +84,27 @@ class Manifest:
             "qk_l2norm": self.qk_l2norm,
             "layers": self.layers,
         }
+
+
+ENVELOPE_TABLES = ("model", "parallel", "dtypes", "serving")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    name: str
+    digest: str  # sha256 over the manifest bytes and every record file it includes
+    backend: str
+    arch: str
+    device: str | None  # a device profile name (prewarm.devices) plan and build processes answer as
+    kernels: tuple[KernelSource, ...]
+    envelope: Envelope | None = None
+
+    def spec(self) -> dict[str, Any]:
+        """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives: the target, then the
+        envelope's fields when the manifest has one (a provider checks for what it needs)."""
+        out: dict[str, Any] = {"backend": self.backend, "arch": self.arch, "device": self.device}
+        return {**out, **(self.envelope.spec() if self.envelope else {})}
 
 
 class _Reader:
@@ -161,9 +177,27 @@ def load(path: str | Path) -> Manifest:
         arch = t.get("arch", str, "a CUDA arch like 'sm_90'", check=lambda v: re.fullmatch(r"sm_?\d{2,3}a?", v))
     else:
         arch = t.get("arch", str, "an Ascend SoC name like 'Ascend910_9391'", check=lambda v: bool(v.strip()))
-    t.get("device", str, "a device profile name from prewarm.devices (H200, H100, A100, B200, Ascend910B, A3)", None)
+    device = t.get("device", str, "a device profile name from prewarm.devices (H200, H100, A100, B200, Ascend910B, A3)",
+                   None)
     t.done()
 
+    envelope = _envelope(path, top) if any(k in doc for k in ENVELOPE_TABLES) else None
+
+    kernels_raw = top.get("kernels", list, "an array of [[kernels]] tables", [])
+    kernels = tuple(_kernel(path, i, entry) for i, entry in enumerate(kernels_raw))
+    if not kernels:
+        raise ManifestError(f"{path}: kernels is empty: expected at least one [[kernels]] entry")
+    top.done()
+
+    digest = hashlib.sha256(raw)
+    for k in kernels:
+        if k.kind == "record":
+            digest.update(Path(k.ref).read_bytes())
+    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, envelope)
+
+
+def _envelope(path: Path, top: _Reader) -> Envelope:
+    """``[model]`` (required once any envelope table is given), ``[parallel]``, ``[dtypes]``, ``[serving]``."""
     m = top.table_of("model")
     positive = "a positive integer"
     heads = m.get("kda_heads", int, positive, check=lambda v: v > 0)
@@ -202,22 +236,10 @@ def load(path: str | Path) -> Manifest:
         raise s.fail("fused_gate", fused_gate, "true when model.gate_lower_bound is set (the bound applies to the "
                      "gate activated in-kernel)")
     s.done()
-
-    kernels_raw = top.get("kernels", list, "an array of [[kernels]] tables", [])
-    kernels = tuple(_kernel(path, i, entry) for i, entry in enumerate(kernels_raw))
-    if not kernels:
-        raise ManifestError(f"{path}: kernels is empty: expected at least one [[kernels]] entry")
-    top.done()
-
-    digest = hashlib.sha256(raw)
-    for k in kernels:
-        if k.kind == "record":
-            digest.update(Path(k.ref).read_bytes())
-    return Manifest(
-        path=path, name=name, digest=digest.hexdigest(), backend=backend, arch=arch, heads=heads,
-        attention_tp=attention_tp, head_k_dim=head_k_dim, head_v_dim=head_v_dim, layers=layers, dtypes=dtypes,
-        gate_lower_bound=None if glb is None else float(glb), prefill=prefill, decode_batch_buckets=buckets,
-        draft_widths=drafts, fused_gate=fused_gate, qk_l2norm=qk_l2norm, kernels=kernels,
+    return Envelope(
+        heads=heads, attention_tp=attention_tp, head_k_dim=head_k_dim, head_v_dim=head_v_dim, layers=layers,
+        dtypes=dtypes, gate_lower_bound=None if glb is None else float(glb), prefill=prefill,
+        decode_batch_buckets=buckets, draft_widths=drafts, fused_gate=fused_gate, qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 

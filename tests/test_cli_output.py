@@ -38,8 +38,8 @@ def test_every_verbs_error_is_one_line_in_a_log(deep):
     missing = deep / "missing"
     env = piped_env()
     cases = [
-        (["plan", bad], [str(bad), "model.kda_heads is missing"]),
-        (["build", bad, "--cache-dir", deep / "c"], [str(bad), "model.kda_heads is missing"]),
+        (["plan", bad], [str(bad), "kernels is empty"]),
+        (["build", bad, "--cache-dir", deep / "c"], [str(bad), "kernels is empty"]),
         (["record", "-o", deep / "r.jsonl", "--", missing], [str(missing), "cannot run"]),
         (["pack", missing, "-o", deep / "b"], [str(missing)]),
         (["push", missing], [str(missing)]),

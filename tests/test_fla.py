@@ -187,7 +187,6 @@ def test_a_record_only_manifest_over_an_fla_recording_from_another_host_builds_o
     (tmp_path / "h200.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "m.toml").write_text(
         '[target]\nbackend = "cuda"\narch = "sm_90"\ndevice = "H200"\n'
-        "[model]\nkda_heads = 32\nhead_k_dim = 128\nhead_v_dim = 128\n"  # required by the manifest core for now
         '[[kernels]]\nrecord = "h200.jsonl"\n')
     built = run_cli("build", str(tmp_path / "m.toml"), "--cache-dir", str(tmp_path / "cache"), "--workers", "2",
                     "--mode", "offline", "--json")

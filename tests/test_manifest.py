@@ -8,6 +8,7 @@ import pytest
 
 from prewarm.cli import main
 from prewarm.errors import ManifestError
+from prewarm.plan import plan
 from prewarm.manifest import load
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def write(tmp_path: Path, text: str, name: str = "m.toml") -> Path:
 def test_kimi_k3_ascend_spec_has_six_heads_per_rank():
     m = load(REPO / "manifests/kimi-k3-ascend-a3.toml")
     spec = m.spec()
-    assert (m.backend, m.arch, m.attention_tp) == ("npu", "Ascend910_9391", 16)
+    assert (m.backend, m.arch, m.envelope.attention_tp) == ("npu", "Ascend910_9391", 16)
     assert spec["heads"] == 6 and spec["head_k_dim"] == spec["head_v_dim"] == 128
     assert spec["gate_lower_bound"] == -5.0 and spec["decode_batch_buckets"] == [11, 16]
     assert m.kernels[0].kind == "provider" and m.kernels[0].ref == "prewarm_kernels.kda.serving"
@@ -52,7 +53,7 @@ def test_kimi_k3_ascend_spec_has_six_heads_per_rank():
 def test_kimi_linear_h200_spec():
     spec = load(REPO / "manifests/kimi-linear-h200.toml").spec()
     assert (spec["backend"], spec["arch"], spec["heads"], spec["gate_lower_bound"]) == ("cuda", "sm_90", 32, None)
-    assert set(spec) == {"backend", "arch", "heads", "head_k_dim", "head_v_dim", "dtype", "dtypes", "gate_lower_bound",
+    assert set(spec) == {"backend", "arch", "device", "heads", "head_k_dim", "head_v_dim", "dtype", "dtypes", "gate_lower_bound",
                          "prefill", "decode_batch_buckets", "draft_widths", "fused_gate", "qk_l2norm", "layers"}
     assert spec["dtype"] == "bfloat16"
     assert spec["dtypes"] == {"activation": ["bfloat16"], "gate": ["bfloat16", "float32"]}
@@ -61,7 +62,7 @@ def test_kimi_linear_h200_spec():
 
 def test_attention_tp_divides_heads(tmp_path):
     m = load(write(tmp_path, GOOD))
-    assert m.attention_tp == 4 and m.heads_per_rank == 8 and m.spec()["dtype"] == "bfloat16"
+    assert m.envelope.attention_tp == 4 and m.envelope.heads_per_rank == 8 and m.spec()["dtype"] == "bfloat16"
 
 
 def test_dtypes_default_and_lists(tmp_path):
@@ -171,3 +172,19 @@ def test_cli_exit_code_for_a_bad_manifest(tmp_path, capsys):
     path = write(tmp_path, GOOD.replace("kda_heads = 32", "kda_heads = 31"))
     assert main(["plan", str(path)]) == ManifestError.exit_code == 3
     assert "model.kda_heads = 31" in capsys.readouterr().err.replace("\n", "")
+
+
+def test_a_record_only_manifest_needs_no_model_and_a_provider_says_what_it_lacks(tmp_path):
+    """The core reads [target] and [[kernels]]; the model/serving envelope is the provider's business."""
+    (tmp_path / "calls.jsonl").write_text("")
+    path = tmp_path / "rec.toml"
+    path.write_text('[target]\nbackend = "cuda"\narch = "sm_90"\ndevice = "H200"\n[[kernels]]\nrecord = "calls.jsonl"\n')
+    m = load(path)
+    assert m.envelope is None and m.spec() == {"backend": "cuda", "arch": "sm_90", "device": "H200"}
+    path.write_text('[target]\nbackend = "cuda"\narch = "sm_90"\n[[kernels]]\nprovider = "prewarm_kernels.kda.serving"\n')
+    with pytest.raises(ManifestError, match=r"launches\(spec\) failed: ValueError: serving spec is missing \['heads'"):
+        plan(load(path))
+    path.write_text('[target]\nbackend = "cuda"\narch = "sm_90"\n[serving]\ndraft_widths = [2]\n'
+                    '[[kernels]]\nrecord = "calls.jsonl"\n')
+    with pytest.raises(ManifestError, match=r"model\.kda_heads is missing"):  # an envelope table needs its model
+        load(path)

@@ -143,8 +143,8 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     from prewarm_kernels.backend import select
 
     m = load(Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml")
-    A, G = len(m.dtypes["activation"]), len(m.dtypes["gate"])
-    D = len([d for d in m.draft_widths if d > 1])
+    A, G = len(m.envelope.dtypes["activation"]), len(m.envelope.dtypes["gate"])
+    D = len([d for d in m.envelope.draft_widths if d > 1])
     assert (A, G, D) == (1, 2, 2)
     get_target(m.backend, m.arch, "offline").activate()
     planned = plan(m)
