@@ -99,6 +99,7 @@ class Manifest:
     device: str | None  # a device profile name (prewarm.devices) plan and build processes answer as
     kernels: tuple[KernelSource, ...]
     envelope: Envelope | None = None
+    archs: tuple[str, ...] = ()  # every SoC ``[target] arch`` lists (npu); ``arch`` is the first
 
     def spec(self) -> dict[str, Any]:
         """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives: the target, then the
@@ -175,8 +176,14 @@ def load(path: str | Path) -> Manifest:
     backend = t.get("backend", str, f"one of {', '.join(BACKENDS)}", check=lambda v: v in BACKENDS)
     if backend == "cuda":
         arch = t.get("arch", str, "a CUDA arch like 'sm_90'", check=lambda v: re.fullmatch(r"sm_?\d{2,3}a?", v))
-    else:
-        arch = t.get("arch", str, "an Ascend SoC name like 'Ascend910_9391'", check=lambda v: bool(v.strip()))
+        archs = (arch,)
+    else:  # a list where a fleet mixes SoCs (A3: Ascend910_9391, 9392, 9381, 9382, 9372, 9362): one cache dir each
+        expected = "an Ascend SoC name like 'Ascend910_9391', or a non-empty list of distinct ones"
+        value = t.get("arch", (str, list), expected)
+        archs = (value,) if isinstance(value, str) else tuple(value)
+        if not archs or len(set(archs)) != len(archs) or not all(isinstance(a, str) and a.strip() for a in archs):
+            raise t.fail("arch", value, expected)
+        arch = archs[0]
     device = t.get("device", str, "a device profile name from prewarm.devices (H200, H100, A100, B200, Ascend910B, A3)",
                    None)
     t.done()
@@ -193,7 +200,7 @@ def load(path: str | Path) -> Manifest:
     for k in kernels:
         if k.kind == "record":
             digest.update(Path(k.ref).read_bytes())
-    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, envelope)
+    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, envelope, archs)
 
 
 def _envelope(path: Path, top: _Reader) -> Envelope:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import bundle, fingerprint, install, npu, tritoncompat
-from prewarm.errors import FingerprintMismatch, IntegrityError
+from prewarm import bundle, fingerprint, install, manifest, npu, tritoncompat
+from prewarm.errors import FingerprintMismatch, IntegrityError, ManifestError
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "cann"))
 import standin  # noqa: E402
@@ -325,3 +325,21 @@ def test_triton_ascend_35_key_dirs_are_base32_as_upstreams():
     digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     assert tritoncompat.ascend_key_dir(digest, "3.5") == _base32(digest)
     assert len(tritoncompat.ascend_key_dir(digest, "3.2")) == 43  # urlsafe base64: triton-ascend 3.2's key dirs
+
+
+@pytest.mark.parametrize("arch", ['[]', '["Ascend910_9391", "Ascend910_9391"]', '["Ascend910_9391", 7]', '[" "]'])
+def test_a_bad_soc_list_is_refused_naming_the_key(tmp_path, arch):
+    path = tmp_path / "fleet.toml"
+    path.write_text(f'[target]\nbackend = "npu"\narch = {arch}\n\n[[kernels]]\nfunction = "m:k"\n')
+    with pytest.raises(ManifestError, match=r"target\.arch = .*a non-empty list of distinct ones"):
+        manifest.load(path)
+
+
+def test_a_soc_list_keeps_every_soc_and_the_first_as_arch(tmp_path):
+    path = tmp_path / "fleet.toml"
+    path.write_text('[target]\nbackend = "npu"\narch = ["Ascend910_9392", "Ascend910_9381"]\n\n[[kernels]]\n'
+                    'function = "m:k"\n')
+    m = manifest.load(path)
+    assert (m.arch, npu.socs(m)) == ("Ascend910_9392", ("Ascend910_9392", "Ascend910_9381"))
+    narrowed = npu.for_soc(m, "Ascend910_9381")
+    assert (narrowed.arch, narrowed.archs, narrowed.name) == ("Ascend910_9381", ("Ascend910_9381",), "fleet-Ascend910_9381")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import standin
-from conftest import ARCH, REPO, TOY_COMPILES, run_prewarm
+from conftest import ARCH, REPO, TOY_COMPILES, TOY_KERNELS, run_prewarm, write_manifest
 
 from prewarm import fingerprint
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, WillMissError
@@ -162,3 +162,38 @@ def test_offline_build_needs_the_cann_compiler(toy_manifest, tmp_path, node):
                     env={**host, "PATH": "/usr/bin:/bin"})
     assert p.returncode == EnvironmentProblem.exit_code and "an offline NPU build needs the CANN toolkit" in " ".join(
         p.stderr.split())
+
+
+A3_PAIR = ["Ascend910_9391", "Ascend910_9392"]
+
+
+def test_a_manifest_listing_two_a3_socs_builds_two_sets_and_each_node_verifies_its_own(tmp_path, node):
+    """Every key contains the SoC: an offline build makes one complete cache dir (one bundle) per SoC; a node picks
+    the set of its own SoC, and refuses (exit 8) where it cannot tell its SoC or the manifest does not list it."""
+    manifest = write_manifest(tmp_path / "fleet.toml", TOY_KERNELS, arch=A3_PAIR)
+    host = {k: v for k, v in node.items() if k not in ("PREWARM_TEST_NPU_SOC", "PYTHONPATH")}
+    out = tmp_path / "out"
+    p = run_prewarm("build", "--json", manifest, "--cache-dir", out, "--mode", "offline", "--workers", "2", env=host)
+    assert p.returncode == 0, p.stderr[-3000:]
+    keys = {}
+    for soc in A3_PAIR:
+        record = json.loads((out / soc / ".prewarm" / "build.json").read_text())
+        assert record["manifest"]["name"] == f"ascend-toy-{soc}" and record["fingerprint"]["target.arch"] == soc
+        keys[soc] = {r["key"] for r in record["requests"] if r["status"] == "compiled"}
+        assert len(keys[soc]) == TOY_COMPILES
+        for key in keys[soc]:
+            (npubin,) = (out / soc / key).glob("*.npubin")
+            assert npubin.read_bytes().startswith(f"NPUBIN 8.3.RC1 --target={soc} ".encode())
+    assert not keys[A3_PAIR[0]] & keys[A3_PAIR[1]]  # two sets that share nothing
+
+    def on(soc: str) -> dict:  # (a home of its own: the stand-in npu_utils.so that answers the SoC is cached there)
+        return {**node, "PREWARM_TEST_NPU_SOC": soc, "HOME": str(tmp_path / f"home-{soc}")}
+
+    p = verify(manifest, out / "Ascend910_9392", on("Ascend910_9392"))
+    assert p.returncode == 0 and json.loads(p.stdout)["will_hit"]["hits"] == TOY_COMPILES, p.stderr[-3000:]
+    p = verify(manifest, out / "Ascend910_9391", on("Ascend910_9392"))  # the other SKU's set: every kernel a miss
+    assert p.returncode == WillMissError.exit_code and json.loads(p.stdout)["will_hit"]["hits"] == 0
+    for soc, said in (("Ascend910B3", "this node's SoC is Ascend910B3, which"),
+                      ("", "this node's Ascend SoC is unknown")):  # no boundary: the driver cannot start
+        p = verify(manifest, out / "Ascend910_9392", on(soc))
+        assert p.returncode == FingerprintMismatch.exit_code and said in " ".join(p.stderr.split()), p.stderr[-3000:]
