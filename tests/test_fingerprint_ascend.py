@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -233,34 +232,6 @@ def test_install_refuses_to_mix_toolchains_in_one_cache_dir(toolchain):
 
 
 # --- the serving process's codegen env ----------------------------------------------------------------------------
-
-
-SERVER = """
-import os, sys
-from prewarm import npu
-npu.check_serving_env(os.environ["PREWARM_GUARD"])  # what prewarm.guard runs when it arms
-print("serving")
-"""
-
-
-@pytest.mark.parametrize("mode", ["error", "warn"])
-def test_a_serving_process_with_another_all_blocks_parallel_is_refused_or_warned(toolchain, mode):
-    """Installed and verified under the build's env, then the server's rank exports TRITON_ALL_BLOCKS_PARALLEL=1
-    (its launcher would clamp the grid to the core count; the key does not change): the rank names the factor."""
-    node_cache = toolchain / "node-cache"
-    install.install(str(make_bundle(toolchain, npu_fp())), node_cache, durable=False)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(node_cache), "PREWARM_GUARD": mode}
-    run = lambda extra: subprocess.run([sys.executable, "-c", SERVER], env={**env, **extra}, capture_output=True,
-                                       text=True, timeout=120)
-    clean = run({})
-    assert clean.returncode == 0 and clean.stdout == "serving\n" and not clean.stderr, clean.stderr
-    p = run({"TRITON_ALL_BLOCKS_PARALLEL": "1"})
-    said = p.stderr
-    assert "ascend.env.TRITON_ALL_BLOCKS_PARALLEL: bundle has 'unset', this node has '1'" in said
-    if mode == "error":
-        assert p.returncode != 0 and "FingerprintMismatch" in said and "serving" not in p.stdout
-    else:
-        assert p.returncode == 0 and p.stdout == "serving\n" and "prewarm guard: warning:" in said
 
 
 def test_serving_check_covers_f32_default_and_reads_every_installed_bundle(toolchain, monkeypatch):
