@@ -71,6 +71,10 @@ FROM tool AS bake-npu
 # PREWARM_BUILD_ON_NODE=1), packs it and can push it so the other nodes install instead of compiling.
 RUN prewarm plan "${PREWARM_MANIFEST}" --json > /opt/prewarm/plan.json
 RUN prewarm lower "${PREWARM_MANIFEST}"
-ENV TRITON_CACHE_DIR=/var/cache/triton
+# A CANN build host without an NPU can also compile every kernel binary now (`prewarm build M --mode offline`: the
+# manifest's SoC is given to bishengir-compile); tested only up to a stand-in compiler, so the image does not yet.
+# The node's launchers, npu_utils and precompiled header must be there before serving: verify requires them.
+ENV TRITON_CACHE_DIR=/var/cache/triton \
+    PREWARM_REQUIRE_LAUNCHERS=1
 
 FROM bake-${TARGET}

@@ -20,6 +20,9 @@
 #                          (an init container or a systemd unit), not once per rank.
 #   PREWARM_REQUIRE_AUTOTUNE  1 = also refuse to start when a kept autotune result is absent (for bundles from a
 #                          `--mode device` build; an offline bundle never has them)   (default 0)
+#   PREWARM_REQUIRE_LAUNCHERS  1 = also refuse to start when a launcher / helper module the runtime would build
+#                          at first launch is absent (Ascend: g++ and torch_npu headers at first launch, or a crash
+#                          where the image has none; the npu image sets it)      (default 0)
 #   PREWARM_GUARD          the server runs under `prewarm guard`: every Triton compile the cache lacks, in any of
 #                          its processes, is logged on stderr with what differs from the plan and recorded.
 #                          warn (default) | error (refuse it: for testing a serving image in CI) | off
@@ -37,6 +40,10 @@ AUTOTUNE=""
 if [ "${PREWARM_REQUIRE_AUTOTUNE:-0}" = 1 ]; then
     AUTOTUNE="--require-autotune"
 fi
+LAUNCHERS=""
+if [ "${PREWARM_REQUIRE_LAUNCHERS:-0}" = 1 ]; then
+    LAUNCHERS="--require-launchers"
+fi
 
 if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
     prewarm build "$PREWARM_MANIFEST" --cache-dir "$TRITON_CACHE_DIR"
@@ -45,13 +52,13 @@ if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
         # shellcheck disable=SC2086  # a space-separated list of URLs
         prewarm push "$PREWARM_SOURCE" $PREWARM_PUSH
     fi
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST" $AUTOTUNE
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS
 elif [ -n "${PREWARM_TRUST:-}" ]; then
     prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR" --trust "$PREWARM_TRUST" --require-signature
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS
 else
     prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR"
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS
 fi
 
 PREWARM_GUARD="${PREWARM_GUARD:-warn}"

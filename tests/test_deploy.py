@@ -415,3 +415,29 @@ def test_prelaunch_requiring_autotune_results_refuses_an_offline_bundle(baked, t
     assert p.returncode == 5, f"expected exit 5, got {p.returncode}:\n{p.stdout}\n{p.stderr}"
     assert "server-started" not in p.stdout and "0 kept, 2 absent" in p.stdout.replace("\n", " ")
     assert image.verbs_run() == ["install", "verify", "guard", "install", "verify"]
+
+
+def test_prelaunch_requiring_launchers_refuses_a_bundle_without_them(baked, tmp_path, monkeypatch):
+    """PREWARM_REQUIRE_LAUNCHERS=1 (the npu image sets it): a bundle whose launcher the node would have to build at
+    first launch keeps the server down with exit 5; with every launcher present it starts."""
+    import shutil
+
+    from prewarm.build import build
+    from prewarm.bundle import pack
+    from prewarm.willhit import check
+
+    image: Image = baked["image"]
+    fixtures = REPO / "tests" / "fixtures"
+    manifest = fixtures / "toy-cuda.toml"
+    monkeypatch.syspath_prepend(str(fixtures))
+    env = {"PYTHONPATH": str(fixtures), "PREWARM_MANIFEST": str(manifest), "PREWARM_REQUIRE_LAUNCHERS": "1"}
+    build(manifest, tmp_path / "built", workers=1, mode="offline")
+    pack(tmp_path / "built", tmp_path / "full")
+    p = prelaunch(image, {**env, "TRITON_CACHE_DIR": str(tmp_path / "node-a"), "PREWARM_SOURCE": str(tmp_path / "full")})
+    assert p.returncode == 0 and p.stdout.rstrip().endswith("server-started"), p.stdout + p.stderr
+    launcher = next(m for m in check(str(manifest), str(tmp_path / "built")).modules if m.name == "__triton_launcher")
+    shutil.rmtree(tmp_path / "built" / launcher.key)
+    pack(tmp_path / "built", tmp_path / "partial")
+    p = prelaunch(image, {**env, "TRITON_CACHE_DIR": str(tmp_path / "node-b"), "PREWARM_SOURCE": str(tmp_path / "partial")})
+    assert p.returncode == 5, f"expected exit 5, got {p.returncode}:\n{p.stdout}\n{p.stderr}"
+    assert "server-started" not in p.stdout and launcher.key in p.stdout
