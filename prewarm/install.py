@@ -55,8 +55,8 @@ def resolve_source(source: str) -> str:
 
 
 @dataclass
-class Bundle:
-    """An index read from a store, its signature checked."""
+class StoredBundle:
+    """A bundle in a store, as install opens it: its index read and its signature checked (objects stay in the store)."""
 
     store: Store
     index: Index
@@ -70,7 +70,7 @@ def read_bundle(
     trusted_keys: list[str] = (),
     require_signature: bool = False,
     storage_options: dict | None = None,
-) -> Bundle:
+) -> StoredBundle:
     url = resolve_source(source)
     store = open_store(url, storage_options)
     where = join(url, INDEX)
@@ -85,7 +85,7 @@ def read_bundle(
         except FileNotFoundError:
             sig = None
         signed_by = signing.verify(data, sig, list(trusted_keys), where)
-    return Bundle(store, parse_index(data, where), data, signed_by)
+    return StoredBundle(store, parse_index(data, where), data, signed_by)
 
 
 def _read_blob(store: Store, name: str, limit: int) -> bytes:
@@ -344,7 +344,7 @@ def installed_files(receipts: list[Receipt]) -> dict[str, tuple[FileRecord, ...]
     return out
 
 
-def _write_receipt(cache_dir: Path, bundle: Bundle, source: str, seq: int,
+def _write_receipt(cache_dir: Path, bundle: StoredBundle, source: str, seq: int,
                    kept: dict[str, tuple[FileRecord, ...]]) -> None:
     path = receipt_path(cache_dir, bundle.index.digest)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -396,7 +396,7 @@ def _fsync_dir(path: Path) -> None:
 # --- install --------------------------------------------------------------------------------------------------
 
 
-def _stage_entry(bundle: Bundle, entry: Entry, cache_dir: Path, staging: Path) -> int:
+def _stage_entry(bundle: StoredBundle, entry: Entry, cache_dir: Path, staging: Path) -> int:
     """Stream one object through its checks into ``staging/<key>``; returns the object's size. A store error
     mid-stream retries the entry from the start; a local write error is an EnvironmentProblem at once."""
     name = f"{OBJECTS}/{entry.object}"
@@ -484,7 +484,7 @@ def install(
     return res
 
 
-def _install_locked(bundle: Bundle, source: str, cache_dir: Path, res: InstallResult, workers: int, durable: bool,
+def _install_locked(bundle: StoredBundle, source: str, cache_dir: Path, res: InstallResult, workers: int, durable: bool,
                     progress: Callable[[int, int], None] | None):
     meta = cache_dir / META_DIR
     for old in meta.glob("staging-*"):  # left by a killed install; only the lock holder stages
