@@ -129,8 +129,8 @@ def make_hook(path: str, previous=None):
     return hook
 
 
-def install(path: str) -> None:
-    """Install the hook in this process (triton must be importable)."""
+def hook_this_process(path: str) -> None:
+    """Log this process's compile requests to ``path`` from now on (triton must be importable)."""
     from . import tritoncompat
 
     tritoncompat.set_jit_cache_hook(make_hook(path, tritoncompat.get_jit_cache_hook()))
@@ -180,4 +180,4 @@ def install_from_env() -> None:
     """Called from the injected sitecustomize: hook now if triton is loaded, else when it gets imported."""
     path = os.environ.get(ENV)
     if path:
-        when_triton_imported(lambda: install(path))
+        when_triton_imported(lambda: hook_this_process(path))
