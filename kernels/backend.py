@@ -81,6 +81,9 @@ class Selection:
     launch_kwargs: dict  # what the wrapper adds to the launch (constexprs + num_warps/num_stages) when not autotuned
 
 
+# Filled by the kernel modules themselves as they are imported (``register`` at module level); this module imports
+# none of them, so the dependency runs one way: importing a kernel package (``prewarm_kernels.kda``) registers its
+# kernels.
 REGISTRY: dict[str, Entry] = {}
 
 
@@ -98,9 +101,9 @@ def _split(cfg: dict) -> dict:
 
 def select(name: str, backend: str | None = None) -> Selection:
     """Describe the launch of kernel ``name`` on ``backend`` (default: :func:`detect`) without launching."""
-    _load_all()
     if name not in REGISTRY:
-        raise KeyError(f"unknown kernel {name!r}: known kernels are {sorted(REGISTRY)}")
+        raise KeyError(f"unknown kernel {name!r}: registered kernels are {sorted(REGISTRY)} (a kernel registers when "
+                       f"its package is imported, e.g. `import prewarm_kernels.kda`)")
     entry = REGISTRY[name]
     backend = normalize(backend) if backend is not None else detect()
     jit = entry.kernel.fn if isinstance(entry.kernel, Autotuner) else entry.kernel
@@ -120,7 +123,3 @@ def dispatch(name: str, grid: Callable[[dict], tuple], *args, **kwargs) -> None:
         launch(sel.kernel, grid, *args, **kwargs)
     else:
         launch(sel.kernel, tuple(grid(sel.launch_kwargs)), *args, **kwargs, **sel.launch_kwargs)
-
-
-def _load_all() -> None:
-    from .kda import cumsum, intra, l2norm, output, recompute, recurrent, solve, state  # noqa: F401  (register)
