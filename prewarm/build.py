@@ -218,7 +218,7 @@ _PRELOAD = ["torch", "triton", "triton.compiler", __name__]  # the forkserver's 
 
 
 def compile_into(compiles: list[Compile], cache: str, target: Target, workers: int,
-                 finish: Callable[[int, CompileResult], None]) -> None:
+                 finish: Callable[[int, CompileResult], None], start_method: str = "forkserver") -> None:
     """Compile each of ``compiles`` into ``cache`` in a pool of ``workers`` processes (no presence check);
     ``finish(index, result)`` as each completes.
 
@@ -226,9 +226,10 @@ def compile_into(compiles: list[Compile], cache: str, target: Target, workers: i
     them at once, which on the H200 machine's 16 cores made the same 48 compiles take 84 s of compile time at 8
     workers instead of 49 s (speedup 4.4x; 7.6x from the forkserver; bench/build_scaling.py). Nothing that depends
     on the target or a device is imported there (fla, say, reads the device at import): each worker activates its
-    target in ``_init``."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    target in ``_init``. ``start_method="spawn"`` is the old way, kept for that benchmark's baseline."""
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
     initargs = (cache, target, dict(os.environ))
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=initargs) as pool:
         futures = {pool.submit(_worker_task, (c.kernel, c.specialization)): i for i, c in enumerate(compiles)}
