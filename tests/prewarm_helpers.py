@@ -1,84 +1,58 @@
 """Helpers the tests import by name (a module of its own: every test directory has a `conftest`)."""
 from __future__ import annotations
 
-import importlib.util
+import base64
 import json
 import multiprocessing
+import random
 import shutil
 import subprocess
 import sys
-import textwrap
-import uuid
 from pathlib import Path
 
+from prewarm.bundle import GROUP_PREFIX, absolute_group, relative_group
+
 REPO = Path(__file__).resolve().parents[1]
-
-# Compiles through Triton's real JIT path with a target-only driver (no GPU): real key dirs, real group files.
-_BUILD_TOY_CACHE = textwrap.dedent(
-    """
-    import os, sys
-    os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
-    import torch, triton, triton.language as tl
-    from triton.backends.compiler import GPUTarget
-
-    class TargetOnlyDriver:
-        def get_current_target(self): return GPUTarget("cuda", 90, 32)
-        def get_current_device(self): return 0
-        def get_current_stream(self, device=None): return 0
-
-    triton.runtime.driver.set_active(TargetOnlyDriver())
-
-    @triton.jit
-    def add(x, y, o, n, BS: tl.constexpr):
-        i = tl.program_id(0) * BS + tl.arange(0, BS)
-        m = i < n
-        tl.store(o + i, tl.load(x + i, mask=m) + tl.load(y + i, mask=m), mask=m)
-
-    @triton.jit
-    def scale(x, o, n, s, BS: tl.constexpr):
-        i = tl.program_id(0) * BS + tl.arange(0, BS)
-        tl.store(o + i, tl.load(x + i, mask=i < n) * s, mask=i < n)
-
-    for bs in (64, 128, 256):
-        add.warmup(torch.float32, torch.float32, torch.float32, 1000, BS=bs, grid=(1,))
-    for n in (1000, 1024):
-        scale.warmup(torch.float16, torch.float16, n, 2.0, BS=128, grid=(1,))
-    """
-)
+FIXTURES = REPO / "tests" / "fixtures"
 
 
 def build_toy_cache(cache_dir: Path) -> Path:
-    """Compile 5 small kernels (2 functions) into ``cache_dir`` in a fresh process; returns it."""
+    """Compile 5 small kernels (2 functions) into ``cache_dir`` in a fresh process (tests/fixtures/toy_cache.py,
+    through prewarm's offline CUDA target); returns it."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    script = cache_dir.parent / f"toy_kernels_{uuid.uuid4().hex[:8]}.py"  # @triton.jit needs a source file
-    script.write_text(_BUILD_TOY_CACHE)
-    p = subprocess.run([sys.executable, str(script), str(cache_dir)], capture_output=True, text=True)
-    script.unlink()
+    p = subprocess.run([sys.executable, str(FIXTURES / "toy_cache.py"), str(cache_dir)], capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"compiling the toy kernels failed:\n{p.stderr[-3000:]}")
     return cache_dir
 
 
 def copy_cache(src: Path, dest: Path) -> Path:
-    """A copy of a cache as if it had been built at ``dest``: group files point into the copy."""
+    """A copy of a cache as if it had been built at ``dest``: each group file rewritten by bundle.py into its
+    relative form, then its installed form at the copy (what pack + install do, without a bundle)."""
     shutil.copytree(src, dest, symlinks=True)
-    for grp in dest.glob("*/__grp__*.json"):
-        doc = json.loads(grp.read_text())
-        doc["child_paths"] = {c: str(grp.parent / Path(p).name) for c, p in doc["child_paths"].items()}
-        grp.write_text(json.dumps(doc))
+    for grp in dest.glob(f"*/{GROUP_PREFIX}*.json"):
+        entry = grp.parent
+        rel, _ = relative_group(grp.read_bytes(), entry.name, {f.name for f in entry.iterdir()}, str(grp))
+        grp.write_bytes(absolute_group(rel, str(entry)))
     return dest
 
 
-def _load_bench_ship():
-    spec = importlib.util.spec_from_file_location("prewarm_bench_ship", REPO / "bench" / "ship.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def synthetic_cache(root: Path, entries: int, seed: int = 0, scale: float = 0.1) -> Path:
-    """A Triton-like cache of ``entries`` key dirs (bench/ship.py's generator; ``scale`` 1 = ~260 KB/entry)."""
-    _load_bench_ship().make_cache(root, entries, seed=seed, scale=scale)
+    """``entries`` Triton-shaped key dirs under ``root``, for tests that need many entries fast (a real compile takes
+    about a second): a cubin of random bytes, a ptx of text, metadata and a group file with absolute child paths,
+    ~265 KB x ``scale`` each. Not compiled code: tests of real kernels use the toy cache. (bench/ship.py has its
+    own generator, shaped like an H200 cache for measuring throughput; tests never import a bench.)"""
+    rng = random.Random(seed)
+    for _ in range(entries):
+        key = base64.b32encode(rng.randbytes(32)).decode().rstrip("=")
+        entry = root / key
+        entry.mkdir(parents=True)
+        files = {"k.cubin": rng.randbytes(int(160_000 * scale)),
+                 "k.ptx": b"".join(b"add.f32 %%r%d;\n" % rng.randrange(1 << 16) for _ in range(int(7_000 * scale))),
+                 "k.json": json.dumps({"name": "k", "hash": key}).encode()}
+        files[f"{GROUP_PREFIX}k.json"] = json.dumps({"child_paths": {n: str(entry / n) for n in files}}).encode()
+        for name, data in files.items():
+            (entry / name).write_bytes(data)
     return root
 
 
