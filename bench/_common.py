@@ -29,6 +29,7 @@ import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
+from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORK = Path(os.environ.get("PREWARM_BENCH_WORK", "/tmp/prewarm-bench"))
@@ -36,6 +37,8 @@ DEFAULT_MANIFEST = REPO / "manifests" / "kimi-linear-h200.toml"
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from prewarm.bundle import INDEX, parse_index  # noqa: E402
 
 
 def import_kernels() -> None:
@@ -143,21 +146,27 @@ def prepare_bundle(manifest: Path, work: Path, timeout: float = 420, fallback: b
                              timeout)
     _, t_pack = run_cli(["pack", str(build_dir), "-o", str(bundle)], env, 120)
     shutil.rmtree(build_dir)
-    index = json.loads((bundle / "index.json").read_text())
-    return {
-        "bundle": str(bundle),
-        "build_mode": mode,
-        "build_s": t_build,
-        "pack_s": t_pack,
-        "entries": len(index["entries"]),
-        "files": sum(len(e["files"]) for e in index["entries"]),
-        "bytes": sum(f["size"] for e in index["entries"] for f in e["files"]),
-        "build_dir_deleted": not build_dir.exists(),
-    }
+    return {"bundle": str(bundle), "build_mode": mode, "build_s": t_build, "pack_s": t_pack,
+            "build_dir_deleted": not build_dir.exists()}
 
 
-def bundle_ready(bundle: Path) -> bool:
-    return (bundle / "index.json").is_file()
+def bundle_for(given: str | None, manifest: Path, work: Path, timeout: float, reuse_work: bool = False,
+               fallback: bool = True) -> tuple[Path, dict]:
+    """The bundle a bench installs, and its description with ``prepare`` (how it came): ``given`` (``--bundle``: a
+    dir without an index is refused, naming it); else ``WORK/bundle`` left by an earlier bench (``reuse_work``);
+    else a device build made here (:func:`prepare_bundle`)."""
+    if given:
+        bundle, prepare = Path(given).resolve(), {"reused": True}
+        if not (bundle / INDEX).is_file():
+            raise RuntimeError(f"--bundle {bundle}: no {INDEX} there (expected a `prewarm pack` dir)")
+    elif reuse_work and (work / "bundle" / INDEX).is_file():
+        bundle, prepare = work / "bundle", {"reused": True}
+    else:
+        log("device build + pack of the manifest (the scratch build dir is deleted afterwards)")
+        prepare = prepare_bundle(manifest, work, timeout, fallback)
+        bundle = Path(prepare["bundle"])
+    log(f"bundle {bundle}")
+    return bundle, describe_bundle(bundle) | {"prepare": prepare}
 
 
 def install_bundle(bundle: Path, cache_dir: Path, work: Path) -> float:
@@ -167,17 +176,37 @@ def install_bundle(bundle: Path, cache_dir: Path, work: Path) -> float:
 
 
 def describe_bundle(bundle: Path) -> dict:
-    """What a bundle holds, from its index: entries, bytes, and the autotune results in it (a ``--mode device``
-    build keeps them, an offline build has none: its nodes benchmark each autotuned kernel once per process)."""
-    index = json.loads((bundle / "index.json").read_text())
-    files = [f for e in index["entries"] for f in e["files"]]
-    return {
-        "bundle": str(bundle),
-        "manifest": index.get("manifest"),
-        "entries": len(index["entries"]),
-        "bytes": sum(f["size"] for f in files),
-        "autotune_results": sum(f["path"].endswith(".autotune.json") for f in files),
-    }
+    """What a bundle holds, read by prewarm's own index reader: entries, files, bytes, and the autotune results in
+    it (a ``--mode device`` build keeps them, an offline build has none: its nodes benchmark each autotuned kernel
+    once per process)."""
+    index = parse_index((bundle / INDEX).read_bytes(), str(bundle / INDEX))
+    files = [f for e in index.entries for f in e.files]
+    return {"bundle": str(bundle), "manifest": index.manifest, "entries": len(index.entries), "files": len(files),
+            "bytes": index.total_size, "autotune_results": sum(f.path.endswith(".autotune.json") for f in files)}
+
+
+def seed_runs(label: str, bundle: Path, seeds: list[int], work: Path, measure) -> Iterator[dict]:
+    """Per seed, a fresh ``prewarm install`` of ``bundle`` into a new node dir and ``measure(node, seed) -> dict``
+    (a fresh measuring process) on it; yields each run (``bundle``, ``seed``, ``install_s`` and what ``measure``
+    returned, or ``error``: the next seed still runs) after its node dir is removed."""
+    for seed in seeds:
+        node = work / f"node-{label}-{seed}"
+        run = {"bundle": label, "seed": seed}
+        try:
+            run["install_s"] = round(install_bundle(bundle, node, work), 3)
+            run |= measure(node, seed)
+        except Exception as e:  # noqa: BLE001 - record it, run the next seed
+            run["error"] = f"{type(e).__name__}: {e}"
+            log(f"{label} seed {seed} FAILED: {run['error']}")
+        finally:
+            shutil.rmtree(node, ignore_errors=True)
+        yield run
+
+
+def result_header(manifest: Path) -> dict:
+    """The first keys of a bench's JSON: which manifest (relative to the repo where it is in it), when."""
+    return {"manifest": str(manifest.relative_to(REPO) if manifest.is_relative_to(REPO) else manifest),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def load_spec(manifest: Path) -> dict:
@@ -249,6 +278,7 @@ class Probes:
     def wrap_launch(self, sync) -> None:
         """Time every launch through ``prewarm_kernels.launch.launch``; must run before kernel modules import it."""
         import prewarm_kernels.launch as lm
+        from prewarm.tritoncompat import jit_function
 
         if any(m.startswith("prewarm_kernels.") and m != "prewarm_kernels.launch" for m in sys.modules):
             raise RuntimeError("wrap_launch must run before any kernel module is imported")
@@ -257,7 +287,7 @@ class Probes:
         def timed_launch(kernel, grid, *args, **kwargs):
             if lm._sink.get() is not None:  # planning capture: nothing runs
                 return orig(kernel, grid, *args, **kwargs)
-            name = kernel_name(kernel)
+            name = jit_function(kernel).fn.__name__
             sync()
             t0 = time.perf_counter()
             orig(kernel, grid, *args, **kwargs)
@@ -294,16 +324,6 @@ class Probes:
 
 def diff(after: dict, before: dict) -> dict:
     return {k: round(after[k] - before[k], 4) if isinstance(after[k], float) else after[k] - before[k] for k in after}
-
-
-def kernel_name(kernel) -> str:
-    """The Python name of the function under any Autotuner / Heuristics wrappers."""
-    from triton.runtime.jit import JITFunction
-
-    seen = kernel
-    while not isinstance(seen, JITFunction) and hasattr(seen, "fn"):
-        seen = seen.fn
-    return getattr(getattr(seen, "fn", seen), "__name__", repr(kernel))
 
 
 def init_device(device: str = "cuda:0"):

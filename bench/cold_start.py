@@ -34,9 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_ready, child_env, child_main, describe_bundle, diff,
-    fresh_dir, init_device, install_bundle, load_spec, log, open_traffic, prepare_bundle, run_calls, run_child,
-    run_cli, write_json,
+    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_for, child_env, child_main, diff, fresh_dir, init_device,
+    install_bundle, load_spec, log, open_traffic, result_header, run_calls, run_child, run_cli, write_json,
 )
 
 RATIO_GOAL = 20.0
@@ -81,19 +80,9 @@ def orchestrate(args) -> dict:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     manifest = Path(args.manifest).resolve()
-    res: dict = {"manifest": str(manifest.relative_to(REPO) if manifest.is_relative_to(REPO) else manifest),
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ok": False}
+    res: dict = {**result_header(manifest), "ok": False}
     try:
-        if args.bundle:
-            bundle = Path(args.bundle).resolve()
-            if not bundle_ready(bundle):
-                raise RuntimeError(f"--bundle {bundle}: no index.json there")
-            res["prepare"] = {"reused": True}
-        else:
-            log("prepare: device build + pack (the scratch build dir is deleted afterwards)")
-            res["prepare"] = prepare_bundle(manifest, work, timeout=args.timeout)
-            bundle = Path(res["prepare"]["bundle"])
-        res["bundle"] = describe_bundle(bundle)
+        bundle, res["bundle"] = bundle_for(args.bundle, manifest, work, args.timeout)
         warm_dir, cold_dir = work / "warm-cache", work / "cold-cache"
         res["install_s"] = round(install_bundle(bundle, warm_dir, work), 3)
         # The integrity check a node runs (hashes, fingerprint, will-hit): its verdict is recorded next to what

@@ -41,8 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_ready, child_env, child_main, describe_bundle, diff,
-    fresh_dir, init_device, install_bundle, load_spec, log, open_traffic, prepare_bundle, run_calls, write_json,
+    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_for, child_env, child_main, diff, fresh_dir, init_device,
+    install_bundle, load_spec, log, open_traffic, result_header, run_calls, write_json,
 )
 
 B_LIMIT_S = 0.050
@@ -232,8 +232,7 @@ def orchestrate(args) -> dict:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     manifest = Path(args.manifest).resolve()
-    res: dict = {"manifest": str(manifest.relative_to(REPO) if manifest.is_relative_to(REPO) else manifest),
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ok": False, "scenarios": {},
+    res: dict = {**result_header(manifest), "ok": False, "scenarios": {},
                  "ranks": args.ranks, "steps": args.steps, "calls_per_step": args.calls, "seed": args.seed,
                  "backend": "nccl",
                  "wait_definition": "seconds from entering dist.all_reduce (NCCL, CUDA tensor, one GPU per rank) "
@@ -244,16 +243,7 @@ def orchestrate(args) -> dict:
 
         if torch.cuda.device_count() < args.ranks:
             raise RuntimeError(f"--ranks {args.ranks}: one GPU per rank, but {torch.cuda.device_count()} visible")
-        bundle = Path(args.bundle).resolve() if args.bundle else work / "bundle"
-        if bundle_ready(bundle):
-            res["prepare"] = {"reused": True}
-            log(f"using bundle {bundle}")
-        elif args.bundle:
-            raise RuntimeError(f"--bundle {bundle}: no index.json there")
-        else:
-            log("no bundle yet: device build + pack (the scratch build dir is deleted afterwards)")
-            res["prepare"] = prepare_bundle(manifest, work, timeout=args.timeout)
-        res["bundle"] = describe_bundle(bundle)
+        bundle, res["bundle"] = bundle_for(args.bundle, manifest, work, args.timeout, reuse_work=True)
         spec_file = work / "dp-spec.json"
         write_json(spec_file, load_spec(manifest))
         for name in args.scenarios.split(","):

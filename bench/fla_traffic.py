@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -31,8 +30,8 @@ from typing import Callable, Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_WORK, REPO, Probes, child_env, child_main, describe_bundle, init_device, install_bundle, load_spec, log,
-    prepare_bundle, run_calls, run_child, write_json,
+    DEFAULT_WORK, REPO, Probes, bundle_for, child_env, child_main, init_device, load_spec, log, run_calls, run_child,
+    seed_runs, write_json,
 )
 
 DEFAULT_FLA_MANIFEST = REPO / "manifests" / "kimi-linear-h200-fla.toml"
@@ -132,23 +131,18 @@ def child(args) -> dict:
 
 def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, out: dict) -> None:
     """One fresh install and one fresh process per seed; the JSON is rewritten after each."""
-    for seed in seeds:
-        node = work / f"node-{label}-{seed}"
-        run = {"bundle": label, "seed": seed}
-        try:
-            run["install_s"] = round(install_bundle(bundle, node, work), 3)
-            # autotune results are read (device bundle) or written (offline) only with this set before fla imports
-            env = child_env(work, TRITON_CACHE_DIR=str(node), TRITON_CACHE_AUTOTUNING="1")
-            run |= run_child(Path(__file__), ["--child", "--seed", str(seed), "--manifest", args.manifest,
-                                              "--calls", str(args.calls), "--steps", str(args.steps)],
-                             env, work / f"result-{label}-{seed}.json", timeout=1800)
-            log(f"{label} seed {seed}: {run['compiles']} compiles, first step {run['first_step_s']} s "
-                f"(autotune {run['first_step']['autotune_s']} s), {run['cache_hits']} disk hits")
-        except Exception as e:  # noqa: BLE001 - record it, run the next seed
-            run["error"] = f"{type(e).__name__}: {e}"
-            log(f"{label} seed {seed} FAILED: {run['error']}")
-        finally:
-            shutil.rmtree(node, ignore_errors=True)
+
+    def measure_on(node: Path, seed: int) -> dict:
+        # autotune results are read (device bundle) or written (offline) only with this set before fla imports
+        env = child_env(work, TRITON_CACHE_DIR=str(node), TRITON_CACHE_AUTOTUNING="1")
+        run = run_child(Path(__file__), ["--child", "--seed", str(seed), "--manifest", args.manifest,
+                                         "--calls", str(args.calls), "--steps", str(args.steps)],
+                        env, work / f"result-{label}-{seed}.json", timeout=1800)
+        log(f"{label} seed {seed}: {run['compiles']} compiles, first step {run['first_step_s']} s "
+            f"(autotune {run['first_step']['autotune_s']} s), {run['cache_hits']} disk hits")
+        return run
+
+    for run in seed_runs(label, bundle, seeds, work, measure_on):
         out["runs"].append(run)
         write_json(args.out, out)
 
@@ -176,15 +170,15 @@ def main() -> int:
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
+    manifest = Path(args.manifest).resolve()
     out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
     if args.bundle:
-        out["bundles"]["offline"] = describe_bundle(Path(args.bundle).resolve())
-        drive("offline", Path(args.bundle).resolve(), seeds, args, work, out)
+        bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, 1800)
+        drive("offline", bundle, seeds, args, work, out)
     if args.device_runs:
         try:
-            prepared = prepare_bundle(Path(args.manifest).resolve(), work, fallback=False)
-            out["bundles"]["device"] = describe_bundle(Path(prepared["bundle"])) | {"prepare": prepared}
-            drive("device", Path(prepared["bundle"]), seeds[:args.device_runs], args, work, out)
+            device, out["bundles"]["device"] = bundle_for(None, manifest, work, 420, fallback=False)
+            drive("device", device, seeds[:args.device_runs], args, work, out)
         except Exception as e:  # noqa: BLE001 - keep the offline runs
             out["device_error"] = f"{type(e).__name__}: {e}"
             log(f"device bundle FAILED: {out['device_error']}")

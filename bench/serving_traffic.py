@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_ready, child_env, child_main, describe_bundle, files_under,
-    init_device, install_bundle, load_spec, log, open_traffic, prepare_bundle, run_calls, run_child, write_json,
+    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_for, child_env, child_main, files_under, init_device,
+    load_spec, log, open_traffic, result_header, run_calls, run_child, seed_runs, write_json,
 )
 
 
@@ -81,30 +81,24 @@ def measure(args) -> dict:
 
 def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, spec_file: Path, res: dict) -> None:
     """One fresh install + one fresh measuring process per seed; results appended to ``res["runs"]``."""
-    me = Path(__file__).resolve()
-    for seed in seeds:
-        node = work / f"node-{label}-{seed}"
-        run = {"bundle": label, "seed": seed}
-        try:
-            run["install_s"] = round(install_bundle(bundle, node, work), 3)
-            log(f"{label} seed {seed}: fresh process, TRITON_CACHE_DIR={node}")
-            child = ["--child", "--cache-dir", str(node), "--spec", str(spec_file), "--seed", str(seed),
-                     "--calls", str(args.calls), "--steps", str(args.steps)]
-            run |= run_child(me, child, child_env(work, TRITON_CACHE_DIR=str(node)), work / "child.json",
-                             args.timeout)
-            log(f"{label} seed {seed}: {run['compiles']} compiles, {run['hits']} disk hits, first step "
-                f"{run['first_step_s']:.3f} s (autotune {run['first_step']['autotune_s']:.2f} s), "
-                f"{len(run['new_cache_files'])} new cache files")
-            for c in run["compiled"]:
-                log(f"  COMPILED {c['kernel']} during {c['during']} (key {c['key']})")
-            if run["compiled"] and args.keep_compiled:  # for `prewarm explain KEY_DIR --plan M` elsewhere
-                for key in {c["key"] for c in run["compiled"] if c["key"]}:
-                    shutil.copytree(node / key, Path(args.keep_compiled) / f"{label}-{seed}" / key)
-        except Exception as e:  # noqa: BLE001 - record it, run the next seed
-            run["error"] = f"{type(e).__name__}: {e}"
-            log(f"{label} seed {seed} FAILED: {run['error']}")
-        finally:
-            shutil.rmtree(node, ignore_errors=True)
+
+    def measure_on(node: Path, seed: int) -> dict:
+        log(f"{label} seed {seed}: fresh process, TRITON_CACHE_DIR={node}")
+        child = ["--child", "--cache-dir", str(node), "--spec", str(spec_file), "--seed", str(seed),
+                 "--calls", str(args.calls), "--steps", str(args.steps)]
+        run = run_child(Path(__file__).resolve(), child, child_env(work, TRITON_CACHE_DIR=str(node)),
+                        work / "child.json", args.timeout)
+        log(f"{label} seed {seed}: {run['compiles']} compiles, {run['hits']} disk hits, first step "
+            f"{run['first_step_s']:.3f} s (autotune {run['first_step']['autotune_s']:.2f} s), "
+            f"{len(run['new_cache_files'])} new cache files")
+        for c in run["compiled"]:
+            log(f"  COMPILED {c['kernel']} during {c['during']} (key {c['key']})")
+        if run["compiled"] and args.keep_compiled:  # for `prewarm explain KEY_DIR --plan M` elsewhere
+            for key in {c["key"] for c in run["compiled"] if c["key"]}:
+                shutil.copytree(node / key, Path(args.keep_compiled) / f"{label}-{seed}" / key)
+        return run
+
+    for run in seed_runs(label, bundle, seeds, work, measure_on):
         res["runs"].append(run)
         summarize(res)
         write_json(args.out, res)
@@ -142,23 +136,21 @@ def orchestrate(args) -> dict:
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     manifest = Path(args.manifest).resolve()
-    bundle = Path(args.bundle).resolve()
-    if not bundle_ready(bundle):
-        raise SystemExit(f"serving_traffic: --bundle {bundle}: no index.json there (expected a `prewarm pack` dir)")
+    try:
+        bundle, described = bundle_for(args.bundle, manifest, work, args.timeout)
+    except RuntimeError as e:
+        raise SystemExit(f"serving_traffic: {e}") from None
     seeds = args.seeds
-    res: dict = {"manifest": str(manifest.relative_to(REPO) if manifest.is_relative_to(REPO) else manifest),
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "calls_per_step": args.calls,
-                 "steps": args.steps, "traffic": "prewarm_kernels.kda.traffic.calls(Envelope.from_spec(spec), seed)",
-                 "bundles": {args.label: describe_bundle(bundle)}, "runs": [], "ok": False}
+    res: dict = {**result_header(manifest), "calls_per_step": args.calls, "steps": args.steps,
+                 "traffic": "prewarm_kernels.kda.traffic.calls(Envelope.from_spec(spec), seed)",
+                 "bundles": {args.label: described}, "runs": [], "ok": False}
     spec_file = work / "spec.json"
     write_json(spec_file, load_spec(manifest))
     drive(args.label, bundle, seeds, args, work, spec_file, res)
     if args.device_runs:
-        log("device bundle: prewarm build --mode device + pack on this GPU (the build dir is deleted afterwards)")
         try:
-            prepared = prepare_bundle(manifest, work, timeout=args.timeout, fallback=False)
-            res["bundles"]["device"] = describe_bundle(Path(prepared["bundle"])) | {"prepare": prepared}
-            drive("device", Path(prepared["bundle"]), seeds[:args.device_runs], args, work, spec_file, res)
+            device, res["bundles"]["device"] = bundle_for(None, manifest, work, args.timeout, fallback=False)
+            drive("device", device, seeds[:args.device_runs], args, work, spec_file, res)
         except Exception as e:  # noqa: BLE001 - keep the first bundle's runs
             res["device_error"] = f"{type(e).__name__}: {e}"
             log(f"device bundle FAILED: {res['device_error']}")
