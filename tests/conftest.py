@@ -43,16 +43,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30, log: Path | None = None) -> None:
+    """Until ``proc`` listens on ``port``; its output (``log``, else its stderr pipe) is in the error if it exits,
+    and it is stopped if it does not listen in time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+            output = log.read_text() if log else proc.stderr.read().decode()
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {output[-2000:]}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             return
         except OSError:
             time.sleep(0.1)
+    _stop(proc)
     raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s")
 
 
@@ -276,18 +280,7 @@ def start_registry(d: Path, *, tls: tuple[Path, Path] | None = None, htpasswd: P
     log = d / "registry.log"
     with open(log, "wb") as f:  # a file, not a pipe: a long test would fill a pipe and stall the server
         proc = subprocess.Popen([exe, "serve", str(d / "config.yml")], stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"docker-registry exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                _stop(proc)
-                raise RuntimeError(f"docker-registry did not listen on 127.0.0.1:{port} within 30 s") from None
-            time.sleep(0.1)
+    wait_port(port, proc, "docker-registry", log=log)
     return RegistryServer(proc, port, d / "storage", log)
 
 
