@@ -38,6 +38,7 @@ class KernelSource:
     options: dict[str, Any] = field(default_factory=dict)
     label: str = ""
     close: bool = False  # record entries: also each recorded int argument's other specialization classes
+    close_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()  # record entries: (pointer parameter, its dtypes)
 
 
 @dataclass(frozen=True)
@@ -272,8 +273,10 @@ def _kernel(path: Path, i: int, entry: Any) -> KernelSource:
         if not rec.is_file():
             raise r.fail("record", rel, f"an existing file (looked for {rec})")
         close = r.get("close", bool, "true or false (compile the other specialization classes of recorded ints)", False)
+        dtypes = r.table_of("close_dtypes")
+        close_dtypes = tuple((param, dtypes.names(param, TENSOR_DTYPES, ())) for param in dtypes.table)
         r.done()
-        return KernelSource("record", str(rec), where, label=label, close=close)
+        return KernelSource("record", str(rec), where, label=label, close=close, close_dtypes=close_dtypes)
     ref = r.get("function", str, "'module:function'", check=lambda v: _REF.match(v))
     args = r.get("args", dict, "a table of parameter name -> value", {})
     for name, value in args.items():

@@ -34,6 +34,7 @@ class Request:
     kwargs: dict = field(default_factory=dict)
     specialization: str | None = None
     close: bool = False  # recorded: also compile its specialized ints' other classes (see other_int_classes)
+    close_dtypes: tuple = ()  # recorded: ((pointer parameter, (dtype, ...)), ...) also compiled in (see other_dtypes)
 
     @property
     def ident(self) -> str:
@@ -109,7 +110,10 @@ def _from_source(manifest: Manifest, src: KernelSource) -> list[Request]:
     if src.kind == "provider":
         return _from_provider(manifest, src)
     if src.kind == "record":
-        return load_record(src.ref, source=f"{src.where} {src.ref}", close=src.close)
+        requests = load_record(src.ref, source=f"{src.where} {src.ref}", close=src.close,
+                               close_dtypes=src.close_dtypes)
+        _check_close_dtypes(manifest, src, requests)
+        return requests
     return _from_function(manifest, src)
 
 
@@ -163,9 +167,10 @@ def _from_function(manifest: Manifest, src: KernelSource) -> list[Request]:
     return out
 
 
-def load_record(path: str, source: str | None = None, close: bool = False) -> list[Request]:
+def load_record(path: str, source: str | None = None, close: bool = False, close_dtypes: tuple = ()) -> list[Request]:
     """Requests from a ``prewarm record`` file (JSON lines), deduplicated, in first-seen order; ``close``: each
-    expands to its specialized ints' other classes too (:func:`other_int_classes`)."""
+    expands to its specialized ints' other classes too (:func:`other_int_classes`); ``close_dtypes``: and to the
+    named pointer parameters' other dtypes (:func:`other_dtypes`)."""
     out: dict[str, Request] = {}
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -190,7 +195,7 @@ def load_record(path: str, source: str | None = None, close: bool = False) -> li
             )
         data = _this_hosts(data, f"{path}:{n}")
         label = entry.get("label") or f"{name.rsplit('.', 1)[-1]} [{describe_specialization(data)}]"
-        req = Request(kernel, label, source or path, specialization=data, close=close)
+        req = Request(kernel, label, source or path, specialization=data, close=close, close_dtypes=close_dtypes)
         out.setdefault(req.ident, req)
     return list(out.values())
 
@@ -342,11 +347,13 @@ def expand_all(requests: list[Request]) -> list[Compile]:
 def expand(request: Request) -> list[Compile]:
     """The compiles Triton makes for ``request`` under the active target: one per autotune config, in order."""
     if request.specialization is not None:
-        out = [Compile(request.ident, request.kernel, request.label, request.specialization)]
+        variants = [("", request.specialization), *other_dtypes(request.specialization, request.close_dtypes)]
         if request.close:
-            out += [Compile(request.ident, request.kernel, f"{request.label} [closed: {what}]", data)
-                    for what, data in other_int_classes(resolve(request.kernel), request.specialization)]
-        return out
+            kernel = resolve(request.kernel)
+            variants += [(f"{what} {ints}".strip(), closed) for what, data in variants
+                         for ints, closed in other_int_classes(kernel, data)]
+        return [Compile(request.ident, request.kernel, f"{request.label} [closed: {what}]" if what else request.label,
+                        data) for what, data in variants]  # fmt: skip
     kernel = resolve(request.kernel)
     args = tuple(decode(a) for a in request.args)
     kwargs = {k: decode(v) for k, v in request.kwargs.items()}
@@ -362,6 +369,48 @@ def expand(request: Request) -> list[Compile]:
 
 
 # --- closing recorded traffic ------------------------------------------------------------------------------------
+
+
+def other_dtypes(data: str, close_dtypes: tuple) -> list[tuple[str, str]]:
+    """``data`` (a recorded compile request) with the pointer parameters ``close_dtypes`` names in every other
+    combination of their listed dtypes (the recorded one included as a choice), as (description, specialization
+    data) pairs: one recording covers the dtypes a manifest declares. Each type is Triton's own name for a tensor
+    of that dtype (``mangle_type``; a const pointer stays const); parameters the kernel lacks, or recorded as no
+    pointer, are left as recorded. Constexprs a wrapper or heuristic derived from a dtype stay as recorded (the
+    guard names such a miss); the in-memory ``key`` is kept, as :func:`other_int_classes` keeps it."""
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    obj = json.loads(data)
+    sig = obj["signature"]
+    axes = []  # (param, [recorded type, other types...])
+    for param, names in close_dtypes:
+        recorded = sig.get(param)
+        if isinstance(recorded, str) and recorded.startswith("*"):
+            const = "*k" if recorded.startswith("*k") else "*"
+            types = [const + mangle_type(torch.empty(0, dtype=getattr(torch, n), device="meta"))[1:] for n in names]
+            axes.append((param, list(dict.fromkeys([recorded, *types]))))
+    out = []
+    for combo in itertools.product(*(types for _, types in axes)):
+        changed = [(param, ty) for (param, types), ty in zip(axes, combo) if ty != types[0]]
+        if changed:
+            variant = {**obj, "signature": {**sig, **dict(changed)}}
+            out.append((" ".join(f"{param}={ty}" for param, ty in changed), json.dumps(variant)))
+    return out
+
+
+def _check_close_dtypes(manifest: Manifest, src: KernelSource, requests: list[Request]) -> None:
+    """Every parameter ``close_dtypes`` names is a pointer of some recorded kernel (a typo closes nothing)."""
+    pointers: set[str] = set()
+    for r in requests:
+        sig = json.loads(r.specialization)["signature"]
+        pointers.update(p for p, ty in sig.items() if isinstance(ty, str) and ty.startswith("*"))
+    for param, names in src.close_dtypes:
+        if param not in pointers:
+            raise ManifestError(
+                f"{manifest.path}: {src.where}.close_dtypes.{param} = {list(names)!r}: no recorded kernel has a "
+                f"pointer parameter {param!r}: expected one of {', '.join(sorted(pointers)) or '(none recorded)'}"
+            )
 
 # The classes Triton (3.4+) puts a specialized int argument in, as a compile request records them.
 _INT_CLASSES = {"1": "=1", "D": "%16=0", "": " other"}
