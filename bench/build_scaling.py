@@ -78,7 +78,7 @@ def one_run(args) -> int:
     from prewarm.build import CompileResult, compile_into
     from prewarm.manifest import load
     from prewarm.plan import expand_all, plan
-    from prewarm.targets import CudaOfflineTarget
+    from prewarm.backends import CudaOfflineTarget
 
     method, n, result = args.child.split(":", 2)
     m = load(args.manifest)

@@ -44,7 +44,7 @@ def child(args) -> None:
     compiles: list[bool] = []
     knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: compiles.append(cache_hit)
     if args.device == "cpu":
-        from prewarm.targets import CudaOfflineTarget
+        from prewarm.backends import CudaOfflineTarget
 
         CudaOfflineTarget("cuda", "sm_90").activate()
 

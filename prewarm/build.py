@@ -20,12 +20,12 @@ from typing import Callable
 from filelock import FileLock
 from triton.runtime.cache import FileCacheManager
 
-from . import __version__, devices, fingerprint, tritoncompat
+from . import __version__, backends, devices, tritoncompat
+from .backends import Target, npu
 from .errors import EnvironmentProblem
 from .manifest import Manifest, load
-from .plan import Compile, expand_all, plan, resolve
-from .targets import Target, get_target
-from .willhit import probe_all
+from .plan import Compile, plan_for, resolve
+from .probe import probe_all
 
 META_DIR = ".prewarm"  # prewarm's own metadata inside a cache dir (never packed as a cache entry)
 RECORD = "build.json"
@@ -110,6 +110,7 @@ def _init(cache_dir: str, target: Target, env: dict[str, str]) -> None:
     _WORKER_TARGET = target
     tritoncompat.set_cache_dir(cache_dir)
     tritoncompat.set_cache_manager(CountingCacheManager)
+    target.prepare_build()
     target.activate()
 
 
@@ -149,11 +150,8 @@ def build(
     """Compile every planned request that ``cache_dir`` lacks; ``progress(result, done, total)`` after each."""
     start = time.perf_counter()
     m = manifest if isinstance(manifest, Manifest) else load(manifest)
-    if m.backend == "npu":
-        from . import npu  # (registers the Ascend targets)
-
-        if len(npu.socs(m)) > 1:
-            return _build_socs(m, cache_dir, workers, mode, progress)
+    if m.backend == "npu" and len(npu.socs(m)) > 1:
+        return _build_socs(m, cache_dir, workers, mode, progress)
     cache = os.path.abspath(cache_dir)
     meta = Path(cache, META_DIR)
     try:
@@ -161,11 +159,12 @@ def build(
     except OSError as e:
         raise EnvironmentProblem(f"--cache-dir {cache}: cannot create it: {e.strerror}") from e
     workers = max(1, workers or os.cpu_count() or 1)
-    target = get_target(m.backend, m.arch, mode, devices.manifest_device(m))
+    target = backends.get_target(m.backend, m.arch, mode, devices.manifest_device(m))
     with FileLock(str(meta / "build.lock")):
-        target.activate()
-        planned = plan(m)
-        compiles = expand_all(planned.requests)
+        target.prepare_build()
+        planned = plan_for(m, target)
+        target.toolchain()  # computed once here, handed to every worker with the target
+        compiles = planned.compiles
         report = BuildReport(m.name, m.digest, cache, target.describe(), workers, len(planned.requests))
         report.notes = target.notes()
         results: list[CompileResult | None] = [None] * len(compiles)
@@ -200,9 +199,7 @@ def _build_socs(m: Manifest, cache_dir: str | os.PathLike, workers: int | None, 
     """An npu manifest listing several SoCs: every key contains the SoC, so the sets share nothing but the source.
     Offline, one complete cache dir per SoC, ``<cache_dir>/<SoC>`` (each packed and shipped as its own bundle,
     named ``<name>-<SoC>``); on a node (device mode), only the node's SoC, into ``cache_dir`` itself."""
-    from . import npu
-
-    if get_target(m.backend, m.arch, mode).mode == "device":
+    if backends.get_target(m.backend, m.arch, mode).mode == "device":
         return build(npu.for_soc(m, npu.node_soc(m)), cache_dir, workers, mode, progress)
     reports = [build(npu.for_soc(m, soc), Path(cache_dir, soc), workers, mode, progress) for soc in npu.socs(m)]
     out = BuildReport(m.name, m.digest, os.path.abspath(cache_dir), "; ".join(r.target for r in reports),
@@ -249,7 +246,7 @@ def _write_record(path: Path, m: Manifest, target: Target, report: BuildReport) 
         "prewarm_version": __version__,
         "manifest": {"name": m.name, "path": str(m.path), "digest": m.digest},
         "target": {"backend": target.backend, "arch": target.arch, "mode": target.mode},
-        "fingerprint": fingerprint.current(m.backend, m.arch),
+        "fingerprint": target.toolchain(),
         "requests": [
             {"label": r.label, "kernel": r.kernel, "request": r.request, "key": r.key, "status": r.status}
             for r in report.results

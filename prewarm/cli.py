@@ -64,12 +64,15 @@ def progress_bar(args):
 def cmd_plan(args) -> int:
     from rich.table import Table
 
+    from . import backends
     from .manifest import load
-    from .plan import plan
+    from .plan import plan, plan_for
 
-    p = plan(load(args.manifest))
+    m = load(args.manifest)
     if args.compiles:
-        return _print_compiles(p, args)
+        return _print_compiles(plan_for(*backends.select(m, args.mode)), args)
+    backends.activate_for_planning(m)
+    p = plan(m)
     if args.json:
         emit_json(p.to_json())
         return 0
@@ -86,17 +89,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _print_compiles(p, args) -> int:
+def _print_compiles(planned, args) -> int:
     """The plan expanded into Triton's own compile requests for the manifest's target (one per autotune config)."""
     from rich.table import Table
 
-    from .plan import expand_all
-    from .targets import get_target
+    from .plan import Plan
 
-    m = p.manifest
-    target = get_target(m.backend, m.arch, args.mode)
-    target.activate()
-    compiles = expand_all(p.requests)
+    m, target, compiles = planned.manifest, planned.target, planned.compiles
+    p = Plan(m, planned.requests)
     if args.json:
         emit_json({**p.to_json(), "target_mode": target.mode, "compiles": [c.to_json() for c in compiles]})
         return 0
@@ -405,10 +405,13 @@ def cmd_ls(args) -> int:
 def cmd_explain(args) -> int:
     import os
 
+    from . import backends
     from .explain import explain_path
-    from .willhit import expand_plan, planned_keys
+    from .manifest import load
+    from .plan import plan_for
+    from .probe import planned_keys
 
-    planned = expand_plan(args.plan, args.mode)
+    planned = plan_for(*backends.select(load(args.plan), args.mode))
     keys = planned_keys(planned.compiles) if os.path.isdir(args.source) else {}
     rows = explain_path(args.source, planned.compiles, keys)
     missing = sum(not e.planned for _, e in rows)

@@ -262,14 +262,26 @@ class ProfileUtils:
         return self.profile.triton_properties()
 
 
-def chosen_driver():
-    """The driver Triton was given or has made, without making one (None: none yet; making one probes the GPU)."""
-    from triton.runtime.driver import driver
+class OfflineDriver:
+    """The smallest driver Triton's JIT needs to compile (no launch): a target, device 0, stream 0. Each backend
+    installs its own (prewarm.backends); :func:`activate` gives it a profile's ``utils``."""
 
-    if hasattr(driver, "_active"):  # 3.4+
-        return driver._active
-    current = driver.active  # 3.2: a LazyProxy until first used
-    return current._obj if type(current).__name__ == "LazyProxy" else current
+    def __init__(self, backend: str, arch: int | str, warp_size: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget(backend, arch, warp_size)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True
 
 
 def active() -> DeviceProfile | None:
@@ -281,7 +293,7 @@ def activate(profile: DeviceProfile) -> None:
     """From now on, in this process: torch.cuda's device queries (CUDA profiles) and the active target-only
     Triton driver's ``utils.get_device_properties`` answer as ``profile``. Idempotent; :func:`deactivate` undoes.
     Call only where a target-only driver is active (plan and build processes), never on a node."""
-    from .targets import OfflineDriver
+    from .tritoncompat import chosen_driver
 
     current = chosen_driver()
     if not isinstance(current, OfflineDriver):

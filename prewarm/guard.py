@@ -17,7 +17,7 @@ in ``compile()`` (Triton's own lookup: the entry with its metadata file = a disk
 unremarked; otherwise the request is logged on stderr with its explanation and appended to the record file, and in
 ``error`` mode :class:`UncoveredCompile` is raised there, before the compiler starts. On triton-ascend, arming also
 checks the process's Ascend codegen env vars, which the key misses, against the installed bundles' build
-(:func:`prewarm.npu.check_serving_env`: error mode refuses to serve).
+(:func:`prewarm.backends.npu.check_serving_env`: error mode refuses to serve).
 """
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
         tritoncompat.set_cache_manager(manager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
     if armed and not _guard.armed and tritoncompat.triton_distribution()[0] == "triton-ascend":
-        from .npu import check_serving_env  # Ascend codegen env vars the cache key misses: refused (error) or said
+        from .backends.npu import check_serving_env  # Ascend codegen env vars the cache key misses: refused (error) or said
 
         check_serving_env(mode)
     _guard.armed = _guard.armed or armed

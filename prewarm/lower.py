@@ -23,7 +23,8 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import npu, plan as planning, tritoncompat
+from . import devices, plan as planning, tritoncompat
+from .backends import npu
 from .errors import EnvironmentProblem
 from .manifest import Manifest
 
@@ -108,7 +109,7 @@ def _message(e: BaseException) -> str:
 def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
     """Run ``compile()``'s stages up to ``ttadapter`` on exactly what ``preload(c.specialization)`` compiles, then
     check its UB estimate against ``arch``'s UB."""
-    from triton._C.libtriton import get_cache_invalidating_env_vars, ir
+    from triton._C.libtriton import ir
     from triton.compiler.compiler import make_backend
 
     out = LoweredCompile(c.kernel, c.label, c.request)
@@ -120,7 +121,7 @@ def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
     target = npu.NpuOfflineDriver(arch).target
     backend = make_backend(target)
     opts = backend.parse_options(dict(options, **src.parse_options()))
-    env_vars = get_cache_invalidating_env_vars()
+    env_vars = tritoncompat.cache_invalidating_env_vars()
     digest = hashlib.sha256(tritoncompat.ascend_cache_key(src, backend, opts, env_vars).encode()).hexdigest()
     out.cache_key = tritoncompat.ascend_key_dir(digest)
     metadata = {"hash": digest, "target": target, **opts.__dict__, **env_vars}
@@ -159,7 +160,7 @@ def lower(m: Manifest) -> LowerReport:
     if m.backend != "npu":
         raise EnvironmentProblem(f"{m.path}: target.backend is {m.backend!r}: lower checks the Ascend (npu) "
                                  f"front end only")
-    npu.activate_offline(m.arch)  # before planning: triton 3.2 needs a driver to import @autotune kernels
+    npu.activate_offline(m.arch, devices.manifest_device(m))  # before planning: triton 3.2 binds @autotune to it
     the_plan = planning.plan(m)
     dist, version = tritoncompat.triton_distribution()
     compiles: list[LoweredCompile] = []

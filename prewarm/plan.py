@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import devices, tritoncompat
+from . import tritoncompat
 from .errors import ManifestError
 from .manifest import KernelSource, Manifest
-from .targets import activate_profile
 
 
 @dataclass(frozen=True)
@@ -90,15 +89,10 @@ class Plan:
 
 
 def plan(manifest: Manifest) -> Plan:
-    """Every request of every ``[[kernels]]`` entry, in manifest order, duplicates dropped (first label kept)."""
-    if manifest.backend == "npu" and tritoncompat.triton_distribution()[0] == "triton-ascend":
-        # triton 3.2's Autotuner asks the active driver for a benchmarker when a kernel module is imported.
-        from .npu import activate_offline
+    """Every request of every ``[[kernels]]`` entry, in manifest order, duplicates dropped (first label kept).
 
-        activate_offline(manifest.arch)
-    device = devices.manifest_device(manifest)
-    if device is not None:  # before any provider imports a library that asks the device for its properties
-        activate_profile(manifest.backend, manifest.arch, device)
+    Activates nothing: the caller gives the process its device view first (a target's ``activate``, or
+    ``prewarm.backends.activate_for_planning``), before a provider imports a library that asks the device."""
     requests: dict[str, Request] = {}
     for source in manifest.kernels:
         for req in _from_source(manifest, source):
@@ -129,6 +123,8 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request]:
     try:
         launches = list(module.launches(manifest.spec()))
     except Exception as e:
+        if hasattr(e, "key") and hasattr(e, "expected"):  # the provider's own check of [spec] named the key
+            raise ManifestError(f"{manifest.path}: {e} (checked by {src.where}.provider = {src.ref!r})") from e
         raise ManifestError(f"{where}: launches(spec) failed: {type(e).__name__}: {e}") from e
     out = []
     for n, launch in enumerate(launches):
@@ -333,6 +329,24 @@ def describe_specialization(data: str) -> str:
 
 
 # --- expansion into compiles (needs an active target) -----------------------------------------------------------
+
+
+@dataclass
+class Planned:
+    """A manifest's requests expanded into Triton's compiles under its target (activated in this process)."""
+
+    manifest: Manifest
+    target: Any  # a prewarm.backends Target
+    requests: list[Request]
+    compiles: list[Compile]
+
+
+def plan_for(manifest: Manifest, target: Any) -> Planned:
+    """The one way to plan and expand: ``target`` activated (its device view), ``manifest`` planned, every
+    request expanded into Triton's compiles under it. Build, will-hit, explain and ``plan --compiles`` use it."""
+    target.activate()
+    requests = plan(manifest).requests
+    return Planned(manifest, target, requests, expand_all(requests))
 
 
 def expand_all(requests: list[Request]) -> list[Compile]:

@@ -7,7 +7,6 @@ import importlib.metadata
 import json
 import os
 import re
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +129,16 @@ def compile_requests(skip: bool):
         set_jit_cache_hook(previous)
 
 
+def chosen_driver():
+    """The driver Triton was given or has made, without making one (None: none yet; making one probes the device)."""
+    from triton.runtime.driver import driver
+
+    if hasattr(driver, "_active"):  # 3.4+
+        return driver._active
+    current = driver.active  # 3.2: a LazyProxy until first used
+    return current._obj if type(current).__name__ == "LazyProxy" else current
+
+
 def jit_function(obj):
     """The JITFunction under any stack of Autotuner / Heuristics wrappers."""
     from triton.runtime.jit import JITFunction
@@ -180,6 +189,25 @@ def autotuned_call(kernel, args: tuple, kwargs: dict):
     return kernel, args, kwargs
 
 
+class NoBenchmark(Exception):
+    """Raised in :func:`first_tuning`'s Autotuner when it would benchmark without asking the disk first."""
+
+
+def first_tuning(tuner, args: tuple, kwargs: dict) -> None:
+    """A copy of Autotuner ``tuner`` runs this call as a fresh process's first call would (no result in memory):
+    it computes its tuning key and asks the cache manager for a kept result, where a probing manager can stop it;
+    benchmarking instead raises :class:`NoBenchmark`. (``cache`` and ``_bench`` are the Autotuner's internals.)"""
+    import copy
+
+    def no_benchmark(*a, **k):
+        raise NoBenchmark
+
+    probe_copy = copy.copy(tuner)
+    probe_copy.cache = {}
+    probe_copy._bench = no_benchmark
+    probe_copy.run(*args, grid=(1,), warmup=True, **kwargs)
+
+
 def preload(fn, specialization_data: str):
     """Compile (or find on disk) exactly the request recorded in ``specialization_data``."""
     return jit_function(fn).preload(specialization_data)
@@ -221,14 +249,14 @@ def cache_scope(path: str, manager: type | None = None):
         scope = knobs.cache.scope()
     except ImportError:
         scope = contextlib.nullcontext()
-    with _restored_env("TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER"), scope:
+    with restored_env("TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER"), scope:
         set_cache_dir(path)
         set_cache_manager(manager)
         yield
 
 
 @contextlib.contextmanager
-def _restored_env(*names: str):
+def restored_env(*names: str):
     """The environment variables ``names`` as they were before the block, whatever it set."""
     saved = {k: os.environ.get(k) for k in names}
     try:
@@ -239,134 +267,6 @@ def _restored_env(*names: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-# --- CUDA launchers without a GPU -------------------------------------------------------------------------------
-# Triton (3.4+) builds a C launcher per kernel signature, and cuda_utils once, with the host C compiler at first
-# launch, keyed by their source and the platform (not by the GPU): built here they are found on the node, which then
-# needs no compiler and spends no time in it. Linking needs libcuda.so.1; without the NVIDIA driver an empty stub
-# with that soname stands in for the link only (the cu* symbols resolve against the node's libcuda at load time).
-
-
-@functools.lru_cache()
-def _driver_installed() -> bool:
-    from triton.backends.nvidia import driver as nv
-
-    nv.libcuda_dirs.cache_clear()
-    try:
-        nv.libcuda_dirs()  # asserts that libcuda.so.1 is there
-        return True
-    except Exception:
-        return False
-    finally:
-        nv.libcuda_dirs.cache_clear()
-
-
-@functools.lru_cache()
-def _libcuda_stub(cc: str | None) -> str:
-    """A dir (one per process and compiler, removed at exit) holding a stand-in ``libcuda.so.1``: an empty file for a
-    lookup (``cc`` None), else an empty shared library with that soname, plus a ``cc`` wrapper that keeps it linked."""
-    import atexit
-    import shutil
-    import subprocess
-    import tempfile
-
-    stub = tempfile.mkdtemp(prefix="prewarm-libcuda-")
-    atexit.register(shutil.rmtree, stub, ignore_errors=True)
-    lib = os.path.join(stub, "libcuda.so.1")
-    if cc is None:
-        Path(lib).touch()
-        return stub
-    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, "-x", "c", os.devnull],
-                   check=True, capture_output=True)
-    # the stub defines nothing, so a linker that drops unused libraries (--as-needed, Ubuntu's default) would leave
-    # libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the real driver does
-    Path(stub, "cc").write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@"\n')
-    os.chmod(os.path.join(stub, "cc"), 0o755)
-    return stub
-
-
-@contextlib.contextmanager
-def _libcuda(link: bool):
-    """``libcuda.so.1`` as Triton's launcher classes need it: they assert that it exists before anything else, and
-    building links against it. Where the driver is not installed a stand-in is used (see ``_libcuda_stub``)."""
-    import shutil
-
-    from triton.backends.nvidia import driver as nv
-
-    if _driver_installed():  # look up and link against the real driver
-        yield
-        return
-    cc = None
-    if link:
-        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")  # as Triton's build picks it
-        if cc is None:
-            raise RuntimeError("no C compiler (gcc, clang or $CC) to build launchers with")
-    stub = _libcuda_stub(cc)
-    # both read at use, and neither is one of the cache key's env vars
-    with _restored_env("TRITON_LIBCUDA_PATH", "CC"):
-        os.environ["TRITON_LIBCUDA_PATH"] = stub
-        if link:
-            os.environ["CC"] = os.path.join(stub, "cc")
-        nv.libcuda_dirs.cache_clear()
-        nv.library_dirs.cache_clear()
-        try:
-            yield
-        finally:
-            nv.libcuda_dirs.cache_clear()
-            nv.library_dirs.cache_clear()
-
-
-class _Unloaded(types.ModuleType):
-    """Stands in for a built module that is not loaded (that needs the NVIDIA driver): every attribute is None."""
-
-    def __getattr__(self, name):
-        return None
-
-
-@contextlib.contextmanager
-def _build_without_loading():
-    """Triton's ``compile_module_from_src`` builds a missing module into the cache, then imports it; here the
-    import is skipped, so a module already in the cache is left as is (an import failure would rebuild it)."""
-    import triton.runtime.build as tb
-
-    saved = tb._load_module_from_path
-    tb._load_module_from_path = lambda name, path: _Unloaded(name)
-    try:
-        with _libcuda(link=True):
-            yield
-    finally:
-        tb._load_module_from_path = saved
-
-
-def has_cuda_launchers() -> bool:
-    """Does this triton build C launchers per kernel signature (upstream 3.4+ with the NVIDIA backend)?"""
-    try:
-        from triton.backends.nvidia.driver import CudaLauncher  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def cuda_launcher(kernel, build: bool) -> None:
-    """The launcher ``.so`` of a compiled kernel (``preload``'s result) as the CUDA driver makes it at first launch:
-    built into the active cache dir (``build``), or only looked up (the active cache manager sees the lookup)."""
-    from triton.backends.nvidia.driver import CudaLauncher
-
-    with _build_without_loading() if build else _libcuda(link=False):
-        CudaLauncher(kernel.src, kernel.metadata)
-
-
-def cuda_utils(build: bool) -> None:
-    """``cuda_utils.so``, what the CUDA driver builds when a process first uses it: built or looked up, as above."""
-    from triton.backends.nvidia import driver as nv
-
-    saved = getattr(nv, "PyCUtensorMap", None)  # CudaUtils() sets this module global from what it loads
-    try:
-        with _build_without_loading() if build else _libcuda(link=False):
-            nv.CudaUtils.__init__(object.__new__(nv.CudaUtils))  # not the driver's singleton instance
-    finally:
-        nv.PyCUtensorMap = saved
 
 
 # --- compile requests as data ------------------------------------------------------------------------------------
@@ -629,58 +529,3 @@ def ascend_install_path_in_key(option_defaults: dict | None = None) -> str | Non
         option_defaults = NPUOptions().__dict__
     paths = [w for w in str(option_defaults.get("bisheng_options") or "").split() if os.path.isabs(w)]
     return paths[0] if paths else None
-
-
-# --- triton-ascend's runtime modules (built at first launch on the node) -----------------------------------------
-# npu_utils.so (key: md5 of npu_utils.cpp), precompiled.h(.gch) (key: _precompile_npu_hash of the header text, the
-# C++ compiler path, sys.version, torch / torch_npu versions, ASCEND_HOME_PATH's last component) and one launcher per
-# kernel signature (key: sha256 of the generated wrapper source: signature, AI-core count, TRITON_DEVICE_PRINT /
-# TRITON_ENABLE_TASKQUEUE / TRITON_GRID_WARN_PRINT / TRITON_ALL_BLOCKS_PARALLEL). Both constructors below are
-# triton-ascend's own; the active cache manager sees every lookup they make.
-NPU_LAUNCHER_PREFIX = "launcher_cxx11abi"
-NPU_HEADER_FILES = ("precompiled.h", "precompiled.h.gch")
-
-
-NPU_UTILS_FILE = "npu_utils.so"
-
-
-@contextlib.contextmanager
-def ascend_prints_to_stderr():
-    """triton-ascend prints advice to stdout whenever it binds a call ("[WARNING] Please DO NOT tune args..."):
-    within the block it goes to stderr, so a command's stdout stays one JSON document."""
-    if triton_distribution()[0] != "triton-ascend":
-        yield
-        return
-    import sys
-
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
-
-
-def npu_launcher(kernel) -> None:
-    """Construct the launcher of a loaded kernel (``preload``'s result) as the NPU driver does at its first launch
-    (its class, whatever driver is active here: plan processes run a target-only one)."""
-    from triton.backends.ascend.driver import NPULauncher
-
-    NPULauncher(kernel.src, kernel.metadata)
-
-
-def npu_utils_loaded() -> str | None:
-    """The npu_utils.so this process's NPU driver loaded when it started (None: no NPU driver started here)."""
-    import sys
-
-    from triton.backends import backends
-
-    named = sys.modules.get("triton.backends.ascend.driver")  # triton also loads the backend by path: two copies
-    for namespace in ([vars(named)] if named else []) + [backends["ascend"].driver.__init__.__globals__]:
-        mod = getattr(getattr(namespace.get("NPUUtils"), "instance", None), "npu_utils_mod", None)
-        if getattr(mod, "__file__", None):
-            return mod.__file__
-    return None
-
-
-def npu_utils() -> None:
-    """Construct NPUUtils as the NPU driver does when a process starts it (not the driver's singleton instance)."""
-    from triton.backends.ascend.driver import NPUUtils
-
-    NPUUtils.__init__(object.__new__(NPUUtils))

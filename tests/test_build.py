@@ -51,7 +51,7 @@ from triton.backends.nvidia import driver as nv
 from prewarm import tritoncompat
 from prewarm.manifest import load
 from prewarm.plan import expand_all, plan, resolve
-from prewarm.targets import CudaOfflineTarget
+from prewarm.backends import CudaOfflineTarget
 
 tritoncompat.set_cache_dir(sys.argv[1])
 CudaOfflineTarget("cuda", "sm_90").activate()
@@ -130,7 +130,7 @@ def test_device_mode_without_a_gpu_is_a_clear_error(tmp_path):
 
 def test_unknown_mode_is_a_clear_error(tmp_path):
     from prewarm.errors import ManifestError
-    from prewarm.targets import get_target
+    from prewarm.backends import get_target
 
     with pytest.raises(ManifestError, match="--mode: 'fast' is not one of offline, device, auto"):
         get_target("cuda", "sm_90", "fast")

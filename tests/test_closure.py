@@ -18,8 +18,8 @@ import pytest
 from closure_traffic import failure_report, run_traffic, seeds
 
 from prewarm.manifest import load
-from prewarm.targets import get_target
-from prewarm.willhit import probe_all
+from prewarm.backends import get_target
+from prewarm.probe import probe_all
 
 REPO = Path(__file__).resolve().parents[1]
 # the shipped CUDA manifests that serve this package's KDA kernels (the traffic calls their public API)

@@ -37,7 +37,7 @@ def run(prelude: str) -> dict:
 def test_a_build_process_answers_every_device_query_as_the_h200():
     """As the real H200 answered on the device machine (bench/results/h200_properties.json, devices.MEASURE_COMMAND)."""
     real = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "h200_properties.json").read_text())
-    seen = run("from prewarm.targets import get_target; get_target('cuda', 'sm_90', 'offline', 'H200').activate()\n")
+    seen = run("from prewarm.backends import get_target; get_target('cuda', 'sm_90', 'offline', 'H200').activate()\n")
     t = real["torch"]
     assert seen == {
         "available": True, "count": 1, "current": 0, "name": t["name"], "capability": real["capability"],
@@ -48,7 +48,7 @@ def test_a_build_process_answers_every_device_query_as_the_h200():
 
 def test_other_processes_see_the_real_machine_even_with_every_prewarm_module_imported():
     done = subprocess.run([sys.executable, "-c", (
-        "import torch, prewarm.cli, prewarm.plan, prewarm.build, prewarm.record, prewarm.devices, prewarm.targets\n"
+        "import torch, prewarm.cli, prewarm.plan, prewarm.build, prewarm.record, prewarm.devices, prewarm.backends\n"
         "print(torch.cuda.is_available(), torch.cuda.get_device_name.__module__)")],
         capture_output=True, text=True)  # fmt: skip
     assert done.stdout.split() == ["False", "torch.cuda"], done.stderr[-2000:]
@@ -58,7 +58,7 @@ def test_deactivate_puts_torch_back():
     import torch
     from triton.runtime.driver import driver
 
-    from prewarm.targets import CudaOfflineTarget
+    from prewarm.backends import CudaOfflineTarget
 
     saved, original = driver._active, torch.cuda.get_device_name
     try:
@@ -123,8 +123,8 @@ def test_an_ascend_plan_process_answers_the_a3s_core_counts_through_triton_ascen
     python = REPO / ".venv-ascend" / "bin" / "python"
     if not python.exists():
         pytest.skip("no .venv-ascend here (bash .ci/setup makes it)")
-    code = ("import json, torch\nfrom prewarm.npu import activate_offline\nfrom prewarm.targets import activate_profile\n"
-            "activate_offline('Ascend910_9391'); activate_profile('npu', 'Ascend910_9391', 'A3')\n"
+    code = ("import json, torch\nfrom prewarm.backends.npu import activate_offline\n"
+            "activate_offline('Ascend910_9391', 'A3')\n"
             "from triton.runtime.driver import driver\n"
             "print(json.dumps([driver.active.utils.get_device_properties(0), torch.cuda.is_available()]))")
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import bundle, fingerprint, install, manifest, npu, tritoncompat
+from prewarm import bundle, fingerprint, install, manifest, tritoncompat
+from prewarm.backends import npu
 from prewarm.errors import FingerprintMismatch, IntegrityError, ManifestError
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "cann"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import devices, tritoncompat
+from prewarm import backends, devices, tritoncompat
 from prewarm.manifest import load
 from prewarm.plan import expand, expand_all, plan, resolve
 
@@ -41,6 +41,7 @@ def planned():
     saved = driver._active
     try:
         m = load(MANIFEST)
+        backends.activate_for_planning(m)
         p = plan(m)
         yield m, p, expand_all(p.requests)
     finally:
@@ -148,7 +149,7 @@ def test_decode_and_verify_build_offline_in_worker_processes_and_verify_clean(tm
 
 RECORDED_FLA_APP = """
 import sys
-from prewarm.targets import get_target
+from prewarm.backends import get_target
 get_target("cuda", "sm_90", "offline", "H200").activate()  # stands in for the GPU the recording was made on
 sys.path.insert(0, sys.argv[1])
 import fla_traffic

@@ -17,7 +17,7 @@ from prewarm.cli import main  # noqa: E402
 from prewarm.errors import ManifestError  # noqa: E402
 from prewarm.manifest import load  # noqa: E402
 from prewarm.plan import describe_specialization, expand, plan  # noqa: E402
-from prewarm.targets import get_target  # noqa: E402
+from prewarm.backends import get_target  # noqa: E402
 
 TOY = FIXTURES / "toy-cuda.toml"
 

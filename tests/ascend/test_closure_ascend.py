@@ -13,7 +13,7 @@ import pytest
 from closure_traffic import failure_report, planned_compiles, run_traffic, seeds
 from conftest import REPO
 
-from prewarm import npu
+from prewarm.backends import npu
 from prewarm.manifest import load
 
 MANIFEST = REPO / "manifests" / "kimi-k3-ascend-a3.toml"

@@ -7,7 +7,7 @@ import torch
 
 from prewarm import tritoncompat
 from prewarm.explain import explain
-from prewarm.npu import activate_offline
+from prewarm.backends.npu import activate_offline
 from prewarm.plan import Compile
 
 from conftest import ARCH

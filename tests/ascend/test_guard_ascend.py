@@ -21,7 +21,7 @@ KERNELS = """
 """
 APP = """
 import sys, torch
-from prewarm.npu import activate_offline
+from prewarm.backends.npu import activate_offline
 import ascend_toy_kernels as k
 activate_offline({arch!r})
 k.add_kernel.warmup(torch.float32, torch.float32, torch.float32, 7, 4096, BS=64, grid=(1,))

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import standin
 
-from prewarm import fingerprint, npu, tritoncompat
+from prewarm import fingerprint, tritoncompat
+from prewarm.backends import npu
 
 
 def test_triton_key_is_triton_ascends_own():

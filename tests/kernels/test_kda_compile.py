@@ -10,7 +10,7 @@ import pytest
 import torch
 from triton.runtime import driver
 
-from prewarm.targets import OfflineDriver
+from prewarm.devices import OfflineDriver
 
 SPEC = {"backend": "npu", "arch": "sm_90", "heads": 6, "head_k_dim": 128, "head_v_dim": 128, "dtype": "bfloat16",
         "gate_lower_bound": -5.0, "prefill": True, "decode_batch_buckets": [1, 16], "draft_widths": [4],

@@ -1,7 +1,8 @@
-"""Ascend (triton-ascend) targets and node checks. Imported by ``targets.get_target`` for backend "npu".
+"""Ascend (triton-ascend): targets, the runtime modules triton-ascend builds at first launch, node checks.
 
 - :class:`NpuOfflineDriver`: the smallest driver triton-ascend's JIT needs to bind and specialize a call (target,
-  device 0, stream 0) on a machine without an NPU. ``plan`` and ``lower`` run through it.
+  device 0, stream 0) on a machine without an NPU, installed only by :func:`activate_offline`. ``plan`` and
+  ``lower`` run through it.
 - :class:`NpuTarget` (mode "device"): on a node with torch_npu, CANN and an NPU, one compile-only launch
   (TRITON_COMPILE_ONLY=1) per planned compile, on minimal tensors. Unlike ``preload``, a launch also builds the
   per-signature launcher ``.so``, ``npu_utils.so`` and the precompiled header into the cache dir, so the first
@@ -9,30 +10,40 @@
   node's toolchain (``fingerprint.claim_cache_dir``): Triton's key would reuse kernels of another CANN silently.
 - :class:`NpuOfflineTarget` (mode "offline"): a build host with the CANN toolkit and no NPU compiles the kernel
   binaries for the manifest's SoC; the node builds launchers, npu_utils and the header.
+- :func:`probe_modules`: are the launchers, ``npu_utils`` and the precompiled header in a cache dir (triton-ascend's
+  own constructors asked).
 - SoCs (``socs``, ``for_soc``, ``node_soc``): ``[target] arch`` may list several; every key contains the SoC.
 - :func:`serving_env_mismatches` / :func:`check_serving_env`: the serving process's codegen env against the
   installed bundles' (the guard runs it when it arms).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from . import fingerprint, tritoncompat
-from .errors import BuildError, EnvironmentProblem, FingerprintMismatch
-from .targets import OfflineDriver, Target, register
+from .. import devices, fingerprint, tritoncompat
+from ..plan import resolve
+from ..errors import BuildError, EnvironmentProblem, FingerprintMismatch
+from .target import Target
 
-# Files triton-ascend writes into TRITON_CACHE_DIR besides the kernels, at the first launch of each signature.
+# Files triton-ascend writes into TRITON_CACHE_DIR besides the kernels, at the first launch of each signature:
+# npu_utils.so (key: md5 of npu_utils.cpp), precompiled.h(.gch) (key: _precompile_npu_hash of the header text, the
+# C++ compiler path, sys.version, torch / torch_npu versions, ASCEND_HOME_PATH's last component) and one launcher per
+# kernel signature (key: sha256 of the generated wrapper source: signature, AI-core count, TRITON_DEVICE_PRINT /
+# TRITON_ENABLE_TASKQUEUE / TRITON_GRID_WARN_PRINT / TRITON_ALL_BLOCKS_PARALLEL).
 LAUNCHER_GLOB = "launcher_cxx11abi*"
-RUNTIME_FILES = ("npu_utils.so", "precompiled.h")
+UTILS_FILE = "npu_utils.so"
+HEADER_FILES = ("precompiled.h", "precompiled.h.gch")
+RUNTIME_FILES = (UTILS_FILE, HEADER_FILES[0])
 TENSOR_DEVICE = "npu"  # where minimal launch tensors live (torch_npu's device)
 _CLAIMED: set[str] = set()  # cache dirs this process checked against its toolchain
 
 
-class NpuOfflineDriver(OfflineDriver):
+class NpuOfflineDriver(devices.OfflineDriver):
     """Target-only driver: lets ``warmup``/``preload`` bind, specialize and run the front end without an NPU."""
 
     def __init__(self, arch: str):
@@ -49,8 +60,9 @@ class NpuOfflineDriver(OfflineDriver):
         return no_device
 
 
-def activate_offline(arch: str) -> None:
-    """Make this process's Triton bind and specialize for ``npu``/``arch`` (no device needed). Idempotent."""
+def activate_offline(arch: str, device_profile: str | None = None) -> None:
+    """The one place an Ascend process gets its target-only driver: Triton binds and specializes for ``npu``/``arch``
+    (no device needed), device queries answer as ``device_profile`` (a :mod:`prewarm.devices` name). Idempotent."""
     if tritoncompat.triton_distribution()[0] != "triton-ascend":
         raise EnvironmentProblem(
             f"backend npu needs triton-ascend (this environment's `triton` comes from "
@@ -58,9 +70,35 @@ def activate_offline(arch: str) -> None:
         )
     from triton.runtime.driver import driver
 
-    current = driver.active
+    current = tritoncompat.chosen_driver()
     if not (isinstance(current, NpuOfflineDriver) and current.target.arch == arch):
         driver.set_active(NpuOfflineDriver(arch))
+    if device_profile:
+        devices.activate(devices.lookup(device_profile, "target"))
+
+
+def activate_for_planning(arch: str, device_profile: str | None) -> None:
+    """A process that only plans: under triton-ascend the target-only driver (triton 3.2's Autotuner asks the
+    active driver for a benchmarker when a kernel module is imported); elsewhere nothing (it cannot bind)."""
+    if tritoncompat.triton_distribution()[0] == "triton-ascend":
+        activate_offline(arch, device_profile)
+
+
+def auto_mode() -> str:
+    return "device"
+
+
+@contextlib.contextmanager
+def prints_to_stderr():
+    """triton-ascend prints advice to stdout whenever it binds a call ("[WARNING] Please DO NOT tune args..."):
+    within the block it goes to stderr, so a command's stdout stays one JSON document."""
+    if tritoncompat.triton_distribution()[0] != "triton-ascend":
+        yield
+        return
+    import sys
+
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def ub_size(arch: str) -> int:
@@ -177,22 +215,29 @@ def _check_build_host(advice: str) -> None:
         raise EnvironmentProblem(f"bishengir-compile not found (PATH, then $TRITON_NPU_COMPILER_PATH/npuc): {advice}")
 
 
-def _claim_once(arch: str) -> None:
+def _claim_once(target: Target) -> None:
     """Before this process's first compile into the active cache dir: never add to a dir of another toolchain."""
     cache_dir = tritoncompat.cache_dir()
     if cache_dir not in _CLAIMED:
-        fingerprint.claim_cache_dir(cache_dir, fingerprint.current("npu", arch))
+        fingerprint.claim_cache_dir(cache_dir, target.toolchain())
         _CLAIMED.add(cache_dir)
 
 
+class AscendTarget(Target):
+    """What both Ascend targets share: the runtime modules a node builds at first launch, probed the same way."""
+
+    def probe_modules(self, compiles: list, results: list, cache_dir: str) -> list:
+        return probe_modules(compiles, results, cache_dir)
+
+
 @dataclass
-class NpuTarget(Target):
+class NpuTarget(AscendTarget):
     """An Ascend node: TRITON_COMPILE_ONLY launches through triton-ascend's own driver (launchers included)."""
 
     mode: ClassVar[str] = "device"
 
     def activate(self) -> None:
-        _check_build_host("source the CANN toolkit's set_env.sh first")
+        """The node's own driver: it must compile for the manifest's SoC."""
         from triton.runtime.driver import driver
 
         try:
@@ -202,11 +247,14 @@ class NpuTarget(Target):
         if arch != self.arch:
             raise EnvironmentProblem(f"build --mode device: the manifest targets {self.arch} but this node's NPU "
                                      f"compiles for {arch} (device SoC or TRITON_ASCEND_ARCH)")
+
+    def prepare_build(self) -> None:
+        _check_build_host("source the CANN toolkit's set_env.sh first")
         os.environ["TRITON_COMPILE_ONLY"] = "1"
 
     def compile(self, fn: Any, specialization_data: str) -> Any:
         """One compile-only launch that must reproduce ``specialization_data`` exactly (checked via the hook)."""
-        _claim_once(self.arch)
+        _claim_once(self)
         jit = tritoncompat.jit_function(fn)
         wanted = json.loads(specialization_data)
         args, kwargs = launch_arguments(jit, specialization_data, TENSOR_DEVICE)
@@ -222,7 +270,7 @@ class NpuTarget(Target):
     def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
         """Check the runtime files the first real launch would otherwise build are in the cache dir; record the
         toolchain the dir now belongs to."""
-        fingerprint.claim_cache_dir(cache_dir, fingerprint.current("npu", self.arch))
+        fingerprint.claim_cache_dir(cache_dir, self.toolchain())
         root = Path(cache_dir)
         launchers = sorted(root.glob(f"*/{LAUNCHER_GLOB}"))
         missing = [name for name in RUNTIME_FILES if not any(root.glob(f"*/{name}"))]
@@ -236,9 +284,6 @@ class NpuTarget(Target):
     def notes(self) -> list[str]:
         return ["Ascend device build: kernels, launchers, npu_utils.so and the precompiled header are compiled on "
                 "this node; the bundle only fits nodes with the same CANN, bishengir-compile and torch_npu"]
-
-
-register("npu", "device", NpuTarget)
 
 
 # --- offline: kernel binaries on a build host with CANN and no NPU ----------------------------------------------
@@ -272,7 +317,7 @@ def _answer_soc(soc: str) -> None:
 
 
 @dataclass
-class NpuOfflineTarget(Target):
+class NpuOfflineTarget(AscendTarget):
     """A container build step with the CANN toolkit and no NPU: every planned kernel compiled to its .npubin (the
     expensive part) through the real JIT, the target-only driver giving the manifest's SoC to bishengir-compile.
     Launchers, npu_utils.so and the precompiled header need torch_npu's headers and the node's AI-core count: the
@@ -281,17 +326,19 @@ class NpuOfflineTarget(Target):
     mode: ClassVar[str] = "offline"
 
     def activate(self) -> None:
+        activate_offline(self.arch, self.device_profile)
+
+    def prepare_build(self) -> None:
         _check_build_host("an offline NPU build needs the CANN toolkit (source its set_env.sh); `prewarm lower` "
                           "checks the front end without it")
-        activate_offline(self.arch)
         _answer_soc(self.arch)
 
     def compile(self, fn: Any, specialization_data: str) -> Any:
-        _claim_once(self.arch)
+        _claim_once(self)
         return super().compile(fn, specialization_data)
 
     def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
-        fingerprint.claim_cache_dir(cache_dir, fingerprint.current("npu", self.arch))
+        fingerprint.claim_cache_dir(cache_dir, self.toolchain())
         return []
 
     def notes(self) -> list[str]:
@@ -301,7 +348,85 @@ class NpuOfflineTarget(Target):
                 f"Unverified on a real CANN toolkit until the runbook has been run"]
 
 
-register("npu", "offline", NpuOfflineTarget)
+TARGETS: dict[str, type[Target]] = {"offline": NpuOfflineTarget, "device": NpuTarget}
+
+
+# --- the runtime modules (built at first launch on the node) -------------------------------------------------------
+# Both constructors below are triton-ascend's own; the active cache manager sees every lookup they make.
+
+
+def launcher(kernel) -> None:
+    """Construct the launcher of a loaded kernel (``preload``'s result) as the NPU driver does at its first launch
+    (its class, whatever driver is active here: plan processes run a target-only one)."""
+    from triton.backends.ascend.driver import NPULauncher
+
+    NPULauncher(kernel.src, kernel.metadata)
+
+
+def utils_loaded() -> str | None:
+    """The npu_utils.so this process's NPU driver loaded when it started (None: no NPU driver started here)."""
+    import sys
+
+    from triton.backends import backends
+
+    named = sys.modules.get("triton.backends.ascend.driver")  # triton also loads the backend by path: two copies
+    for namespace in ([vars(named)] if named else []) + [backends["ascend"].driver.__init__.__globals__]:
+        mod = getattr(getattr(namespace.get("NPUUtils"), "instance", None), "npu_utils_mod", None)
+        if getattr(mod, "__file__", None):
+            return mod.__file__
+    return None
+
+
+def construct_utils() -> None:
+    """Construct NPUUtils as the NPU driver does when a process starts it (not the driver's singleton instance)."""
+    from triton.backends.ascend.driver import NPUUtils
+
+    NPUUtils.__init__(object.__new__(NPUUtils))
+
+
+def _answer_lookup(filename: str, path: str, present: bool) -> str | None:
+    """What a runtime-module lookup is answered with while probing: a present header or npu_utils its path
+    (npu_utils is then loaded, as the node does), an absent header the path it would have, an absent npu_utils the
+    one this process's driver loaded (the launcher source needs its AI-core count); None (a launcher): stop there."""
+    if filename in HEADER_FILES or filename == UTILS_FILE and present:
+        return path
+    return utils_loaded() if filename == UTILS_FILE else None
+
+
+def probe_modules(compiles: list, results: list, cache_dir: str) -> list:
+    """What triton-ascend builds with g++ at a node's first launch, for every planned compile that hits
+    (``results``: prewarm.probe's): its launcher, the precompiled header (a missing one is built even when every
+    launcher is there) and npu_utils. Keys computed by triton-ascend's own constructors; one ``ModuleResult`` per
+    key."""
+    from ..probe import ModuleResult, Probe, ReadOnlyCacheManager, RecordingCacheManager
+
+    with tritoncompat.cache_scope(os.path.abspath(cache_dir), ReadOnlyCacheManager):
+        kernels = [tritoncompat.load_compiled(resolve(c.kernel), c.specialization)
+                   for c, r in zip(compiles, results) if r.hit]  # disk hits: loaded, nothing compiled
+    found: dict[str, ModuleResult] = {}
+
+    def lookups(run, users: int) -> None:
+        """Run one construction; record each key it looked up (``users``: planned compiles launching through it)."""
+        RecordingCacheManager.seen.clear()
+        try:
+            run()
+        except Probe:
+            pass
+        by_key: dict[str, list[tuple[str, bool]]] = {}
+        for key, filename, present in RecordingCacheManager.seen:
+            by_key.setdefault(key, []).append((filename, present))
+        for key, files in by_key.items():
+            name = ("npu_utils" if files[0][0] == UTILS_FILE else
+                    "precompiled.h" if files[0][0] in HEADER_FILES else "launcher")
+            m = found.setdefault(key, ModuleResult(name, key, any(present for _, present in files), 0))
+            m.kernels += users if name != "npu_utils" else 0
+
+    RecordingCacheManager.answer = staticmethod(_answer_lookup)
+    with tritoncompat.cache_scope(os.path.abspath(cache_dir), RecordingCacheManager):
+        lookups(construct_utils, 0)
+        for kernel in kernels:
+            lookups(lambda: launcher(kernel), 1)
+    return list(found.values())
 
 
 # --- the serving process's codegen env ----------------------------------------------------------------------------
@@ -320,7 +445,7 @@ def serving_env_mismatches(cache_dir: str | os.PathLike | None = None,
     prewarm.guard calls this when it arms in a serving process (PREWARM_GUARD=warn|error): each mismatch names the
     variable, the bundle's value and this process's. A bundle that did not record a variable (built before it was a
     factor) is a mismatch only where this process sets it."""
-    from .install import read_receipts
+    from ..install import read_receipts
 
     environ = os.environ if environ is None else environ
     cache_dir = Path(cache_dir or tritoncompat.cache_dir())
