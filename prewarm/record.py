@@ -139,7 +139,8 @@ def hook_this_process(path: str) -> None:
 class _AfterTritonImport:
     """A meta path finder that runs the queued installers right after ``import triton`` completes (not before:
     importing triton in every Python process the command starts would slow down and could break the ones that
-    never use it)."""
+    never use it). It stays on ``sys.meta_path`` until triton is really imported: torch and fla first probe with
+    ``importlib.util.find_spec("triton")``, which asks this finder too and then imports nothing."""
 
     def __init__(self):
         self.installers: list = []
@@ -147,17 +148,17 @@ class _AfterTritonImport:
     def find_spec(self, name, import_path=None, target=None):
         if name != "triton":
             return None
-        sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec(name)
+        spec = next((s for s in (f.find_spec(name, import_path, target) for f in sys.meta_path
+                                 if f is not self and hasattr(f, "find_spec")) if s is not None), None)
         if spec is None or spec.loader is None:
             return spec
-        exec_module, installers = spec.loader.exec_module, self.installers
+        exec_module, finder = spec.loader.exec_module, self
 
         def exec_then_install(module):
             exec_module(module)
-            for install_one in installers:
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            for install_one in finder.installers:
                 install_one()
 
         spec.loader.exec_module = exec_then_install
