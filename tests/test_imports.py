@@ -1,0 +1,109 @@
+"""prewarm's modules import one another without a cycle, function-level imports included: every concept has one
+owner, and a module that needs another's does not get needed back (the target registry once imported its Ascend
+plugin by name while the plugin imported the registry)."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "prewarm"
+
+# Imports that close a cycle today, in modules outside the backends work, each deferred to the function that needs
+# it: named so that no other cycle can appear unnoticed; the test fails when one closes no cycle any more.
+DEFERRED = {
+    ("prewarm.bundle", "prewarm.signing"): "pack signs; signing reads the key files with bundle's bounded readers",
+    ("prewarm.store", "prewarm.oci"): "open_store opens oci:// stores (oras only where used); OciStore is a Store",
+}
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its source (importing ``a.b.c`` imports ``a.b``)."""
+    files = {module_name(p, package): p for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here.split(".")[: len(here.split(".")) - node.level + 1]) if node.level else ""
+                module = ".".join(filter(None, [base, node.module]))
+                targets = [module] + [f"{module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target:  # the module and every package above it
+                    if target in files:
+                        deps.add(target)
+                    target = target.rpartition(".")[0]
+        graph[name] = deps - {name} - {n for n in files if name.startswith(n + ".")}  # a submodule's own parents
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(frozenset(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_walk_sees_deferred_and_relative_imports(tmp_path):
+    """The checker itself: a cycle closed by an import inside a function, through a subpackage, is found."""
+    pkg = tmp_path / "prewarm"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\n")
+    (pkg / "sub" / "b.py").write_text("from .. import c\n")
+    (pkg / "c.py").write_text("import os\n\ndef g():\n    from . import a\n")
+    assert cycles(import_graph(pkg)) == [frozenset({"prewarm.a", "prewarm.sub", "prewarm.sub.b", "prewarm.c"})]
+
+
+def test_no_import_cycle_in_prewarm():
+    graph = import_graph()
+    for (importer, imported) in DEFERRED:
+        assert imported in graph[importer], f"{importer} no longer imports {imported}: remove it from DEFERRED"
+        graph[importer].discard(imported)
+    assert not cycles(graph), f"import cycles: {[sorted(c) for c in cycles(graph)]}"
+    for (importer, imported) in DEFERRED:
+        graph[importer].add(imported)
+        assert cycles(graph), f"{importer} -> {imported} closes no cycle any more: remove it from DEFERRED"
+        graph[importer].discard(imported)
+
+
+def test_the_backends_import_in_a_fresh_interpreter_in_any_order():
+    """Each backend module first, as guard (npu) and build's workers (the package) import them."""
+    for first in ("prewarm.backends.npu", "prewarm.backends.cuda", "prewarm.backends", "prewarm.probe"):
+        done = subprocess.run([sys.executable, "-c", f"import {first}, prewarm.cli, prewarm.build, prewarm.willhit"],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, f"import {first} first: {done.stderr[-2000:]}"
