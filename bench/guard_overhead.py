@@ -4,8 +4,9 @@ steady call rate afterwards (in-memory hits: the hook is not on that path), with
 
 A cache of VARIANTS compiles of one kernel is built with `prewarm build --mode offline`; then fresh processes, the
 two conditions interleaved, each make the first call of every variant (timed one by one) and then CALLS more calls
-over them. The guard is installed the way a server gets it (`prewarm guard`'s sitecustomize, env settings, armed at
-import). Every process must report 0 compiles (Triton's compilation listener) and the guard must log nothing.
+over them. The guarded processes run under `prewarm guard --mode warn` (its sitecustomize, env settings, armed at
+import), as a server does. Every process must report 0 compiles (Triton's compilation listener) and the guard must
+log nothing.
 
     python bench/guard_overhead.py [--rounds 5] [--out bench/results/guard_overhead.json]      # CPU box
     python bench/guard_overhead.py --device cuda --out bench/results/guard_overhead_h200.json  # on a GPU node
@@ -81,18 +82,16 @@ def child(args) -> None:
 
 
 def run_child(cond: str, cache: Path, work: Path, args) -> dict:
-    from prewarm.record import hooked_pythonpath
-
     env = child_env(work, TRITON_CACHE_DIR=str(cache))
     env["PYTHONPATH"] = os.pathsep.join([str(FIXTURES), env["PYTHONPATH"]])
     for k in [k for k in env if k.startswith("PREWARM_GUARD")]:
         del env[k]
     record = work / "guard.jsonl"
-    if cond == "guard":
-        env.update(PREWARM_GUARD="warn", PREWARM_GUARD_RECORD=str(record))
-        env["PYTHONPATH"] = os.pathsep.join([hooked_pythonpath().split(os.pathsep)[0], env["PYTHONPATH"]])
-    p = subprocess.run([sys.executable, __file__, "--child", "--device", args.device, "--calls", str(args.calls)],
-                       env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, __file__, "--child", "--device", args.device, "--calls", str(args.calls)]
+    if cond == "guard":  # as a server runs under it: `prewarm guard` execs the command with its hook installed
+        command = [sys.executable, "-m", "prewarm.cli", "guard", "--mode", "warn", "--record", str(record), "--",
+                   *command]
+    p = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if p.returncode:
         raise RuntimeError(f"{cond} child failed:\n{p.stderr[-3000:]}")
     doc = json.loads(p.stdout.strip().splitlines()[-1])
