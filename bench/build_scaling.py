@@ -75,12 +75,13 @@ def main() -> int:
 
 def one_run(args) -> int:
     """In a fresh process (so a forkserver's start is inside the time): plan, then time one pool over the compiles."""
-    from prewarm.build import CompileResult, compile_into
+    from prewarm.build import CompileResult, compile_into, start_workers
     from prewarm.manifest import load
     from prewarm.plan import expand_all, plan
     from prewarm.backends import CudaOfflineTarget
 
     method, n, result = args.child.split(":", 2)
+    start_workers(method)  # where `prewarm build` starts it: before planning
     m = load(args.manifest)
     target = CudaOfflineTarget(m.backend, m.arch)
     target.activate()

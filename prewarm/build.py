@@ -162,6 +162,7 @@ def build(
     target = backends.get_target(m.backend, m.arch, mode, devices.manifest_device(m))
     with FileLock(str(meta / "build.lock")):
         target.prepare_build()
+        start_workers()
         planned = plan_for(m, target)
         target.toolchain()  # computed once here, handed to every worker with the target
         compiles = planned.compiles
@@ -214,6 +215,18 @@ def _build_socs(m: Manifest, cache_dir: str | os.PathLike, workers: int | None, 
 _PRELOAD = ["torch", "triton", "triton.compiler", __name__]  # the forkserver's imports (a missing one is skipped)
 
 
+def start_workers(start_method: str = "forkserver") -> multiprocessing.context.BaseContext:
+    """The pool's context; for a forkserver, started now (idempotent), so that its imports run while the parent
+    plans (in a fresh process they took ~5 s of a 13 s 8-worker run on the H200 machine, bench/build_scaling.py)."""
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    return ctx
+
+
 def compile_into(compiles: list[Compile], cache: str, target: Target, workers: int,
                  finish: Callable[[int, CompileResult], None], start_method: str = "forkserver") -> None:
     """Compile each of ``compiles`` into ``cache`` in a pool of ``workers`` processes (no presence check);
@@ -224,9 +237,7 @@ def compile_into(compiles: list[Compile], cache: str, target: Target, workers: i
     workers instead of 49 s (speedup 4.4x; 7.6x from the forkserver; bench/build_scaling.py). Nothing that depends
     on the target or a device is imported there (fla, say, reads the device at import): each worker activates its
     target in ``_init``. ``start_method="spawn"`` is the old way, kept for that benchmark's baseline."""
-    ctx = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+    ctx = start_workers(start_method)
     initargs = (cache, target, dict(os.environ))
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=initargs) as pool:
         futures = {pool.submit(_worker_task, (c.kernel, c.specialization)): i for i, c in enumerate(compiles)}
