@@ -64,9 +64,7 @@ def is_blocking(factor: str) -> bool:
 
 def _ptxas_version() -> str:
     try:
-        from triton import knobs
-
-        path = knobs.nvidia.ptxas.path
+        path = tritoncompat.ptxas_path()
         text = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
         return text.strip().splitlines()[-1] if text.strip() else UNKNOWN
     except Exception:

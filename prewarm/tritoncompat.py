@@ -53,6 +53,18 @@ def cache_invalidating_env_vars() -> dict[str, str]:
     return dict(get_cache_invalidating_env_vars())
 
 
+def ptxas_path() -> str:
+    """The ptxas Triton's CUDA backend runs (TRITON_PTXAS_PATH, else the one in its wheel)."""
+    try:
+        from triton import knobs  # 3.4+
+
+        return knobs.nvidia.ptxas.path
+    except ImportError:
+        from triton.backends.nvidia.compiler import _path_to_binary  # 3.2: (path, version)
+
+        return _path_to_binary("ptxas")[0]
+
+
 def cache_dir() -> str:
     """The directory Triton reads and writes now (TRITON_CACHE_DIR or its default)."""
     try:
