@@ -48,15 +48,15 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
     """``n`` seeded server-like calls of fla's public KDA API within ``spec``'s envelope, tensors on ``device``."""
     import torch
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    from prewarm_kernels.spec import read_kda
 
     rng = random.Random(seed)
+    spec = read_kda(spec)  # the manifest's spec as the providers read it: heads per rank, dtypes per role
     H, K, V = spec["heads"], spec["head_k_dim"], spec["head_v_dim"]
-    roles = spec.get("dtypes") or {}
-    acts = roles.get("activation") or [spec["dtype"]]
-    gates = roles.get("gate") or acts
-    lb = spec.get("gate_lower_bound")
-    drafts = [d for d in spec.get("draft_widths") or [] if d > 1]
-    max_batch = max(spec.get("decode_batch_buckets") or [1])
+    acts, gates = spec["dtypes"]["activation"], spec["dtypes"]["gate"]
+    lb = spec["gate_lower_bound"]
+    drafts = [d for d in spec["draft_widths"] if d > 1]
+    max_batch = max(spec["decode_batch_buckets"] or [1])
 
     def tensor(*shape, dtype):
         if device == "meta":

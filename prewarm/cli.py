@@ -77,9 +77,7 @@ def cmd_plan(args) -> int:
         emit_json(p.to_json())
         return 0
     m = p.manifest
-    e = m.envelope
-    t = Table(title=f"{m.name}: {len(p.requests)} requests for {m.backend} {m.arch}"
-                    + (f" ({e.heads_per_rank} heads per rank, attention-TP {e.attention_tp})" if e else ""))
+    t = Table(title=f"{m.name}: {len(p.requests)} requests for {m.backend} {m.arch}")
     for c in ("#", "id", "label", "kernel", "arguments"):
         t.add_column(c, overflow="fold")
     for i, r in enumerate(p.requests, 1):

@@ -1,5 +1,8 @@
 """Manifests: what will run where (TOML). Loading validates every key, so a typo is an error, not a silent miss.
 
+The core is ``[target]`` and ``[[kernels]]``. ``[spec]`` (any table) is the providers' business: the planner hands
+it to each provider with the target's backend, arch and device, and the provider validates it (its errors name
+``spec.<key>``; the planner adds the file). A record-only or function-only manifest needs none.
 Every error names the file, the key, the bad value and what was expected (ManifestError, exit code 3).
 """
 from __future__ import annotations
@@ -14,7 +17,6 @@ from typing import Any
 from .errors import ManifestError
 
 BACKENDS = ("cuda", "npu")
-DTYPES = ("bfloat16", "float16", "float32")
 TENSOR_DTYPES = (
     "bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
     "float8_e4m3fn", "float8_e5m2",
@@ -41,53 +43,7 @@ class KernelSource:
     close_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()  # record entries: (pointer parameter, its dtypes)
 
 
-@dataclass(frozen=True)
-class Envelope:
-    """The model and serving envelope a kernel provider plans over (``[model]``, ``[parallel]``, ``[dtypes]``,
-    ``[serving]``). Optional: a manifest of record files or function entries needs none of it."""
-
-    heads: int  # model KDA heads (all ranks)
-    attention_tp: int
-    head_k_dim: int
-    head_v_dim: int
-    layers: int
-    dtypes: dict[str, tuple[str, ...]]  # role -> the dtypes a deployment passes for it: "activation" (q, k, v), "gate" (g)
-    gate_lower_bound: float | None
-    prefill: bool
-    decode_batch_buckets: tuple[int, ...]
-    draft_widths: tuple[int, ...]
-    fused_gate: bool  # the server passes the raw gate with A_log / dt_bias (activated in-kernel)
-    qk_l2norm: bool  # the server asks for the in-kernel L2 norm of q and k
-
-    @property
-    def heads_per_rank(self) -> int:
-        return self.heads // self.attention_tp
-
-    @property
-    def dtype(self) -> str:
-        """The (first) activation dtype."""
-        return self.dtypes["activation"][0]
-
-    def spec(self) -> dict[str, Any]:
-        """``dtype`` (the first activation dtype) predates ``dtypes`` (every declared dtype per role: plan their
-        cross product)."""
-        return {
-            "heads": self.heads_per_rank,
-            "head_k_dim": self.head_k_dim,
-            "head_v_dim": self.head_v_dim,
-            "dtype": self.dtype,
-            "dtypes": {role: list(names) for role, names in self.dtypes.items()},
-            "gate_lower_bound": self.gate_lower_bound,
-            "prefill": self.prefill,
-            "decode_batch_buckets": list(self.decode_batch_buckets),
-            "draft_widths": list(self.draft_widths),
-            "fused_gate": self.fused_gate,
-            "qk_l2norm": self.qk_l2norm,
-            "layers": self.layers,
-        }
-
-
-ENVELOPE_TABLES = ("model", "parallel", "dtypes", "serving")
+OLD_ENVELOPE = ("model", "parallel", "dtypes", "serving")  # top-level tables before [spec]: refused, with the move
 
 
 @dataclass(frozen=True)
@@ -99,14 +55,13 @@ class Manifest:
     arch: str
     device: str | None  # a device profile name (prewarm.devices) plan and build processes answer as
     kernels: tuple[KernelSource, ...]
-    envelope: Envelope | None = None
+    spec_table: dict[str, Any] = field(default_factory=dict)  # [spec] as written: the providers validate it
     archs: tuple[str, ...] = ()  # every SoC ``[target] arch`` lists (npu); ``arch`` is the first
 
     def spec(self) -> dict[str, Any]:
-        """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives: the target, then the
-        envelope's fields when the manifest has one (a provider checks for what it needs)."""
-        out: dict[str, Any] = {"backend": self.backend, "arch": self.arch, "device": self.device}
-        return {**out, **(self.envelope.spec() if self.envelope else {})}
+        """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives: the target's backend,
+        arch and device, and the ``[spec]`` table's keys."""
+        return {"backend": self.backend, "arch": self.arch, "device": self.device, **self.spec_table}
 
 
 class _Reader:
@@ -138,15 +93,6 @@ class _Reader:
         values = [value] if isinstance(value, str) else value
         if not values or len(set(map(str, values))) != len(values) or any(v not in allowed for v in values):
             raise self.fail(key, value, expected)
-        return tuple(values)
-
-    def ints(self, key: str, default: list[int]) -> tuple[int, ...]:
-        expected = "a list of distinct positive integers"
-        values = self.get(key, list, expected, default)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values) or len(set(values)) != len(
-            values
-        ):
-            raise self.fail(key, values, expected)
         return tuple(values)
 
     def table_of(self, key: str) -> "_Reader":
@@ -189,7 +135,17 @@ def load(path: str | Path) -> Manifest:
                    None)
     t.done()
 
-    envelope = _envelope(path, top) if any(k in doc for k in ENVELOPE_TABLES) else None
+    old = [k for k in OLD_ENVELOPE if k in doc]
+    if old:
+        raise ManifestError(
+            f"{path}: [{old[0]}] is the old form: expected it under [spec] (rename [{'], ['.join(old)}] to "
+            f"[spec.{'], [spec.'.join(old)}])"
+        )
+    spec_table = top.get("spec", dict, "a table of the providers' settings ([spec.model], [spec.serving], ...)", {})
+    if any(k in spec_table for k in ("backend", "arch", "device")):
+        key = next(k for k in ("backend", "arch", "device") if k in spec_table)
+        raise ManifestError(f"{path}: spec.{key} = {spec_table[key]!r}: expected it in [target] (the planner "
+                            f"passes the target's {key} to the providers)")
 
     kernels_raw = top.get("kernels", list, "an array of [[kernels]] tables", [])
     kernels = tuple(_kernel(path, i, entry) for i, entry in enumerate(kernels_raw))
@@ -201,54 +157,7 @@ def load(path: str | Path) -> Manifest:
     for k in kernels:
         if k.kind == "record":
             digest.update(Path(k.ref).read_bytes())
-    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, envelope, archs)
-
-
-def _envelope(path: Path, top: _Reader) -> Envelope:
-    """``[model]`` (required once any envelope table is given), ``[parallel]``, ``[dtypes]``, ``[serving]``."""
-    m = top.table_of("model")
-    positive = "a positive integer"
-    heads = m.get("kda_heads", int, positive, check=lambda v: v > 0)
-    head_k_dim = m.get("head_k_dim", int, positive, check=lambda v: v > 0)
-    head_v_dim = m.get("head_v_dim", int, positive, check=lambda v: v > 0)
-    layers = m.get("layers", int, positive, 1, check=lambda v: v > 0)
-    glb = m.get("gate_lower_bound", (int, float), "a number in [-20, 0) or absent", None, check=lambda v: -20 <= v < 0)
-    m.done()
-
-    p = top.table_of("parallel")
-    tp = p.get("tensor_parallel", int, positive, 1, check=lambda v: v > 0)
-    dp = p.get("attention_dp", int, positive, 1, check=lambda v: v > 0)
-    if tp % dp:
-        raise p.fail("attention_dp", dp, f"a divisor of parallel.tensor_parallel = {tp} (attention-TP = TP / DP)")
-    attention_tp = tp // dp
-    if heads % attention_tp:
-        raise ManifestError(
-            f"{path}: model.kda_heads = {heads} does not divide over attention-TP {attention_tp} "
-            f"(parallel.tensor_parallel {tp} / parallel.attention_dp {dp}): expected heads to be a multiple of "
-            f"{attention_tp}"
-        )
-    p.done()
-
-    d = top.table_of("dtypes")
-    activation = d.names("activation", DTYPES, ("bfloat16",))
-    dtypes = {"activation": activation, "gate": d.names("gate", DTYPES, activation)}
-    d.done()
-
-    s = top.table_of("serving")
-    prefill = s.get("prefill", bool, "true or false", True)
-    buckets = s.ints("decode_batch_buckets", [])
-    drafts = s.ints("draft_widths", [])
-    fused_gate = s.get("fused_gate", bool, "true or false", True)
-    qk_l2norm = s.get("qk_l2norm", bool, "true or false", True)
-    if glb is not None and not fused_gate:
-        raise s.fail("fused_gate", fused_gate, "true when model.gate_lower_bound is set (the bound applies to the "
-                     "gate activated in-kernel)")
-    s.done()
-    return Envelope(
-        heads=heads, attention_tp=attention_tp, head_k_dim=head_k_dim, head_v_dim=head_v_dim, layers=layers,
-        dtypes=dtypes, gate_lower_bound=None if glb is None else float(glb), prefill=prefill,
-        decode_batch_buckets=buckets, draft_widths=drafts, fused_gate=fused_gate, qk_l2norm=qk_l2norm,
-    )  # fmt: skip
+    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, spec_table, archs)
 
 
 def _kernel(path: Path, i: int, entry: Any) -> KernelSource:

@@ -95,7 +95,7 @@ def test_every_figure_says_where_it_comes_from(name):
 
 def manifest_with(tmp_path, target: str):
     path = tmp_path / "m.toml"
-    path.write_text(f"[target]\n{target}\n[model]\nkda_heads = 4\nhead_k_dim = 64\nhead_v_dim = 64\n"
+    path.write_text(f"[target]\n{target}\n[spec.model]\nkda_heads = 4\nhead_k_dim = 64\nhead_v_dim = 64\n"
                     f"[[kernels]]\nprovider = \"prewarm_kernels.kda.serving\"\n")  # fmt: skip
     return load(path)
 

@@ -122,7 +122,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def small_manifest(tmp_path: Path, device_line: str, serving: str) -> Path:
     text = MANIFEST.read_text().replace('device = "H200"', device_line)
-    text = text.split("[serving]")[0] + "[serving]\n" + serving + '\n[[kernels]]\nprovider = "prewarm.providers.fla_kda"\n'
+    text = text.split("[spec.serving]")[0] + "[spec.serving]\n" + serving + '\n[[kernels]]\nprovider = "prewarm.providers.fla_kda"\n'
     path = tmp_path / "fla.toml"
     path.write_text(text)
     return path
@@ -201,3 +201,30 @@ def test_a_record_only_manifest_over_an_fla_recording_from_another_host_builds_o
 def _launcher_dirs(cache: Path) -> set[str]:
     """Key dirs holding no kernel (a launcher .so or cuda_utils.so built at a launch)."""
     return {d.name for d in cache.iterdir() if d.is_dir() and not any(f.suffix == ".cubin" for f in d.iterdir())}
+
+
+H200_RECORDING = REPO / "bench" / "results" / "fla-h200.jsonl"  # `prewarm record` around fla traffic, on the H200
+
+
+def test_a_recording_made_on_the_h200_builds_offline_here_closed_over_beta(tmp_path):
+    """The real recording (libdevice at the H200 machine's path, which this box lacks): one recorded request of each
+    fla kernel, closed over beta's other dtype, builds here with nothing failed (the whole recording:
+    manifests/fla-h200-recorded.toml)."""
+    lines = [json.loads(line) for line in H200_RECORDING.read_text().splitlines()]
+    libdevice = json.loads(lines[0]["specialization_data"])["options"]["extern_libs"][0][1]
+    assert not Path(libdevice).exists()  # recorded on another machine: replay must normalize it
+    one_each = {e["kernel"]: e for e in reversed(lines)}
+    (tmp_path / "sample.jsonl").write_text("".join(json.dumps(e) + "\n" for e in one_each.values()))
+    (tmp_path / "m.toml").write_text(
+        '[target]\nbackend = "cuda"\narch = "sm_90"\ndevice = "H200"\n'
+        '[[kernels]]\nrecord = "sample.jsonl"\nclose = true\n'
+        '[kernels.close_dtypes]\nbeta = ["bfloat16", "float32"]\n')
+    built = run_cli("build", str(tmp_path / "m.toml"), "--cache-dir", str(tmp_path / "cache"), "--workers", "2",
+                    "--mode", "offline", "--json")
+    assert built.returncode == 0, built.stderr[-3000:]
+    report = json.loads(built.stdout)
+    closed = [r for r in report["results"] if "closed" in r["label"]]
+    assert report["failed"] == 0 and report["compiled"] == report["compiles"] == len(one_each) + len(closed)
+    # beta is a pointer of 4 of the 8 kernels (recompute, intra token-parallel, inter+solve, recurrent)
+    assert {r["kernel"].split(":")[1] for r in closed} >= {"fused_recurrent_kda_fwd_kernel",
+                                                             "recompute_w_u_fwd_kda_kernel"}

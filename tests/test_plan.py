@@ -142,9 +142,12 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     from prewarm.plan import expand_all
     from prewarm_kernels.backend import select
 
+    from prewarm_kernels.spec import read_kda
+
     m = load(Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml")
-    A, G = len(m.envelope.dtypes["activation"]), len(m.envelope.dtypes["gate"])
-    D = len([d for d in m.envelope.draft_widths if d > 1])
+    spec = read_kda(m.spec())
+    A, G = len(spec["dtypes"]["activation"]), len(spec["dtypes"]["gate"])
+    D = len([d for d in spec["draft_widths"] if d > 1])
     assert (A, G, D) == (1, 2, 2)
     get_target(m.backend, m.arch, "offline").activate()
     planned = plan(m)

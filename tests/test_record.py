@@ -22,11 +22,6 @@ MANIFEST = """
 backend = "cuda"
 arch = "sm_90"
 
-[model]
-kda_heads = 4
-head_k_dim = 64
-head_v_dim = 64
-
 [[kernels]]
 record = "app.jsonl"
 """

@@ -16,6 +16,7 @@ import torch
 
 from ..backend import REGISTRY, use
 from ..launch import Launch, capture
+from ..spec import SpecError, read_kda
 from .chunk import chunk_kda_fwd
 from .recurrent import recurrent_kda
 
@@ -23,36 +24,21 @@ from .recurrent import recurrent_kda
 # cu_seqlens in-kernel), so they do not change what compiles; they only have to be valid.
 PREFILL_CU_SEQLENS = (0, 1, 64, 128, 193, 449)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_REQUIRED = ("backend", "heads", "head_k_dim", "head_v_dim", "dtype", "prefill", "decode_batch_buckets",
-             "draft_widths")
 
 
 def dtype_pairs(spec: dict) -> list[tuple[str, str]]:
-    """Every (activation, gate) dtype pair to plan: the cross product of ``spec["dtypes"]`` (a spec without it,
-    from before it existed, plans ``spec["dtype"]`` for both)."""
-    roles = spec.get("dtypes") or {}
-    activation = list(roles.get("activation") or [spec["dtype"]])
-    gate = list(roles.get("gate") or activation)
-    for role, names in (("activation", activation), ("gate", gate)):
-        bad = [n for n in names if n not in _DTYPES]
-        if bad:
-            raise ValueError(f"serving spec dtype {bad[0]!r} ({role}): expected one of {sorted(_DTYPES)}")
-    return [(a, g) for a in activation for g in gate]
+    """Every (activation, gate) dtype pair to plan: the cross product of a read spec's ``dtypes``."""
+    return [(a, g) for a in spec["dtypes"]["activation"] for g in spec["dtypes"]["gate"]]
 
 
-def _check(spec: dict) -> None:
-    missing = [k for k in _REQUIRED if k not in spec]
-    if missing:
-        raise ValueError(f"serving spec is missing {missing}")
-    dtype_pairs(spec)
-    for key in ("heads", "head_k_dim", "head_v_dim"):
-        if not isinstance(spec[key], int) or spec[key] < 1:
-            raise ValueError(f"serving spec {key} must be a positive int, got {spec[key]!r}")
-    for key in ("decode_batch_buckets", "draft_widths"):
-        if any(not isinstance(x, int) or x < 1 for x in spec[key]):
-            raise ValueError(f"serving spec {key} must hold positive ints, got {spec[key]!r}")
-    if spec["head_k_dim"] > 256:
-        raise ValueError(f"serving spec head_k_dim {spec['head_k_dim']} > 256 is not supported")
+def _check(spec: dict) -> dict:
+    """The manifest's spec read (``prewarm_kernels.spec``), and what these kernels support on top of it."""
+    read = read_kda(spec)
+    if read["backend"] is None:
+        raise SpecError("backend", ..., "the target's backend (cuda or npu)")
+    if read["head_k_dim"] > 256:
+        raise SpecError("model.head_k_dim", read["head_k_dim"], "at most 256 (the kernels' head dim limit)")
+    return read
 
 
 def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
@@ -120,7 +106,7 @@ def _kernel_name(kernel) -> str:
 
 def launches(spec: dict) -> list[Launch]:
     """Every kernel launch of the serving mix on ``spec["backend"]``, captured on meta tensors (nothing runs)."""
-    _check(spec)
+    spec = _check(spec)
     out: list[Launch] = []
     with use(spec["backend"]):
         for prefix, call in _calls(spec, "meta"):
@@ -134,7 +120,7 @@ def launches(spec: dict) -> list[Launch]:
 
 def run(spec: dict, device: str = "cuda") -> None:
     """Run the same calls on random tensors on ``device`` (compiles, and autotunes where autotuned)."""
-    _check(spec)
+    spec = _check(spec)
     with use(spec["backend"]):
         for _, call in _calls(spec, device):
             call()

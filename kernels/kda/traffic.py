@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..backend import use
+from ..spec import read_kda
 from .chunk import chunk_kda_fwd
 from .recurrent import recurrent_kda
 
@@ -64,17 +65,14 @@ class Envelope:
 
     @classmethod
     def from_spec(cls, spec: dict) -> "Envelope":
-        """The envelope a manifest declares: the ``spec`` dict its kernel providers receive."""
-        roles = spec.get("dtypes") or {}
-        activation = _dtypes(roles.get("activation") or spec["dtype"])
-        gate = _dtypes(roles["gate"]) if roles.get("gate") else tuple(dict.fromkeys(activation + (torch.float32,)))
-        return cls(heads=int(spec["heads"]), head_k_dim=int(spec["head_k_dim"]), head_v_dim=int(spec["head_v_dim"]),
-                   activation=activation, gate=gate,
-                   decode_batch_buckets=tuple(spec.get("decode_batch_buckets") or ()),
-                   draft_widths=tuple(spec.get("draft_widths") or ()),
-                   gate_lower_bound=spec.get("gate_lower_bound"), backend=spec.get("backend", "cuda"),
-                   prefill=bool(spec.get("prefill", True)), fused_gate=spec.get("fused_gate"),
-                   qk_l2norm=spec.get("qk_l2norm"))
+        """The envelope a manifest declares: the ``spec`` dict its kernel providers receive, read as they read it
+        (``prewarm_kernels.spec.read_kda``)."""
+        spec = read_kda(spec)
+        return cls(heads=spec["heads"], head_k_dim=spec["head_k_dim"], head_v_dim=spec["head_v_dim"],
+                   activation=_dtypes(spec["dtypes"]["activation"]), gate=_dtypes(spec["dtypes"]["gate"]),
+                   decode_batch_buckets=tuple(spec["decode_batch_buckets"]), draft_widths=tuple(spec["draft_widths"]),
+                   gate_lower_bound=spec["gate_lower_bound"], backend=spec["backend"] or "cuda",
+                   prefill=spec["prefill"], fused_gate=spec["fused_gate"], qk_l2norm=spec["qk_l2norm"])
 
     @property
     def max_batch(self) -> int:

@@ -14,8 +14,8 @@ verify one per draft width, each as equal-length batches and as packed ``cu_seql
 
 Specialization over the envelope: fla 0.6.0 passes its runtime ints (T, N) with ``do_not_specialize``; the one
 compile-time value taken from a shape is l2norm's token bucket ``NB = cdiv(T * H, 65536)`` (a constexpr, an
-autotune key). Prefill is planned once per NB value from 1 up to ``max_prefill_tokens`` (the spec's, else
-:data:`MAX_PREFILL_TOKENS`).
+autotune key). Prefill is planned once per NB value from 1 up to ``[spec.serving] max_prefill_tokens`` (else
+:data:`MAX_PREFILL_TOKENS`). The spec is the KDA serving spec (``prewarm_kernels.spec.read_kda``).
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from prewarm_kernels.spec import SpecError, read_kda
+
 MAX_PREFILL_TOKENS = 16384  # the envelope when the spec gives none: a serving engine's max batched tokens
 L2NORM_ROWS_PER_BUCKET = 2048 * 32  # fla.modules.norm.l2norm: NB = triton.cdiv(T, 2048 * 32) over T * H rows
-_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -58,7 +59,7 @@ def intercepted() -> Iterator[list[Launch]]:
 
 def launches(spec: dict) -> list[Launch]:
     """Every kernel launch of fla's KDA serving path for ``spec``, captured on meta tensors (nothing runs)."""
-    _check(spec)
+    spec = _check(spec)
     out: list[Launch] = []
     for prefix, call in _calls(spec, "meta"):
         with intercepted() as records:
@@ -73,7 +74,7 @@ def run(spec: dict, device: str = "cuda") -> None:
     """The same calls on random tensors on ``device``: compiles and autotunes what a server would (device build)."""
     import torch
 
-    _check(spec)
+    spec = _check(spec)
     for _, call in _calls(spec, device):
         call()
     torch.cuda.synchronize()
@@ -85,26 +86,18 @@ def prefill_token_counts(heads: int, max_tokens: int) -> list[int]:
     return [(nb - 1) * L2NORM_ROWS_PER_BUCKET // heads + 1 for nb in range(1, buckets + 1)]
 
 
-def _check(spec: dict) -> None:
+def _check(spec: dict) -> dict:
+    """The manifest's spec read (``prewarm_kernels.spec``), on the target fla's CUDA path needs."""
     import torch
 
-    if spec.get("backend") != "cuda":
-        raise ValueError(f"fla_kda plans fla's CUDA (Triton) path: backend {spec.get('backend')!r} is not 'cuda'")
+    read = read_kda(spec)
+    if read["backend"] != "cuda":
+        raise SpecError("backend", read["backend"], "'cuda' ([target] backend): fla_kda plans fla's CUDA (Triton) "
+                        "path")
     if not torch.cuda.is_available():
         raise ValueError("fla picks its kernels from the device (name, capability, shared memory) when imported: "
                          "name the node's device in the manifest, e.g. [target] device = \"H200\"")
-    for key in ("heads", "head_k_dim", "head_v_dim"):
-        if not isinstance(spec.get(key), int) or spec[key] < 1:
-            raise ValueError(f"spec {key} = {spec.get(key)!r}: expected a positive int")
-    for role, names in _roles(spec).items():
-        if any(n not in _DTYPES for n in names):
-            raise ValueError(f"spec dtypes.{role} = {names!r}: expected dtypes among {', '.join(_DTYPES)}")
-
-
-def _roles(spec: dict) -> dict[str, list[str]]:
-    roles = spec.get("dtypes") or {}
-    activation = list(roles.get("activation") or [spec.get("dtype", "bfloat16")])
-    return {"activation": activation, "gate": list(roles.get("gate") or activation)}
+    return read
 
 
 def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
@@ -143,10 +136,10 @@ def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]
         parts = [n for n in (total // 2, total // 3) if n] or [total]
         return [*parts, total - sum(parts)] if total > sum(parts) else parts
 
-    max_tokens = spec.get("max_prefill_tokens", MAX_PREFILL_TOKENS)
-    buckets = sorted(set(spec.get("decode_batch_buckets") or []))
-    drafts = sorted(set(d for d in spec.get("draft_widths") or [] if d > 1))
-    roles = _roles(spec)
+    max_tokens = spec["max_prefill_tokens"] or MAX_PREFILL_TOKENS
+    buckets = sorted(set(spec["decode_batch_buckets"]))
+    drafts = sorted(set(d for d in spec["draft_widths"] if d > 1))
+    roles = spec["dtypes"]
     for act_name in roles["activation"]:
         for gate_name in roles["gate"]:
             for beta_name in dict.fromkeys([act_name, "float32"]):

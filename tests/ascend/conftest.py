@@ -26,10 +26,6 @@ def write_manifest(path: Path, kernels: str, arch: str | list[str] = ARCH) -> Pa
         [target]
         backend = "npu"
         arch = {json.dumps(arch)}
-        [model]
-        kda_heads = 6
-        head_k_dim = 128
-        head_v_dim = 128
     """) + textwrap.dedent(kernels))
     return path
 

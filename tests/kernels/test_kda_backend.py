@@ -7,9 +7,9 @@ import types
 import pytest
 import torch
 
-SPEC = {"backend": "cuda", "arch": "sm_90", "heads": 6, "head_k_dim": 128, "head_v_dim": 128, "dtype": "bfloat16",
-        "gate_lower_bound": -5.0, "prefill": True, "decode_batch_buckets": [1, 16], "draft_widths": [4],
-        "layers": 69}
+SPEC = {"backend": "cuda", "arch": "sm_90",  # a manifest's [spec] as the provider receives it (6 heads per rank)
+        "model": {"kda_heads": 6, "head_k_dim": 128, "head_v_dim": 128, "gate_lower_bound": -5.0, "layers": 69},
+        "serving": {"decode_batch_buckets": [1, 16], "draft_widths": [4]}}
 PREFILL = ["l2norm", "l2norm", "cumsum", "intra_inter", "intra_diag", "solve", "recompute", "state", "output"]
 
 
@@ -83,9 +83,9 @@ def test_serving_run_makes_the_captured_calls(pk, monkeypatch):
     """run() on real tensors issues exactly the launches that launches() captured on meta tensors, for every
     declared dtype pair: what a device build runs to autotune covers every planned autotune key (Triton's key
     includes the argument dtypes)."""
-    spec = {**SPEC, "heads": 1, "head_k_dim": 16, "head_v_dim": 16, "dtype": "float32", "gate_lower_bound": None,
+    spec = {"backend": "npu", "model": {"kda_heads": 1, "head_k_dim": 16, "head_v_dim": 16},
             "dtypes": {"activation": ["float32"], "gate": ["float32", "float16"]},
-            "decode_batch_buckets": [2], "draft_widths": [1, 2], "backend": "npu"}
+            "serving": {"decode_batch_buckets": [2], "draft_widths": [1, 2]}}
     planned = pk.serving.launches(spec)
     ran = []
     real_launch = pk.backend.launch
@@ -104,12 +104,14 @@ def test_serving_run_makes_the_captured_calls(pk, monkeypatch):
 
 
 def test_serving_spec_errors(pk):
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match=r"spec\.model\.kda_heads is missing: expected a positive integer"):
         pk.serving.launches({"backend": "cuda"})
-    with pytest.raises(ValueError, match="dtype"):
-        pk.serving.launches({**SPEC, "dtype": "int8"})
-    with pytest.raises(ValueError, match=r"'int8' \(gate\)"):
+    with pytest.raises(ValueError, match=r"spec\.dtypes\.activation = 'int8': expected one of bfloat16"):
+        pk.serving.launches({**SPEC, "dtypes": {"activation": "int8"}})
+    with pytest.raises(ValueError, match=r"spec\.dtypes\.gate = \['int8'\]"):
         pk.serving.launches({**SPEC, "dtypes": {"activation": ["bfloat16"], "gate": ["int8"]}})
+    with pytest.raises(ValueError, match=r"spec\.model\.head_k_dim = 512: expected at most 256"):
+        pk.serving.launches({**SPEC, "model": {**SPEC["model"], "head_k_dim": 512}})
 
 
 def test_serving_plans_the_cross_product_of_declared_dtypes(pk):
@@ -143,7 +145,8 @@ def test_serving_plans_the_cross_product_of_declared_dtypes(pk):
 
 def test_serving_declared_switches(pk):
     """fused_gate / qk_l2norm from the spec decide GATE and the L2-norm launches (defaults: both on)."""
-    plain = pk.serving.launches({**SPEC, "fused_gate": False, "qk_l2norm": False, "gate_lower_bound": None})
+    plain = pk.serving.launches({**SPEC, "model": {k: v for k, v in SPEC["model"].items() if k != "gate_lower_bound"},
+                                 "serving": {**SPEC["serving"], "fused_gate": False, "qk_l2norm": False}})
     assert [r.label for r in plain][:3] == ["prefill/cumsum", "prefill/intra_inter", "prefill/intra_diag"]
     assert {r.kwargs["GATE"] for r in plain if "GATE" in r.kwargs} == {0}
     assert not any(r.kwargs.get("USE_QK_L2NORM") or r.kwargs.get("NORM_QK") for r in plain)

@@ -12,9 +12,9 @@ from triton.runtime import driver
 
 from prewarm.devices import OfflineDriver
 
-SPEC = {"backend": "npu", "arch": "sm_90", "heads": 6, "head_k_dim": 128, "head_v_dim": 128, "dtype": "bfloat16",
-        "gate_lower_bound": -5.0, "prefill": True, "decode_batch_buckets": [1, 16], "draft_widths": [4],
-        "layers": 69}
+SPEC = {"backend": "npu", "arch": "sm_90",  # a manifest's [spec] as the provider receives it (6 heads per rank)
+        "model": {"kda_heads": 6, "head_k_dim": 128, "head_v_dim": 128, "gate_lower_bound": -5.0, "layers": 69},
+        "serving": {"decode_batch_buckets": [1, 16], "draft_widths": [4]}}
 
 
 @pytest.fixture
