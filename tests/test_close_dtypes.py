@@ -4,7 +4,6 @@ of the next process. Real recordings (``prewarm record``), real offline builds, 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -39,17 +38,10 @@ TARGET = '[target]\nbackend = "cuda"\narch = "sm_90"\n'
 def recorded(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("close-dtypes")
     (tmp / "app.py").write_text(APP)
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TRITON_CACHE_DIR")}
-    os.environ["PYTHONPATH"] = str(FIXTURES)
-    os.environ["TRITON_CACHE_DIR"] = str(tmp / "app-cache")
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(FIXTURES))  # the recorded command imports the toy kernels
+        env.setenv("TRITON_CACHE_DIR", str(tmp / "app-cache"))
         assert main(["record", "-o", str(tmp / "calls.jsonl"), "--", sys.executable, str(tmp / "app.py")]) == 0
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
     return tmp
 
 
