@@ -3,13 +3,12 @@
 The parent plans, expands every request into Triton's own compile requests under the target, and probes the
 cache (the will-hit probe: no compile); only the missing ones go to a process pool, where each worker
 replays them with ``JITFunction.preload`` into the cache dir. A second build of the same manifest therefore
-spawns nothing. ``<cache_dir>/.prewarm/build.json`` records what was built (the packer reads it).
+spawns nothing. The cache dir's build info (``CacheDir.build_info``) records what was built (the packer reads it).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib
-import json
 import multiprocessing
 import os
 import time
@@ -22,13 +21,12 @@ from triton.runtime.cache import FileCacheManager
 
 from . import __version__, backends, devices, tritoncompat
 from .backends import Target, npu
+from .cachedir import CacheDir
 from .errors import EnvironmentProblem
 from .manifest import Manifest, load
 from .plan import Compile, plan_for, resolve
 from .probe import probe_all
 
-META_DIR = ".prewarm"  # prewarm's own metadata inside a cache dir (never packed as a cache entry)
-RECORD = "build.json"
 
 
 @dataclass
@@ -153,14 +151,14 @@ def build(
     if m.backend == "npu" and len(npu.socs(m)) > 1:
         return _build_socs(m, cache_dir, workers, mode, progress)
     cache = os.path.abspath(cache_dir)
-    meta = Path(cache, META_DIR)
+    layout = CacheDir(cache)
     try:
-        meta.mkdir(parents=True, exist_ok=True)
+        layout.meta.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise EnvironmentProblem(f"--cache-dir {cache}: cannot create it: {e.strerror}") from e
     workers = max(1, workers or os.cpu_count() or 1)
     target = backends.get_target(m.backend, m.arch, mode, devices.manifest_device(m))
-    with FileLock(str(meta / "build.lock")):
+    with FileLock(str(layout.build_lock)):
         target.prepare_build()
         start_workers()
         planned = plan_for(m, target)
@@ -191,7 +189,7 @@ def build(
         if report.ok:
             report.notes += target.after_build(providers, m.spec(), cache)
         report.seconds = time.perf_counter() - start
-        _write_record(meta / RECORD, m, target, report)
+        layout.write_build_info(_build_info(m, target, report))
     return report
 
 
@@ -251,9 +249,9 @@ def compile_into(compiles: list[Compile], cache: str, target: Target, workers: i
             finish(i, CompileResult(c.label, c.kernel, c.request, key, status, round(seconds, 4), message))
 
 
-def _write_record(path: Path, m: Manifest, target: Target, report: BuildReport) -> None:
+def _build_info(m: Manifest, target: Target, report: BuildReport) -> dict:
     """What this cache dir holds and was built under: manifest, fingerprint, every request's key."""
-    record = {
+    return {
         "prewarm_version": __version__,
         "manifest": {"name": m.name, "path": str(m.path), "digest": m.digest},
         "target": {"backend": target.backend, "arch": target.arch, "mode": target.mode},
@@ -263,12 +261,3 @@ def _write_record(path: Path, m: Manifest, target: Target, report: BuildReport) 
             for r in report.results
         ],
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def read_record(cache_dir: str | os.PathLike) -> dict | None:
-    """The build record of a cache dir, or None where none was written."""
-    path = Path(cache_dir, META_DIR, RECORD)
-    return json.loads(path.read_text()) if path.is_file() else None

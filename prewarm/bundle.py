@@ -34,7 +34,6 @@ import os
 import re
 import stat
 import tarfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,11 +46,10 @@ FORMAT = 1
 INDEX = "index.json"
 SIGNATURE = "index.json.sig"
 OBJECTS = "objects"
-META_DIR = ".prewarm"  # prewarm's own dir inside a cache dir: never a cache entry
 GROUP_PREFIX = "__grp__"
 ZSTD_LEVEL = 3
 
-_KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_=-]{0,127}$")
+KEY_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_=-]{0,127}$")  # a cache key dir's name (never starts with a dot)
 _OBJECT_RE = re.compile(r"^[0-9a-f]{64}\.tar\.zst$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _UNSAFE_PATH = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|[\\\x00]")  # an empty, "." or ".." part; a backslash; NUL
@@ -193,43 +191,6 @@ def absolute_group(data: bytes, entry_dir: str) -> bytes:
 # --- pack ----------------------------------------------------------------------------------------------------
 
 
-def read_build_record(cache_dir: Path) -> dict:
-    """`prewarm build`'s record (``.prewarm/build.json``), or {} when absent or unreadable."""
-    path = cache_dir / META_DIR / "build.json"
-    try:
-        doc = json.loads(read_bounded(open_regular(path), MAX_INDEX_BYTES, str(path)))
-        return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError, RecursionError, IntegrityError):
-        return {}
-
-
-def list_entries(cache_dir: Path) -> tuple[list[Path], list[str]]:
-    """Key dirs of a cache dir, and the top-level names skipped (prewarm's dir, stray files)."""
-    entries, skipped = [], []
-    for d in sorted(os.scandir(cache_dir), key=lambda d: d.name):
-        if d.name == META_DIR:
-            continue
-        if not d.is_dir(follow_symlinks=False) or not _KEY_RE.match(d.name):
-            skipped.append(d.name)
-            continue
-        entries.append(Path(d.path))
-    return entries, skipped
-
-
-def _entry_files(entry_dir: Path) -> list[str]:
-    """Files of one entry, relative; Triton's in-flight ``tmp.pid_*`` dirs are skipped; links are refused."""
-    out = []
-    for root, dirs, files in os.walk(entry_dir):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("tmp.pid_"))
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
-            full = os.path.join(root, name)
-            st = os.lstat(full)
-            if not stat.S_ISREG(st.st_mode):
-                raise UnsafeBundleError(f"{full}: not a regular file (links and devices are never packed)")
-            out.append(os.path.relpath(full, entry_dir).replace(os.sep, "/"))
-    return sorted(out)
-
-
 def _tarinfo(path: str, size: int, executable: bool) -> tarfile.TarInfo:
     ti = tarfile.TarInfo(path)
     ti.size, ti.mtime, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0, 0, "", ""
@@ -237,10 +198,13 @@ def _tarinfo(path: str, size: int, executable: bool) -> tarfile.TarInfo:
     return ti
 
 
-def pack_entry(entry_dir: Path) -> tuple[Entry, bytes]:
-    """One key dir -> (its index entry, its object bytes). Deterministic for the same files."""
+def pack_entry(entry_dir: Path, names: list[str]) -> tuple[Entry, bytes]:
+    """One key dir's files (``names``, relative) -> (its index entry, its object bytes). Deterministic for the same
+    files. Links and devices are refused."""
     key = entry_dir.name
-    names = _entry_files(entry_dir)
+    for name in names:
+        if not stat.S_ISREG(os.lstat(entry_dir / name).st_mode):
+            raise UnsafeBundleError(f"{entry_dir / name}: not a regular file (links and devices are never packed)")
     nameset = set(names)
     buf = io.BytesIO()
     records = []
@@ -259,19 +223,6 @@ def pack_entry(entry_dir: Path) -> tuple[Entry, bytes]:
     obj = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(raw)
     name = hashlib.sha256(obj).hexdigest() + ".tar.zst"
     return Entry(key, name, len(obj), len(raw), tuple(records)), obj
-
-
-def _write_atomic(path: Path, data: bytes, durable: bool = True) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a full or read-only disk keeps no temp files
 
 
 def pack(
@@ -295,35 +246,37 @@ def pack(
 
 def _pack(cache_dir: Path, bundle_dir: Path, signing_key: str | os.PathLike | None, workers: int | None) -> PackResult:
     from . import fingerprint, signing
+    from .cachedir import CacheDir, write_atomic
 
-    record = read_build_record(cache_dir)
+    cache = CacheDir(cache_dir)
+    record = cache.read_build_info()
     fp = record.get("fingerprint")
     fp = {str(k): str(v) for k, v in fp.items()} if isinstance(fp, dict) else fingerprint.current()
     manifest = record.get("manifest") if isinstance(record.get("manifest"), dict) else None
     if manifest is not None:
         manifest = {"name": str(manifest.get("name", "")), "digest": str(manifest.get("digest", ""))}
-    entry_dirs, skipped = list_entries(cache_dir)
+    keys, skipped = cache.entries()
     (bundle_dir / OBJECTS).mkdir(parents=True, exist_ok=True)
 
-    def one(entry_dir: Path) -> tuple[Entry, bool]:
-        entry, obj = pack_entry(entry_dir)
+    def one(key: str) -> tuple[Entry, bool]:
+        entry, obj = pack_entry(cache.root / key, cache.files(key, in_flight=False))
         dest = bundle_dir / OBJECTS / entry.object
         if dest.is_file() and dest.stat().st_size == len(obj) and dest.read_bytes() == obj:
             return entry, False  # an existing object is trusted only after comparing its bytes
-        _write_atomic(dest, obj, durable=False)  # flushed all at once below, before the index
+        write_atomic(dest, obj, durable=False)  # flushed all at once below, before the index
         return entry, True
 
     with cf.ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 1) + 1)) as pool:
-        results = list(pool.map(one, entry_dirs))
+        results = list(pool.map(one, keys))
     os.sync()  # every object on disk before the index that names them: one flush, not an fsync per object
     index = Index(fp, manifest, tuple(e for e, _ in results))
     data = index.to_bytes()
     sig = bundle_dir / SIGNATURE
     if signing_key:
-        _write_atomic(sig, signing.sign(data, signing_key))
+        write_atomic(sig, signing.sign(data, signing_key))
     elif sig.exists():
         sig.unlink()  # a stale signature over another index would only ever fail
-    _write_atomic(bundle_dir / INDEX, data)
+    write_atomic(bundle_dir / INDEX, data)
     return PackResult(
         bundle_dir,
         index,
@@ -370,8 +323,8 @@ def parse_index(data: bytes, where: str) -> Index:
         at = f"entries[{i}]"
         _expect(isinstance(e, dict), where, at)
         key, obj = e.get("key"), e.get("object")
-        _expect(isinstance(key, str) and bool(_KEY_RE.match(key)), where, f"{at}.key {key!r}")
-        _expect(key not in keys and key != META_DIR, where, f"{at}.key {key!r} repeated or reserved")
+        _expect(isinstance(key, str) and bool(KEY_RE.match(key)), where, f"{at}.key {key!r}")
+        _expect(key not in keys, where, f"{at}.key {key!r} repeated")
         keys.add(key)
         _expect(isinstance(obj, str) and bool(_OBJECT_RE.match(obj)), where, f"{at}.object {obj!r}")
         for n in ("object_size", "tar_size"):

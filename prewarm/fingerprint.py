@@ -10,17 +10,14 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import os
 import platform
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import tritoncompat
-from .errors import FingerprintMismatch, IntegrityError
 
 UNKNOWN = "unknown"
 
@@ -325,65 +322,6 @@ def _ascend_release_factors() -> dict[str, str]:
     return factors
 
 
-# --- A node's cache dir belongs to one Ascend toolchain ---------------------------------------------------------
-# Triton's key cannot tell two CANN / bishengir-compile toolchains apart, so one cache dir must never hold entries
-# from two of them: the runtime would reuse the old binaries silently. The first install (or NPU build) into a
-# dir records the toolchain in <cache>/.prewarm/toolchain.json; a later one under another toolchain is refused.
-# A dir that already holds kernels but no record (filled by the runtime itself) has an unknown toolchain: refused.
-
-TOOLCHAIN_RECORD = Path(".prewarm") / "toolchain.json"
-
-
 def toolchain_factors(fp: dict[str, str]) -> dict[str, str]:
     """The factors a cache dir must agree on: those Triton's own key misses (Ascend only; CUDA keys cover them)."""
     return {k: v for k, v in fp.items() if k.startswith("ascend.")}
-
-
-def _kernel_entries(cache_dir: Path) -> list[str]:
-    """Key dirs holding a compiled kernel (a ``__grp__`` file). The driver's own npu_utils.so, written into the
-    cache dir when the process starts its NPU driver, is not one: it would make every fresh dir look used."""
-    if not cache_dir.is_dir():
-        return []
-    return sorted(d.name for d in cache_dir.iterdir() if d.is_dir() and any(d.glob("__grp__*.json")))
-
-
-def cache_dir_toolchain_conflict(cache_dir: str | os.PathLike, node_fp: dict[str, str]) -> list[Mismatch]:
-    """Why filling ``cache_dir`` on this node would mix toolchains; [] when it is safe (read-only check)."""
-    ours = toolchain_factors(node_fp)
-    if not ours:
-        return []
-    cache_dir = Path(cache_dir)
-    record = cache_dir / TOOLCHAIN_RECORD
-    if record.is_file():
-        try:
-            recorded = json.loads(record.read_text())["factors"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise IntegrityError(f"{record}: not a toolchain record ({e}); delete it only if the dir is empty") from e
-        return [m for m in compare(recorded, ours) if m.blocking and m.factor.startswith("ascend.")]
-    entries = _kernel_entries(cache_dir)
-    if entries:
-        return [Mismatch("ascend.cache_dir", f"{len(entries)} kernels, toolchain not recorded", "this node's toolchain",
-                         True, f"filled outside prewarm (no {TOOLCHAIN_RECORD}): its Ascend toolchain is unknown")]
-    return []
-
-
-def claim_cache_dir(cache_dir: str | os.PathLike, node_fp: dict[str, str]) -> None:
-    """Refuse a cache dir filled under another Ascend toolchain (FingerprintMismatch), else record ours in it."""
-    conflicts = cache_dir_toolchain_conflict(cache_dir, node_fp)
-    if conflicts:
-        lines = "; ".join(f"{m.factor}: the cache dir has {m.built!r}, this node has {m.node!r} ({m.why})"
-                          for m in conflicts)
-        raise FingerprintMismatch(
-            f"{cache_dir} holds Triton entries from another Ascend toolchain, which Triton's cache key cannot tell "
-            f"apart (they would be reused silently): {lines}. Use a fresh cache dir for this toolchain, or empty "
-            f"this one."
-        )
-    ours = toolchain_factors(node_fp)
-    if not ours:
-        return
-    record = Path(cache_dir) / TOOLCHAIN_RECORD
-    record.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=".toolchain.")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"factors": ours}, f, indent=2, sort_keys=True)
-    os.replace(tmp, record)

@@ -1,30 +1,26 @@
 """Install a bundle into a node's Triton cache dir: verified, atomic, locked, idempotent, merging.
 
-Order of work: read the index (and check its signature when keys are given or one is required) -> check the
-bundle's fingerprint against this node (the one place that judges the node: ``check_node``) -> take
-``<cache>/.prewarm/install.lock`` -> skip entries already present (by content: every file's sha256 as the
-bundle lists it; for a C module the runtime builds non-reproducibly, a complete entry for the same key, unless a
-receipt recorded other bytes for it; a file whose size, mtime, ctime and inode are still those this bundle's last
-install recorded is not re-read, so a repeated install is a stat per file) -> stream the other objects in parallel through one check-as-you-write pass
-(object sha256 and size, bounded decompression, tar members, every file's sha256 and size) into
-``<cache>/.prewarm/staging-*/<KEY>`` with group files pointing at the final location, fsync, rename the key dir
-into place (a modified entry is replaced the same way) -> write the receipt
-``<cache>/.prewarm/receipts/<index sha256>.json`` last, atomically, with the next sequence number and what is on
-disk where it differs from the bundle. A key dir is therefore either absent or complete: a crash leaves every
-previous entry intact and a re-run finishes the job. Entries from other sources are never touched. Nothing from the
-bundle is executed.
+Order of work (the paths are ``CacheDir``'s, prewarm.cachedir): read the index (and check its signature when keys
+are given or one is required) -> check the bundle's fingerprint against this node (the one place that judges the
+node: ``check_node``) -> take the dir's ``install_lock`` -> skip entries already present (by content: every file's
+sha256 as the bundle lists it; for a C module the runtime builds non-reproducibly, a complete entry for the same
+key, unless a receipt recorded other bytes for it; a file whose size, mtime, ctime and inode are still those this
+bundle's last install recorded is not re-read, so a repeated install is a stat per file) -> stream the other objects
+in parallel through one check-as-you-write pass (object sha256 and size, bounded decompression, tar members, every
+file's sha256 and size) into ``new_staging()/<KEY>`` (inside the cache dir: the same filesystem) with group files
+pointing at the final location, fsync, rename the key dir into place (a modified entry is replaced the same way) ->
+write the ``receipt(<index sha256>)`` last, atomically, with the next sequence number and what is on disk where it
+differs from the bundle. A key dir is therefore either absent or complete: a crash leaves every previous entry
+intact and a re-run finishes the job. Entries from other sources are never touched. Nothing from the bundle is
+executed.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
-import hashlib
-import json
 import os
 import shutil
-import stat
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,13 +28,12 @@ from typing import Callable
 import filelock
 
 from . import fingerprint, signing
-from .bundle import (CHUNK, INDEX, MAX_GROUP_BYTES, MAX_INDEX_BYTES, META_DIR, OBJECTS, SIGNATURE, Entry,
-                     FileRecord, Index, is_group, is_runtime_module, open_regular, parse_index, read_bounded,
-                     relative_group, unpack_object)
-from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, PrewarmError, StoreError
+from .bundle import (INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, Entry, FileRecord, Index, is_runtime_module,
+                     parse_index, read_bounded, unpack_object)
+from .cachedir import CacheDir, EntryState, fsync_dir, installed_files, stat_key
+from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, StoreError
 from .store import Store, default_store_root, join, open_store, retry
 
-RECEIPTS = "receipts"
 MAX_SIGNATURE_BYTES = 64 << 10
 
 
@@ -170,185 +165,17 @@ class InstallResult:
 # --- what is on disk ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class EntryCheck:
-    """One key dir against the files a bundle (or receipt) lists for it."""
-
-    modified: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)  # not listed: stray files, links, Triton's tmp.pid_* leftovers
-    outside: list[str] = field(default_factory=list)  # group children that are not files of this entry dir
-    on_disk: list[FileRecord] = field(default_factory=list)  # the listed paths that are regular files, as they are
-    hashed: int = 0
-
-    @property
-    def clean(self) -> bool:
-        return not (self.modified or self.missing or self.unexpected or self.outside)
-
-
-def stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What changes whenever a file's bytes do (any write moves ctime, which no tool can set back)."""
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
-
-
-def check_entry(cache_dir: str, key: str, files: tuple[FileRecord, ...],
-                unchanged: dict[str, tuple[FileRecord, tuple]] | None = None) -> EntryCheck:
-    """Hash every listed file of ``<cache_dir>/<key>`` (group files in their relative form: install wrote them
-    absolute) and list what is not listed. Never follows a link or opens anything but a regular file.
-    ``unchanged`` (install's fast path): {path: (record, stat key)} of files hashed or written by the last install
-    of this bundle; a file whose stat key is still that one holds that record's bytes and is not read again."""
-    base = f"{cache_dir}/{key}"
-    c = EntryCheck()
-    names = {f.path.rsplit("/", 1)[-1] for f in files}
-    for f in files:
-        rel, path = f"{key}/{f.path}", f"{base}/{f.path}"
-        try:
-            st = os.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            c.missing.append(rel)
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            c.modified.append(f"{rel} ({'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a regular file'})")
-            continue
-        known = (unchanged or {}).get(f.path)
-        if known is not None and known[1] == stat_key(st):
-            c.on_disk.append(known[0])
-            if (known[0].sha256, known[0].size) != (f.sha256, f.size):
-                c.modified.append(rel)
-            continue
-        try:
-            with open_regular(path) as fh:
-                if is_group(f.path):
-                    data = fh.read(MAX_GROUP_BYTES + 1)
-                    data, out = relative_group(data, key, names, path, base)
-                    if out:  # reported as pointing outside, not also as modified
-                        c.outside += [f"{rel} -> {p}" for p in out]
-                        continue
-                    sha, size = hashlib.sha256(data), len(data)
-                else:
-                    sha, size = hashlib.sha256(), 0
-                    for chunk in iter(lambda: fh.read(CHUNK), b""):  # hashlib releases the GIL: parallel
-                        sha.update(chunk)
-                        size += len(chunk)
-        except (OSError, IntegrityError):  # replaced under us, unreadable, or not a group file any more
-            c.modified.append(rel)
-            continue
-        c.hashed += size
-        c.on_disk.append(FileRecord(f.path, sha.hexdigest(), size))
-        if (sha.hexdigest(), size) != (f.sha256, f.size):
-            c.modified.append(rel)
-    listed = {f.path for f in files}
-    c.unexpected = sorted(f"{key}/{n}" for n in _listing(base) if n not in listed)
-    return c
-
-
-def kept_as_built(files: tuple[FileRecord, ...], c: EntryCheck, recorded: tuple[FileRecord, ...] | None) -> bool:
+def kept_as_built(files: tuple[FileRecord, ...], c: EntryState, recorded: tuple[FileRecord, ...] | None) -> bool:
     """A C module the runtime builds (launcher, cuda_utils, npu_utils, precompiled header) differs per build: a
     complete one for the same key is as good as the bundle's, unless a receipt recorded other bytes for it."""
     complete = not (c.missing or c.unexpected or c.outside) and len(c.on_disk) == len(files)
     return complete and is_runtime_module(files) and set(recorded or c.on_disk) == set(c.on_disk)
 
 
-def _listing(base: str, prefix: str = "") -> list[str]:
-    """Everything under an entry dir that is not a directory (links, FIFOs included), relative."""
-    try:
-        items = list(os.scandir(base))
-    except OSError:  # absent, not a dir, unreadable: the listed files say what is wrong
-        return []
-    out = []
-    for d in items:
-        if d.is_dir(follow_symlinks=False):
-            out += _listing(d.path, f"{prefix}{d.name}/")
-        else:
-            out.append(prefix + d.name)
-    return out
-
-
-# --- receipts -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Receipt:
-    """What one install left: the bundle's index, a sequence number (later installs win where bundles share a
-    key) and the entries it found on disk and kept with other bytes than the bundle's (runtime-built C modules)."""
-
-    path: Path
-    seq: int
-    index: Index
-    kept: dict[str, tuple[FileRecord, ...]]
-    doc: dict  # the whole receipt (source, signed_by, installed_at: for people)
-
-    def files(self) -> dict[str, tuple[FileRecord, ...]]:
-        return {e.key: self.kept.get(e.key, e.files) for e in self.index.entries}
-
-    def unchanged(self) -> dict[str, dict[str, tuple[FileRecord, tuple]]]:
-        """{key: {path: (record, stat key)}} as this install left them (install's fast path; verify always hashes).
-        A malformed or partial stat table only costs hashing."""
-        try:
-            table = self.doc.get("stat") or {}
-            return {key: {f.path: (f, tuple(table[key][f.path])) for f in files if f.path in table.get(key, ())}
-                    for key, files in self.files().items()}
-        except (AttributeError, TypeError):
-            return {}
-
-
-def receipt_path(cache_dir: Path, index_digest: str) -> Path:
-    return cache_dir / META_DIR / RECEIPTS / f"{index_digest}.json"
-
-
-def read_receipts(cache_dir: Path, *, strict: bool = True) -> list[Receipt]:
-    """The receipts of ``cache_dir`` in install order. An unreadable one is an IntegrityError naming it (``strict``)
-    or skipped (install: it rewrites its own, and checks content, not receipts)."""
-    out = []
-    for p in sorted((cache_dir / META_DIR / RECEIPTS).glob("*.json")):
-        try:
-            out.append(_load_receipt(p))
-        except IntegrityError:
-            if strict:
-                raise
-    return sorted(out, key=lambda r: (r.seq, r.path.name))
-
-
-def _load_receipt(path: Path) -> Receipt:
-    where = f"install receipt {path}"
-    try:
-        doc = json.loads(read_bounded(open_regular(path, where), 2 * MAX_INDEX_BYTES, where))
-        index = parse_index(doc["index"].encode(), where)
-        if index.digest != path.stem:
-            raise ValueError(f"it holds index {index.digest}")
-        seq = doc.get("seq", 0)  # receipts written before sequence numbers: oldest
-        if type(seq) is not int:
-            raise TypeError(f"seq {seq!r}")
-        keys = {e.key for e in index.entries}
-        kept = {}
-        for k, files in doc.get("kept", {}).items():
-            if k not in keys:
-                raise ValueError(f"kept entry {k!r} is not in its index")
-            kept[k] = tuple(FileRecord(f["path"], f["sha256"], f["size"]) for f in files)
-        if any(type(f.path) is not str or type(f.sha256) is not str or type(f.size) is not int
-               for files in kept.values() for f in files):
-            raise TypeError("kept file records")
-    except PrewarmError as e:
-        raise IntegrityError(f"{e}: re-install its bundle, or delete the receipt if that bundle is gone") from None
-    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
-        raise IntegrityError(f"{where} is unreadable ({type(e).__name__}: {e}): re-install its bundle, or delete "
-                             "the receipt if that bundle is gone") from None
-    return Receipt(path, seq, index, kept, doc)
-
-
-def installed_files(receipts: list[Receipt]) -> dict[str, tuple[FileRecord, ...]]:
-    """Each installed key's files as the latest receipt naming it recorded them."""
-    out: dict[str, tuple[FileRecord, ...]] = {}
-    for r in receipts:  # in sequence order: later installs win
-        out.update(r.files())
-    return out
-
-
-def _write_receipt(cache_dir: Path, bundle: StoredBundle, source: str, seq: int,
+def _write_receipt(cache: CacheDir, bundle: StoredBundle, source: str, seq: int,
                    kept: dict[str, tuple[FileRecord, ...]]) -> None:
-    path = receipt_path(cache_dir, bundle.index.digest)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {
+    cache_dir = cache.root
+    cache.write_receipt(bundle.index.digest, {
         "index_digest": bundle.index.digest,
         "seq": seq,
         "source": source,
@@ -359,17 +186,7 @@ def _write_receipt(cache_dir: Path, bundle: StoredBundle, source: str, seq: int,
                  for k, files in sorted(kept.items())},
         "stat": _stat_table(cache_dir, bundle.index, kept),
         "index": bundle.index_bytes.decode(),  # verbatim: its checksum and digest still hold
-    }
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    })
 
 
 def _stat_table(cache_dir: Path, index: Index, kept: dict[str, tuple[FileRecord, ...]]) -> dict:
@@ -383,14 +200,6 @@ def _stat_table(cache_dir: Path, index: Index, kept: dict[str, tuple[FileRecord,
             except OSError:
                 continue  # gone already: hashed (and found missing) next time
     return table
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- install --------------------------------------------------------------------------------------------------
@@ -450,8 +259,8 @@ def install(
     one rename per entry, then the receipt. ``progress(entries staged, entries to stage)`` as staging goes."""
     t0 = time.monotonic()
     cache_dir = Path(os.path.abspath(cache_dir or default_cache_dir()))
-    meta = cache_dir / META_DIR
-    for d in (cache_dir, meta):
+    cache = CacheDir(cache_dir)
+    for d in (cache_dir, cache.meta):
         if os.path.lexists(d) and not d.is_dir():
             raise EnvironmentProblem(f"{d}: exists and is not a directory (installing into {cache_dir})")
     bundle = read_bundle(
@@ -462,20 +271,20 @@ def install(
     node = node_fingerprint()
     res.mismatches = check_node(index, node, cache_dir, allow_fingerprint_mismatch, allow_missing_factors)
     try:
-        meta.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(str(meta / "install.lock"), timeout=lock_timeout)
+        cache.meta.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(cache.install_lock), timeout=lock_timeout)
         try:
             lock.acquire()
         except filelock.Timeout:
             raise EnvironmentProblem(
-                f"{meta / 'install.lock'}: another install held the lock for over {lock_timeout:.0f} s"
+                f"{cache.install_lock}: another install held the lock for over {lock_timeout:.0f} s"
             ) from None
         try:
             # more threads than cores only thrash the GIL (tar parsing is Python); 8 hide a remote store's latency
             workers = workers or min(8, max(2, os.cpu_count() or 2))
             # One cache dir, one Ascend toolchain: Triton's key cannot tell them apart (no-op on CUDA).
-            fingerprint.claim_cache_dir(cache_dir, node)
-            _install_locked(bundle, source, cache_dir, res, workers, durable, progress)
+            cache.claim_toolchain(node)
+            _install_locked(bundle, source, cache, res, workers, durable, progress)
         finally:
             lock.release()
     except OSError as e:  # store errors are StoreError / IntegrityError by now: this is the local machine
@@ -484,22 +293,21 @@ def install(
     return res
 
 
-def _install_locked(bundle: StoredBundle, source: str, cache_dir: Path, res: InstallResult, workers: int, durable: bool,
+def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: InstallResult, workers: int, durable: bool,
                     progress: Callable[[int, int], None] | None):
-    meta = cache_dir / META_DIR
-    for old in meta.glob("staging-*"):  # left by a killed install; only the lock holder stages
+    cache_dir = cache.root
+    for old in cache.staging_dirs():  # left by a killed install; only the lock holder stages
         shutil.rmtree(old, ignore_errors=True)
     entries = bundle.index.entries
-    receipts = read_receipts(cache_dir, strict=False)
+    receipts = cache.receipts(strict=False)
     recorded = installed_files(receipts)
     own = next((r for r in receipts if r.index.digest == res.index_digest), None)
     unchanged = own.unchanged() if own else {}
     with cf.ThreadPoolExecutor(workers) as pool:
-        checks = list(pool.map(lambda e: check_entry(str(cache_dir), e.key, e.files, unchanged.get(e.key)),
-                               entries))
+        states = list(pool.map(lambda e: cache.entry_state(e.key, e.files, unchanged.get(e.key)), entries))
     todo, kept = [], {}
-    for e, c in zip(entries, checks):
-        if c.clean:
+    for e, c in zip(entries, states):
+        if c.intact:
             continue
         if kept_as_built(e.files, c, recorded.get(e.key)):
             kept[e.key] = tuple(c.on_disk)
@@ -511,8 +319,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache_dir: Path, res: Ins
         res.noop = True
         return
     seq = max((r.seq for r in receipts), default=0) + 1
-    staging = meta / f"staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    staging = cache.new_staging()
     try:
         # phase 1: every object fetched and checked, every entry staged; a bad bundle adds nothing to the cache
         with cf.ThreadPoolExecutor(workers) as pool:
@@ -535,7 +342,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache_dir: Path, res: Ins
             res.replaced += _place_entry(e.key, cache_dir, staging)
             res.installed += 1
         if durable:
-            _fsync_dir(cache_dir)
-        _write_receipt(cache_dir, bundle, source, seq, kept)
+            fsync_dir(cache_dir)
+        _write_receipt(cache, bundle, source, seq, kept)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

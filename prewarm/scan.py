@@ -6,15 +6,11 @@ hashes nothing, so it is instant on any cache size.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from .bundle import list_entries
+from .cachedir import CacheDir
 from .errors import IntegrityError
-from .fingerprint import TOOLCHAIN_RECORD
-from .install import read_receipts
 
 
 @dataclass(frozen=True)
@@ -48,25 +44,24 @@ class CacheScan:
         return asdict(self)
 
 
-def _dir_size(path: Path) -> tuple[int, int]:
+def _other_entry(cache: CacheDir, key: str) -> OtherEntry:
     files = size = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            try:
-                size += os.lstat(os.path.join(root, name)).st_size
-                files += 1
-            except OSError:
-                continue
-    return files, size
+    for name in cache.files(key):
+        try:
+            size += os.lstat(cache.root / key / name).st_size
+            files += 1
+        except OSError:
+            continue
+    return OtherEntry(key, files, size)
 
 
 def scan(cache_dir: str | os.PathLike) -> CacheScan:
-    cache = Path(cache_dir)
-    if not cache.is_dir():
-        raise IntegrityError(f"{cache}: cache dir does not exist")
-    present = {p.name for p in list_entries(cache)[0]}
+    cache = CacheDir(cache_dir)
+    if not cache.root.is_dir():
+        raise IntegrityError(f"{cache.root}: cache dir does not exist")
+    present = set(cache.entries()[0])
     bundles, named = [], set()
-    for r in read_receipts(cache):
+    for r in cache.receipts():
         index, receipt = r.index, r.doc
         keys = {e.key for e in index.entries}
         named |= keys
@@ -75,10 +70,5 @@ def scan(cache_dir: str | os.PathLike) -> CacheScan:
             manifest.get("name", ""), manifest.get("digest", ""), index.digest, str(receipt.get("installed_at", "")),
             str(receipt.get("source", "")), receipt.get("signed_by"), len(keys), len(keys & present),
             index.total_size))  # fmt: skip
-    others = tuple(OtherEntry(key, *_dir_size(cache / key)) for key in sorted(present - named))
-    claim = cache / TOOLCHAIN_RECORD
-    try:
-        toolchain = json.loads(claim.read_text())["factors"] if claim.is_file() else None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise IntegrityError(f"{claim}: not a toolchain record ({e})") from e
-    return CacheScan(str(cache), tuple(bundles), others, toolchain)
+    others = tuple(_other_entry(cache, key) for key in sorted(present - named))
+    return CacheScan(str(cache.root), tuple(bundles), others, cache.read_toolchain())

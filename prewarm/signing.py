@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .bundle import open_regular, read_bounded
+from .cachedir import write_atomic
 from .errors import EnvironmentProblem, IntegrityError, SignatureError
 
 
@@ -40,13 +41,8 @@ def keygen(name: str | os.PathLike, *, force: bool = False) -> tuple[Path, Path,
     try:
         priv_path.parent.mkdir(parents=True, exist_ok=True)
         for path, data, mode in ((priv_path, pem, 0o600), (pub_path, pub, 0o644)):
-            tmp = path.with_name(f".{path.name}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            written.append(tmp)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-            written[-1] = path
+            write_atomic(path, data, mode=mode)
+            written.append(path)
     except OSError as e:  # a full or read-only disk: no temp file and no half key pair is left behind
         for path in written:
             path.unlink(missing_ok=True)

@@ -27,6 +27,7 @@ from typing import Callable
 import fsspec
 
 from .bundle import INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, check_object, open_regular, parse_index, read_bounded
+from .cachedir import write_atomic
 from .errors import IntegrityError, PrewarmError, StoreError
 
 # Protocols whose PUT is atomic by itself (no partial object is ever visible): written directly.
@@ -92,7 +93,7 @@ class Store(ABC):
 
 
 class LocalStore(Store):
-    """A local directory: writes go through a temp file, fsync and rename."""
+    """A local directory: each file written whole (``cachedir.write_atomic``)."""
 
     def __init__(self, path: str | os.PathLike):
         self.root = Path(path)
@@ -111,16 +112,7 @@ class LocalStore(Store):
     def write(self, name: str, data: bytes) -> None:
         dest = self.root / name
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a full or failing disk keeps no temp files
-            raise
+        write_atomic(dest, data)
 
     def list_objects(self) -> set[str]:
         try:

@@ -8,23 +8,21 @@ points *outside*: Triton would read another dir's files or drop them and recompi
 latest receipt (by sequence number) says what is installed. Key dirs no receipt names (compiled on the node) are
 counted, never failed: install merges. Fails closed: an unreadable receipt is an IntegrityError naming it; a dir
 with no receipt and no ``--bundle`` has unknown integrity (IntegrityError), except a build's own output dir (its
-build record says so: only its group files are checked; will-hit does the rest).
+build info says so: only its group files are checked; will-hit does the rest).
 Compatibility: each fingerprint factor of the bundle(s) against this node's own, mismatches explained.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import functools
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import fingerprint
-from .bundle import GROUP_PREFIX, META_DIR, list_entries, read_build_record, relative_group
+from .cachedir import CacheDir, installed_files
 from .errors import FingerprintMismatch, IntegrityError
-from .install import (check_entry, default_cache_dir, installed_files, kept_as_built, node_fingerprint, read_bundle,
-                      read_receipts)
+from .install import default_cache_dir, kept_as_built, node_fingerprint, read_bundle
 
 @dataclass
 class FactorRow:
@@ -74,19 +72,6 @@ class VerifyReport:
         return doc
 
 
-def _foreign_groups_outside(entry_dir: Path) -> list[str]:
-    """Children of an unlisted entry's group files that are not files of that entry."""
-    out = []
-    names = {p.name for p in entry_dir.iterdir()}
-    for g in sorted(entry_dir.glob(f"{GROUP_PREFIX}*.json")):
-        try:
-            _, bad = relative_group(g.read_bytes(), entry_dir.name, names, str(g), str(entry_dir))
-        except (IntegrityError, OSError):
-            continue  # not a group file prewarm understands; Triton ignores invalid groups too
-        out += [f"{entry_dir.name}/{g.name} -> {p}" for p in bad]
-    return out
-
-
 def compare_factors(built: dict[str, str]) -> list[FactorRow]:
     node = node_fingerprint()
     diffs = {m.factor: m for m in fingerprint.compare(built, node)}
@@ -115,6 +100,7 @@ def verify(
 ) -> VerifyReport:
     """Integrity of ``cache_dir`` against its install receipts (or ``bundle``) and compatibility with this node."""
     cache_dir = Path(os.path.abspath(cache_dir or default_cache_dir()))
+    cache = CacheDir(cache_dir)
     if not cache_dir.is_dir():
         raise IntegrityError(f"{cache_dir}: cache dir does not exist or is not a directory")
     if bundle:
@@ -123,29 +109,29 @@ def verify(
         )
         indexes, against = [b.index], [bundle]
         entries = {e.key: e.files for e in b.index.entries}
-        recorded = installed_files(read_receipts(cache_dir, strict=False))  # runtime-built modules kept by install
+        recorded = installed_files(cache.receipts(strict=False))  # runtime-built modules kept by install
     else:
-        receipts = read_receipts(cache_dir)
+        receipts = cache.receipts()
         indexes = [r.index for r in receipts]
         against = [f"receipt {r.path.stem[:16]}... (install #{r.seq})" for r in receipts]
         entries = recorded = installed_files(receipts)
         if not receipts:
-            if not read_build_record(cache_dir):
+            if not cache.read_build_info():
                 raise IntegrityError(
-                    f"{cache_dir}: integrity unknown: no install receipt in {cache_dir / META_DIR / 'receipts'} (and "
-                    f"no build record: not a build's output dir); give the bundle it came from with --bundle"
+                    f"{cache_dir}: integrity unknown: no install receipt in {cache.receipts_dir} (and no "
+                    f"{cache.build_info.name}: not a build's output dir); give the bundle it came from with --bundle"
                 )
-            against = ["build record: a build's output, no bundle installed (group files checked)"]
+            against = [f"{cache.build_info.name}: a build's output, no bundle installed (group files checked)"]
     report = VerifyReport(str(cache_dir), against, entries=len(entries))
     # hashlib releases the GIL, but where "cores" are hyperthreads or busy, threads slow hashing down (measured
     # on the 2-core CI box, 517 MB: 1 thread 1.60 s, 2 threads 1.75 s, 4 threads 2.44 s): half the cores, and
     # no pool at all for one
     workers = workers or max(1, (os.cpu_count() or 2) // 2)
-    check = functools.partial(check_entry, str(cache_dir))
+    check = cache.entry_state
     with cf.ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
         results = pool.map(check, entries, entries.values()) if pool else map(check, entries, entries.values())
         for (key, files), c in zip(entries.items(), results):
-            if not c.clean and kept_as_built(files, c, recorded.get(key)):
+            if not c.intact and kept_as_built(files, c, recorded.get(key)):
                 c.modified = []  # install keeps such a module as built on the node: verify agrees with it
             report.modified += c.modified
             report.missing += c.missing
@@ -153,11 +139,11 @@ def verify(
             report.groups_outside += c.outside
             report.bytes_hashed += c.hashed
             report.files += len(files)
-            report.entries_ok += c.clean
-    others = [d for d in list_entries(cache_dir)[0] if d.name not in entries]
+            report.entries_ok += c.intact
+    others = [key for key in cache.entries()[0] if key not in entries]
     report.other_entries = len(others)
-    for d in others:
-        report.groups_outside += _foreign_groups_outside(d)
+    for key in others:  # counted, not judged: only a group pointing elsewhere makes Triton read another dir
+        report.groups_outside += cache.entry_state(key).outside
     if check_fingerprint:
         seen: list[dict] = []
         for idx in indexes:
@@ -165,7 +151,7 @@ def verify(
                 seen.append(idx.fingerprint)
                 report.factors += compare_factors(idx.fingerprint)
         # A dir filled under another Ascend toolchain would be reused silently (not in Triton's key).
-        for m in fingerprint.cache_dir_toolchain_conflict(cache_dir, node_fingerprint()):
+        for m in cache.toolchain_conflicts(node_fingerprint()):
             report.factors.append(FactorRow(m.factor, m.built, m.node, "mismatch", m.why))
     return report
 

@@ -12,7 +12,8 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm.build import build, read_record  # noqa: E402
+from prewarm.build import build  # noqa: E402
+from prewarm.cachedir import META, CacheDir  # noqa: E402
 from prewarm.cli import main  # noqa: E402
 from prewarm.errors import BuildError, EnvironmentProblem  # noqa: E402
 
@@ -91,9 +92,9 @@ def test_offline_build_holds_every_launcher_and_cuda_utils_under_tritons_keys(bu
     assert done.stdout.split()[-1] == "11"
 
 
-def test_build_record_lists_manifest_fingerprint_and_keys(built):
+def test_build_info_lists_manifest_fingerprint_and_keys(built):
     cache, report, _ = built
-    rec = read_record(cache)
+    rec = CacheDir(cache).read_build_info()
     assert rec["manifest"]["name"] == "toy-cuda" and rec["manifest"]["digest"] == report.digest
     assert rec["fingerprint"]["triton.version"] == "3.6.0" and rec["fingerprint"]["target.arch"] == "sm_90"
     assert rec["target"] == {"backend": "cuda", "arch": "sm_90", "mode": "offline"}
@@ -103,12 +104,12 @@ def test_build_record_lists_manifest_fingerprint_and_keys(built):
 
 def test_second_build_compiles_nothing(built, capsys):
     cache, report, _ = built
-    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if ".prewarm" not in p.parts}
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if META not in p.parts}
     assert main(["build", str(TOY), "--cache-dir", str(cache), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["compiled"], doc["present"], doc["failed"]) == (0, 11, 0)
     assert [r["key"] for r in doc["results"]] == [r.key for r in report.results]
-    after = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if ".prewarm" not in p.parts}
+    after = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if META not in p.parts}
     assert after == before  # not a file touched
 
 

@@ -11,6 +11,7 @@ import zstandard
 
 from prewarm import __version__
 from prewarm.bundle import INDEX, OBJECTS, SIGNATURE, pack, parse_index
+from prewarm.cachedir import META, CacheDir
 from prewarm.install import install
 from prewarm.verify import verify
 
@@ -69,14 +70,12 @@ def test_objects_hold_relative_paths_only_and_normalized_metadata(triton_cache, 
     assert str(triton_cache).encode() not in everything  # no path of the build box survives
 
 
-def test_build_record_supplies_fingerprint_and_manifest_digest(triton_cache, tmp_path):
-    meta = triton_cache / ".prewarm"
-    meta.mkdir()
+def test_build_info_supplies_fingerprint_and_manifest_digest(triton_cache, tmp_path):
     fp = {"triton.version": "3.6.0", "target.backend": "cuda", "target.arch": "sm_90"}
-    (meta / "build.json").write_text(json.dumps({"manifest": {"name": "kda-k3", "digest": "ab" * 32}, "fingerprint": fp}))
+    CacheDir(triton_cache).write_build_info({"manifest": {"name": "kda-k3", "digest": "ab" * 32}, "fingerprint": fp})
     r = pack(triton_cache, tmp_path / "b")
     assert r.index.fingerprint == fp and r.index.manifest == {"name": "kda-k3", "digest": "ab" * 32}
-    assert ".prewarm" not in {e.key for e in r.index.entries}
+    assert META not in {e.key for e in r.index.entries}
 
 
 def test_signed_pack_writes_signature_and_unsigned_repack_removes_stale_one(triton_cache, tmp_path):

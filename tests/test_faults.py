@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from prewarm import fingerprint
-from prewarm.bundle import INDEX, META_DIR, OBJECTS, SIGNATURE, pack
+from prewarm.bundle import INDEX, OBJECTS, SIGNATURE, pack
+from prewarm.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, PrewarmError
-from prewarm.install import install, read_receipts
+from prewarm.install import install
 from prewarm.signing import keygen
 from prewarm.verify import verify
 
@@ -32,7 +33,7 @@ from prewarm_helpers import run_cli, synthetic_cache
 
 def snapshot(cache: Path) -> dict[str, str]:
     return {p.relative_to(cache).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(cache.rglob("*")) if p.is_file() and META_DIR not in p.relative_to(cache).parts}
+            for p in sorted(cache.rglob("*")) if p.is_file() and META not in p.relative_to(cache).parts}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_tamper_sample_every_flip_is_refused_and_the_cache_is_untouched(bundles,
             codes.append(e.exit_code)
         finally:
             target.write_bytes(good)
-        assert snapshot(node) == before and not list((node / META_DIR).glob("staging-*"))
+        assert snapshot(node) == before and not CacheDir(node).staging_dirs()
     assert 0 not in codes and set(codes) <= {6, 7, 9}, codes
     assert install(str(a), node, trusted_keys=[pub], require_signature=True).installed == 6 and verify(node).ok
 
@@ -116,7 +117,7 @@ def test_concurrent_installs_of_different_bundles_into_one_dir(bundles, tmp_path
         p.join(60)
     assert all(kind == "ok" for kind, _ in results), results
     assert sum(n for _, n in results) == 6 + 12  # each entry unpacked once
-    assert sorted(r.seq for r in read_receipts(tmp_path / "node")) == [1, 2]
+    assert sorted(r.seq for r in CacheDir(tmp_path / "node").receipts()) == [1, 2]
     assert verify(tmp_path / "node").ok
 
 
@@ -170,7 +171,7 @@ def test_full_and_read_only_filesystems_are_exit_11_and_keep_the_cache(bundles, 
     filler.write_bytes(b"\0" * max(0, free - 8192))  # nearly full: B's entries cannot be staged
     with pytest.raises(EnvironmentProblem, match="No space left on device"):
         install(str(b), node)
-    assert snapshot(node) == before and not list((node / META_DIR).glob("staging-*")) and verify(node).ok
+    assert snapshot(node) == before and not CacheDir(node).staging_dirs() and verify(node).ok
     p = run_cli("pack", node, "-o", tmpfs / "bundle", check=EnvironmentProblem.exit_code)
     assert "No space left" in p.stderr and "Traceback" not in p.stderr
     assert not [f for f in tmpfs.rglob("*.tmp")]

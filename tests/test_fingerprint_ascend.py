@@ -12,6 +12,7 @@ import pytest
 
 from prewarm import bundle, fingerprint, install, manifest, tritoncompat
 from prewarm.backends import npu
+from prewarm.cachedir import CacheDir
 from prewarm.errors import FingerprintMismatch, IntegrityError, ManifestError
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "cann"))
@@ -135,8 +136,7 @@ def make_bundle(tmp_path: Path, fp: dict[str, str]) -> Path:
     entry.mkdir(parents=True)
     (entry / "add_kernel.npubin").write_bytes(b"NPUBIN stand-in")
     (entry / "add_kernel.json").write_text("{}")
-    (cache / ".prewarm").mkdir()
-    (cache / ".prewarm" / "build.json").write_text(json.dumps({"fingerprint": fp}))
+    CacheDir(cache).write_build_info({"fingerprint": fp})
     out = tmp_path / "bundle"
     bundle.pack(cache, out)
     return out
@@ -168,22 +168,22 @@ def test_install_accepts_a_bundle_from_the_same_toolchain(toolchain):
 
 def test_claim_records_the_toolchain_and_accepts_it_again(toolchain):
     cache = toolchain / "cache"
-    fingerprint.claim_cache_dir(cache, npu_fp())
-    record = json.loads((cache / fingerprint.TOOLCHAIN_RECORD).read_text())["factors"]
+    CacheDir(cache).claim_toolchain(npu_fp())
+    record = json.loads(CacheDir(cache).toolchain.read_text())["factors"]
     assert record == fingerprint.toolchain_factors(npu_fp())
     (cache / "somekey").mkdir()
     (cache / "somekey" / "k.npubin").write_bytes(b"x")
-    fingerprint.claim_cache_dir(cache, npu_fp())  # same toolchain: fine
+    CacheDir(cache).claim_toolchain(npu_fp())  # same toolchain: fine
 
 
 def test_claim_refuses_a_dir_filled_under_another_toolchain(toolchain):
     cache = toolchain / "cache"
-    fingerprint.claim_cache_dir(cache, npu_fp())
+    CacheDir(cache).claim_toolchain(npu_fp())
     standin.make_bishengir(toolchain / "bin", version="8.5.0")
-    conflicts = fingerprint.cache_dir_toolchain_conflict(cache, npu_fp())
+    conflicts = CacheDir(cache).toolchain_conflicts(npu_fp())
     assert {m.factor for m in conflicts} == {"ascend.bishengir.version", "ascend.bishengir.sha256"}
     with pytest.raises(FingerprintMismatch, match="ascend.bishengir.version: the cache dir has"):
-        fingerprint.claim_cache_dir(cache, npu_fp())
+        CacheDir(cache).claim_toolchain(npu_fp())
 
 
 def test_claim_refuses_kernels_of_unknown_toolchain(toolchain):
@@ -193,32 +193,32 @@ def test_claim_refuses_kernels_of_unknown_toolchain(toolchain):
     (entry / "k.npubin").write_bytes(b"x")
     (entry / "__grp__k.json").write_text("{}")
     with pytest.raises(FingerprintMismatch, match="1 kernels, toolchain not recorded"):
-        fingerprint.claim_cache_dir(cache, npu_fp())
-    assert not (cache / fingerprint.TOOLCHAIN_RECORD).exists()
+        CacheDir(cache).claim_toolchain(npu_fp())
+    assert not CacheDir(cache).toolchain.exists()
 
 
 def test_claim_accepts_a_dir_holding_only_the_drivers_npu_utils(toolchain):
     """The NPU driver writes npu_utils.so into the cache dir when a process starts it, before any compile."""
     (toolchain / "cache" / "fMYIAddf6WjySrKWEsFWzg").mkdir(parents=True)
     (toolchain / "cache" / "fMYIAddf6WjySrKWEsFWzg" / "npu_utils.so").write_bytes(b"\x7fELF")
-    fingerprint.claim_cache_dir(toolchain / "cache", npu_fp())
-    assert (toolchain / "cache" / fingerprint.TOOLCHAIN_RECORD).exists()
+    CacheDir(toolchain / "cache").claim_toolchain(npu_fp())
+    assert CacheDir(toolchain / "cache").toolchain.exists()
 
 
 def test_claim_is_a_no_op_for_cuda(tmp_path):
     cache = tmp_path / "cache"
     (cache / "somekey").mkdir(parents=True)
     (cache / "somekey" / "k.cubin").write_bytes(b"x")
-    fingerprint.claim_cache_dir(cache, {"target.backend": "cuda", "cuda.ptxas": "12.8"})
-    assert not (cache / fingerprint.TOOLCHAIN_RECORD).exists()
+    CacheDir(cache).claim_toolchain({"target.backend": "cuda", "cuda.ptxas": "12.8"})
+    assert not CacheDir(cache).toolchain.exists()
 
 
 def test_a_corrupt_toolchain_record_is_an_integrity_error(toolchain):
-    record = toolchain / "cache" / fingerprint.TOOLCHAIN_RECORD
+    record = CacheDir(toolchain / "cache").toolchain
     record.parent.mkdir(parents=True)
     record.write_text("{not json")
     with pytest.raises(IntegrityError, match="toolchain.json"):
-        fingerprint.cache_dir_toolchain_conflict(toolchain / "cache", npu_fp())
+        CacheDir(toolchain / "cache").toolchain_conflicts(npu_fp())
 
 
 def test_install_refuses_to_mix_toolchains_in_one_cache_dir(toolchain):
@@ -226,7 +226,7 @@ def test_install_refuses_to_mix_toolchains_in_one_cache_dir(toolchain):
     node) must not land in the dir that holds the old toolchain's kernels: Triton would keep hitting those."""
     node_cache = toolchain / "node-cache"
     install.install(str(make_bundle(toolchain / "a", npu_fp())), node_cache, durable=False)
-    assert (node_cache / fingerprint.TOOLCHAIN_RECORD).exists()
+    assert CacheDir(node_cache).toolchain.exists()
     standin.make_bishengir(toolchain / "bin", version="8.5.0")
     with pytest.raises(FingerprintMismatch, match="ascend.bishengir.version: the cache dir has"):
         install.install(str(make_bundle(toolchain / "b", npu_fp())), node_cache, durable=False)

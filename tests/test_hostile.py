@@ -16,8 +16,9 @@ import pytest
 import zstandard
 
 from prewarm import fingerprint
-from prewarm.bundle import (INDEX, META_DIR, OBJECTS, SIGNATURE, Entry, FileRecord, Index, _with_checksum, pack,
+from prewarm.bundle import (INDEX, OBJECTS, SIGNATURE, Entry, FileRecord, Index, _with_checksum, pack,
                             parse_index)
+from prewarm.cachedir import META, CacheDir
 from prewarm.errors import IntegrityError, SignatureError, UnsafeBundleError
 from prewarm.install import install
 from prewarm.verify import verify
@@ -54,7 +55,7 @@ def forge(bundle: Path, members: list[tuple], *, files: list[FileRecord] | None 
 
 def snapshot(cache: Path) -> dict[str, bytes]:
     return {p.relative_to(cache).as_posix(): p.read_bytes() for p in sorted(cache.rglob("*")) if p.is_file()
-            and META_DIR not in p.relative_to(cache).parts}
+            and META not in p.relative_to(cache).parts}
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def refused(bundle: Path, node: Path, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         install(str(bundle), node)
     assert snapshot(node) == before
-    assert not list((node / META_DIR).glob("staging-*")) and not list((node / META_DIR).glob("receipts/*"))
+    assert not CacheDir(node).staging_dirs() and not CacheDir(node).receipts()
     assert not (node / KEY).exists()
 
 
@@ -222,7 +223,7 @@ def hostile_cli(tmp_path: Path, node: Path, args: list, code: int, message: str,
     assert (p.returncode, "Traceback" in p.stderr) == (code, False), p.stderr
     assert re.search(message, " ".join(p.stderr.split())), p.stderr
     assert snapshot(node) == before and not (node / KEY).exists()
-    assert {x for x in _listing(tmp_path) - outside if not x.startswith(f"{node.name}/{META_DIR}")} == set()
+    assert {x for x in _listing(tmp_path) - outside if not x.startswith(f"{node.name}/{META}")} == set()
 
 
 def _forged_index(bundle: Path, doc: dict) -> Path:
@@ -304,7 +305,7 @@ def test_a_cache_dir_or_its_prewarm_dir_being_a_file(triton_cache, tmp_path, whe
         cache.write_text("not a dir")
     else:
         cache.mkdir()
-        (cache / META_DIR).write_text("not a dir")
+        (cache / META).write_text("not a dir")
     p = run_cli("install", tmp_path / "b", "--cache-dir", cache, check=11)
     assert "exists and is not a directory" in p.stderr and "Traceback" not in p.stderr
     p = run_cli("verify", "--cache-dir", cache, check=6)

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from prewarm import fingerprint
-from prewarm.bundle import INDEX, META_DIR, pack, parse_index
+from prewarm.bundle import INDEX, pack, parse_index
+from prewarm.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError
-from prewarm.install import install, read_receipts, receipt_path
+from prewarm.install import install
 from prewarm.verify import verify
 
 from prewarm_helpers import concurrent_installs, run_cli, synthetic_cache
@@ -28,7 +29,7 @@ def snapshot(cache: Path) -> dict[str, str]:
     return {
         p.relative_to(cache).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(cache.rglob("*"))
-        if p.is_file() and META_DIR not in p.relative_to(cache).parts
+        if p.is_file() and META not in p.relative_to(cache).parts
     }
 
 
@@ -44,7 +45,7 @@ def test_install_writes_receipt_and_repeat_is_a_noop(toy_bundle, tmp_path):
     first = install(str(toy_bundle), node, progress=lambda *a: calls.append(a))
     assert (first.installed, first.present, first.noop) == (5, 0, False)
     assert calls == [(i, 5) for i in range(6)]  # staged entries, 0 to all, in order
-    assert receipt_path(node, first.index_digest).exists()
+    assert CacheDir(node).receipt(first.index_digest).exists()
     before = snapshot(node)
     mtimes = {p: p.stat().st_mtime_ns for p in node.rglob("*") if p.is_file()}
     calls.clear()
@@ -52,7 +53,7 @@ def test_install_writes_receipt_and_repeat_is_a_noop(toy_bundle, tmp_path):
     assert (again.installed, again.noop) == (0, True) and calls == []
     assert snapshot(node) == before
     assert {p: p.stat().st_mtime_ns for p in node.rglob("*") if p.is_file()} == mtimes
-    assert not list((node / META_DIR).glob("staging-*"))
+    assert not CacheDir(node).staging_dirs()
 
 
 def test_install_merges_and_replaces_only_incomplete_entries(toy_bundle, tmp_path):
@@ -128,8 +129,7 @@ def test_sigkill_at_20_random_points_leaves_a_cache_that_verifies_and_rerun_comp
 def _fingerprint_bundle(triton_cache: Path, tmp_path: Path, **changes) -> Path:
     fp = dict(fingerprint.current())
     fp.update(changes)
-    (triton_cache / META_DIR).mkdir(exist_ok=True)
-    (triton_cache / META_DIR / "build.json").write_text(json.dumps({"fingerprint": fp}))
+    CacheDir(triton_cache).write_build_info({"fingerprint": fp})
     pack(triton_cache, tmp_path / "bundle")
     return tmp_path / "bundle"
 
@@ -204,7 +204,7 @@ def test_write_failure_is_an_environment_problem_and_leaves_previous_cache(toy_b
     kind, msg = q.get(timeout=120)
     p.join()
     assert kind == "EnvironmentProblem" and "File too large" in msg and str(node) in msg
-    assert snapshot(node) == before and not list((node / META_DIR).glob("staging-*"))
+    assert snapshot(node) == before and not CacheDir(node).staging_dirs()
 
 
 # --- presence by content, non-reproducible C modules, repair (issue 13) ---------------------------------------
@@ -290,19 +290,18 @@ def test_receipts_carry_a_sequence_not_a_timestamp(toy_bundle, triton_cache, tmp
     node = tmp_path / "node"
     first = install(str(toy_bundle), node)
     second = install(str(tmp_path / "other-bundle"), node)
-    seqs = {r.index.digest: r.seq for r in read_receipts(node)}
+    seqs = {r.index.digest: r.seq for r in CacheDir(node).receipts()}
     assert seqs == {first.index_digest: 1, second.index_digest: 2}
-    receipt = json.loads(receipt_path(node, second.index_digest).read_text())
+    receipt = json.loads(CacheDir(node).receipt(second.index_digest).read_text())
     assert receipt["seq"] == 2 and receipt["kept"] == {}
-    assert not list((node / META_DIR / "receipts").glob(".*.tmp"))  # written through a temp file, replaced
+    assert not list(CacheDir(node).receipts_dir.glob(".*.tmp"))  # written through a temp file, replaced
 
 
 # --- the fingerprint fails closed (issue 13) --------------------------------------------------------------------
 
 
 def _bundle_with_fingerprint(cache: Path, out: Path, fp: dict) -> Path:
-    (cache / META_DIR).mkdir(exist_ok=True)
-    (cache / META_DIR / "build.json").write_text(json.dumps({"fingerprint": fp}))
+    CacheDir(cache).write_build_info({"fingerprint": fp})
     pack(cache, out)
     return out
 

@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from prewarm.bundle import INDEX, META_DIR, OBJECTS, pack
+from prewarm.bundle import INDEX, OBJECTS, pack
+from prewarm.cachedir import META
 from prewarm.errors import IntegrityError, StoreError
 from prewarm.install import install
 from prewarm.oci import ARTIFACT_TYPE, INDEX_MEDIA_TYPE, OBJECT_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE, OciStore, open_oci
@@ -109,7 +110,7 @@ def test_a_second_push_to_a_new_tag_uploads_no_object_and_a_changed_bundle_only_
     toy_cache_master, registry, tmp_path
 ):
     smaller = copy_cache(toy_cache_master, tmp_path / "smaller")
-    dropped = sorted(d for d in smaller.iterdir() if d.name != META_DIR)[0]
+    dropped = sorted(d for d in smaller.iterdir() if d.name != META)[0]
     shutil.rmtree(dropped)
     pack(smaller, tmp_path / "b1")
     pack(copy_cache(toy_cache_master, tmp_path / "full"), tmp_path / "b2")
@@ -140,7 +141,7 @@ def test_a_second_push_to_a_new_tag_uploads_no_object_and_a_changed_bundle_only_
 def test_pull_by_digest_and_a_moved_tag_is_reported(toy_cache_master, registry, tmp_path):
     pack(toy_cache_master, tmp_path / "b1")
     smaller = copy_cache(toy_cache_master, tmp_path / "smaller")
-    shutil.rmtree(sorted(d for d in smaller.iterdir() if d.name != META_DIR)[0])
+    shutil.rmtree(sorted(d for d in smaller.iterdir() if d.name != META)[0])
     pack(smaller, tmp_path / "b2")
     n1 = len(list((tmp_path / "b1" / OBJECTS).iterdir()))
     push(tmp_path / "b1", [registry.url("moving/kimi:stable")], storage_options=INSECURE)
@@ -191,7 +192,7 @@ def test_a_tampered_blob_in_the_registry_is_refused_and_the_cache_untouched(
     before = files_of(node)
     p = run_cli("install", url, "--cache-dir", node, "--insecure", check=IntegrityError.exit_code)
     assert digest in p.stderr.replace("\n", "") and "Traceback" not in p.stderr
-    assert {k: v for k, v in files_of(node).items() if not k.startswith(META_DIR)} == before
+    assert {k: v for k, v in files_of(node).items() if not k.startswith(META)} == before
 
 
 def test_registry_stopped_mid_push_fails_that_target_only(toy_cache_master, registry_factory, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from prewarm.bundle import pack
+from prewarm.cachedir import META, CacheDir
 from prewarm.errors import FingerprintMismatch, IntegrityError
 from prewarm.install import install
 from prewarm.verify import verify
@@ -96,8 +97,7 @@ def test_fingerprint_mismatch_rows_explain_each_factor(triton_cache, tmp_path):
     from prewarm import fingerprint
 
     fp = dict(fingerprint.current(), **{"triton.key": "0" * 64, "torch.version": "2.9.0"})
-    (triton_cache / ".prewarm").mkdir()
-    (triton_cache / ".prewarm" / "build.json").write_text(json.dumps({"fingerprint": fp}))
+    CacheDir(triton_cache).write_build_info({"fingerprint": fp})
     pack(triton_cache, tmp_path / "b")
     install(str(tmp_path / "b"), tmp_path / "n", allow_fingerprint_mismatch=True)
     r = verify(tmp_path / "n")
@@ -137,7 +137,7 @@ def test_an_unreadable_receipt_is_an_error_naming_it_even_when_another_is_fine(n
     other = synthetic_cache(tmp_path / "other", 1, seed=3)
     pack(other, tmp_path / "other-bundle")
     install(str(tmp_path / "other-bundle"), node)
-    receipts = sorted((node / ".prewarm" / "receipts").glob("*.json"))
+    receipts = sorted(CacheDir(node).receipts_dir.glob("*.json"))
     assert len(receipts) == 2
     data = bytearray(receipts[0].read_bytes())
     data[len(data) // 3] ^= 0x01  # one flipped byte
@@ -150,22 +150,22 @@ def test_an_unreadable_receipt_is_an_error_naming_it_even_when_another_is_fine(n
     assert receipts[0].name in p.stderr and "Traceback" not in p.stderr
 
 
-def test_no_receipt_is_integrity_unknown_unless_a_bundle_or_a_build_record_says_what_the_dir_is(node, tmp_path):
+def test_no_receipt_is_integrity_unknown_unless_a_bundle_or_the_build_info_says_what_the_dir_is(node, tmp_path):
     manifest = Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml"
     cubin = sorted(node.glob("*/*.cubin"))[0]
     cubin.write_bytes(cubin.read_bytes()[:-1] + b"X")
-    shutil.rmtree(node / ".prewarm" / "receipts")
+    shutil.rmtree(CacheDir(node).receipts_dir)
     p = run_cli("verify", "--cache-dir", node, "--plan", manifest, check=IntegrityError.exit_code)
     assert "integrity unknown" in p.stderr  # was exit 0 (then 5 for the plan) with a modified cubin
     r = verify(node, bundle=str(tmp_path / "bundle"))
     assert r.modified == [cubin.relative_to(node).as_posix()]
-    (node / ".prewarm" / "build.json").write_text(json.dumps({"manifest": {"name": "toy"}}))  # a build's output dir
+    CacheDir(node).write_build_info({"manifest": {"name": "toy"}})  # a build's output dir
     r = verify(node)
-    assert r.integrity_ok and r.entries == 0 and "build record" in r.against[0]
+    assert r.integrity_ok and r.entries == 0 and "build-info.json" in r.against[0]
 
 
 def test_links_fifos_and_tmp_leftovers_inside_entries_are_reported_never_a_traceback(node):
-    key_dirs = sorted(p for p in node.iterdir() if p.name != ".prewarm")
+    key_dirs = sorted(p for p in node.iterdir() if p.name != META)
     cubin = next(key_dirs[0].glob("*.cubin"))
     cubin.unlink()
     cubin.symlink_to("/etc/passwd")  # an installed file replaced by a symlink

@@ -7,7 +7,7 @@
   (TRITON_COMPILE_ONLY=1) per planned compile, on minimal tensors. Unlike ``preload``, a launch also builds the
   per-signature launcher ``.so``, ``npu_utils.so`` and the precompiled header into the cache dir, so the first
   real launch on a node compiles nothing. Before its first compile a worker claims the cache dir for this
-  node's toolchain (``fingerprint.claim_cache_dir``): Triton's key would reuse kernels of another CANN silently.
+  node's toolchain (``CacheDir.claim_toolchain``): Triton's key would reuse kernels of another CANN silently.
 - :class:`NpuOfflineTarget` (mode "offline"): a build host with the CANN toolkit and no NPU compiles the kernel
   binaries for the manifest's SoC; the node builds launchers, npu_utils and the header.
 - :func:`probe_modules`: are the launchers, ``npu_utils`` and the precompiled header in a cache dir (triton-ascend's
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .. import devices, fingerprint, tritoncompat
+from ..cachedir import CacheDir
 from ..plan import resolve
 from ..errors import BuildError, EnvironmentProblem, FingerprintMismatch
 from .target import Target
@@ -219,7 +220,7 @@ def _claim_once(target: Target) -> None:
     """Before this process's first compile into the active cache dir: never add to a dir of another toolchain."""
     cache_dir = tritoncompat.cache_dir()
     if cache_dir not in _CLAIMED:
-        fingerprint.claim_cache_dir(cache_dir, target.toolchain())
+        CacheDir(cache_dir).claim_toolchain(target.toolchain())
         _CLAIMED.add(cache_dir)
 
 
@@ -270,7 +271,7 @@ class NpuTarget(AscendTarget):
     def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
         """Check the runtime files the first real launch would otherwise build are in the cache dir; record the
         toolchain the dir now belongs to."""
-        fingerprint.claim_cache_dir(cache_dir, self.toolchain())
+        CacheDir(cache_dir).claim_toolchain(self.toolchain())
         root = Path(cache_dir)
         launchers = sorted(root.glob(f"*/{LAUNCHER_GLOB}"))
         missing = [name for name in RUNTIME_FILES if not any(root.glob(f"*/{name}"))]
@@ -338,7 +339,7 @@ class NpuOfflineTarget(AscendTarget):
         return super().compile(fn, specialization_data)
 
     def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
-        fingerprint.claim_cache_dir(cache_dir, self.toolchain())
+        CacheDir(cache_dir).claim_toolchain(self.toolchain())
         return []
 
     def notes(self) -> list[str]:
@@ -445,13 +446,11 @@ def serving_env_mismatches(cache_dir: str | os.PathLike | None = None,
     prewarm.guard calls this when it arms in a serving process (PREWARM_GUARD=warn|error): each mismatch names the
     variable, the bundle's value and this process's. A bundle that did not record a variable (built before it was a
     factor) is a mismatch only where this process sets it."""
-    from ..install import read_receipts
-
     environ = os.environ if environ is None else environ
     cache_dir = Path(cache_dir or tritoncompat.cache_dir())
     out: list[fingerprint.Mismatch] = []
     seen: list[dict] = []
-    for receipt in read_receipts(cache_dir):
+    for receipt in CacheDir(cache_dir).receipts():
         built = receipt.index.fingerprint
         if built.get("target.backend") != "npu" or built in seen:
             continue

@@ -15,6 +15,7 @@ import standin
 from conftest import ARCH, REPO, TOY_COMPILES, TOY_KERNELS, run_prewarm, write_manifest
 
 from prewarm import fingerprint
+from prewarm.cachedir import CacheDir
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, WillMissError
 
 BOUNDARY = REPO / "tests" / "fixtures" / "cann"
@@ -44,8 +45,8 @@ def build(manifest: Path, cache: Path, env: dict):
 
 def assert_compiled_as_lowered(manifest: Path, cache: Path, soc: str = ARCH) -> dict:
     """Every planned compile was compiled into ``cache``, under the key dir `prewarm lower` predicts for the target,
-    its .npubin made by the stand-in bishengir-compile for ``soc``; returns the build record."""
-    record = json.loads((cache / ".prewarm" / "build.json").read_text())
+    its .npubin made by the stand-in bishengir-compile for ``soc``; returns the build info."""
+    record = CacheDir(cache).read_build_info()
     assert [r["status"] for r in record["requests"]] == ["compiled"] * TOY_COMPILES
     lowered = json.loads(run_prewarm("lower", "--json", manifest).stdout)
     assert sorted(r["key"] for r in record["requests"]) == sorted(c["cache_key"] for c in lowered["compiles"])
@@ -66,15 +67,14 @@ def test_device_build_makes_the_planned_compiles_with_compile_only_launches(toy_
     assert list(cache.glob("*/npu_utils.so")) and list(cache.glob("*/precompiled.h"))
     assert list(cache.glob("*/launcher_cxx11abi*.so"))
     # the toolchain the dir now belongs to, and the one the bundle will carry
-    assert json.loads((cache / fingerprint.TOOLCHAIN_RECORD).read_text())["factors"]["ascend.cann.version"].startswith(
-        "8.3.RC1")
+    assert CacheDir(cache).read_toolchain()["ascend.cann.version"].startswith("8.3.RC1")
     assert "8.3.RC1" in record["fingerprint"]["ascend.bishengir.version"]
     # the precompiled header's key, as the node computes it, names the dir the build put it in
     assert (cache / record["fingerprint"]["npu.precompiled_header"] / "precompiled.h").is_file()
 
     again = build(toy_manifest, cache, node)
     assert again.returncode == 0, again.stderr[-3000:]
-    record = json.loads((cache / ".prewarm" / "build.json").read_text())
+    record = CacheDir(cache).read_build_info()
     assert [r["status"] for r in record["requests"]] == ["present"] * TOY_COMPILES
 
     # CANN upgraded on the node: Triton's key would hit every old binary; the build refuses the dir instead
@@ -147,7 +147,7 @@ def test_offline_build_on_a_cann_host_without_an_npu_gives_bishengir_the_manifes
     assert p.returncode == 0, p.stderr[-3000:]
     assert_compiled_as_lowered(toy_manifest, cache)
     assert not list(cache.glob("*/launcher_cxx11abi*")) and not list(cache.glob("*/npu_utils.so"))
-    assert (cache / fingerprint.TOOLCHAIN_RECORD).is_file()
+    assert CacheDir(cache).read_toolchain() is not None
     # a node of that SoC (device boundary only) finds every kernel; its launchers are what it still builds
     p = verify(toy_manifest, cache, node, "--require-launchers")
     doc = json.loads(p.stdout)["will_hit"]
@@ -177,7 +177,7 @@ def test_a_manifest_listing_two_a3_socs_builds_two_sets_and_each_node_verifies_i
     assert p.returncode == 0, p.stderr[-3000:]
     keys = {}
     for soc in A3_PAIR:
-        record = json.loads((out / soc / ".prewarm" / "build.json").read_text())
+        record = CacheDir(out / soc).read_build_info()
         assert record["manifest"]["name"] == f"ascend-toy-{soc}" and record["fingerprint"]["target.arch"] == soc
         keys[soc] = {r["key"] for r in record["requests"] if r["status"] == "compiled"}
         assert len(keys[soc]) == TOY_COMPILES

@@ -3,7 +3,6 @@ rank whose env differs from the installed bundle's build in a variable the cache
 warned about, the variable named. Real processes, real install; the bundle holds one stand-in entry."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 from conftest import ARCH, run_prewarm
 
 from prewarm import bundle, fingerprint, install
+from prewarm.cachedir import CacheDir
 
 SERVER = "import triton; print('serving')"  # the guard arms when the server imports triton
 
@@ -23,8 +23,7 @@ def node_cache(tmp_path, monkeypatch):
     entry = build / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk"
     entry.mkdir(parents=True)
     (entry / "add_kernel.npubin").write_bytes(b"NPUBIN stand-in")
-    (build / ".prewarm").mkdir()
-    (build / ".prewarm" / "build.json").write_text(json.dumps({"fingerprint": fingerprint.current("npu", ARCH)}))
+    CacheDir(build).write_build_info({"fingerprint": fingerprint.current("npu", ARCH)})
     bundle.pack(build, tmp_path / "bundle")
     install.install(str(tmp_path / "bundle"), tmp_path / "node", durable=False)
     return tmp_path / "node"
