@@ -60,6 +60,12 @@ def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30,
     raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s")
 
 
+def _running(server):
+    """A fixture's body: the started server, stopped after its tests."""
+    yield server
+    server.stop()
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -104,17 +110,13 @@ def start_moto() -> S3Server:
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server, a separate process on loopback, for the whole session."""
-    server = start_moto()
-    yield server
-    server.stop()
+    yield from _running(start_moto())
 
 
 @pytest.fixture
 def own_s3_server():
     """A private moto server a test may stop (fault injection)."""
-    server = start_moto()
-    yield server
-    server.stop()
+    yield from _running(start_moto())
 
 
 @dataclass
@@ -198,17 +200,13 @@ def start_sshd(d: Path) -> SSHServer:
 @pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
     """sshd for the whole session."""
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
+    yield from _running(start_sshd(tmp_path_factory.mktemp("sshd")))
 
 
 @pytest.fixture
 def own_sshd(tmp_path_factory):
     """A private sshd a test may stop (fault injection)."""
-    server = start_sshd(tmp_path_factory.mktemp("own-sshd"))
-    yield server
-    server.stop()
+    yield from _running(start_sshd(tmp_path_factory.mktemp("own-sshd")))
 
 
 @pytest.fixture
@@ -287,9 +285,7 @@ def start_registry(d: Path, *, tls: tuple[Path, Path] | None = None, htpasswd: P
 @pytest.fixture(scope="session")
 def registry(tmp_path_factory):
     """An OCI registry for the whole session (tests use their own repositories)."""
-    server = start_registry(tmp_path_factory.mktemp("registry"))
-    yield server
-    server.stop()
+    yield from _running(start_registry(tmp_path_factory.mktemp("registry")))
 
 
 @pytest.fixture
