@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from prewarm.bundle import INDEX, parse_index  # noqa: E402
+from prewarm.cachedir import write_atomic  # noqa: E402
 
 
 def import_kernels() -> None:
@@ -61,11 +62,10 @@ def log(msg: str) -> None:
 
 
 def write_json(path: str | Path, obj) -> Path:
+    """Rewritten after every measurement: whole or not at all (a stopped run keeps the last complete one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-    tmp.replace(path)
+    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode(), durable=False)
     return path
 
 
