@@ -3,20 +3,19 @@
 Each planned compile is replayed through the real JIT path (``JITFunction.preload``) with a cache manager whose
 ``get_group`` raises: Triton's ``compile()`` computes the key exactly as at runtime (this process's triton,
 Python ABI, env vars, the kernel's source and line number) and asks for ``__grp__<name>.json`` under the key
-dir; the probe stops it right there and the entry is inspected (group file present, every child file present
-and inside the cache dir, as the runtime's ``get_group`` needs it). Build skips what hits; will-hit reports it;
+dir; the probe stops it right there and the entry is inspected as the runtime's ``get_group`` needs it: the group
+file lists the kernel, every child file is present in the entry's own dir (``CacheDir.entry_state``). Build skips what hits; will-hit reports it;
 each backend probes its C modules through the same manager (prewarm.backends).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from triton.runtime.cache import FileCacheManager
 
 from . import tritoncompat
+from .cachedir import CacheDir
 from .explain import Explanation, explain_miss
 from .plan import Compile, resolve
 
@@ -94,24 +93,21 @@ class ModuleResult:
         return {"name": self.name, "key": self.key, "present": self.present, "kernels": self.kernels}
 
 
-def entry_state(cache_dir: str, key: str, filename: str) -> tuple[bool, str]:
+def found(cache_dir: str, key: str, filename: str) -> tuple[bool, str]:
     """(hit, why) for one key dir as Triton's FileCacheManager.get_group + compile() would see it."""
-    root = os.path.realpath(cache_dir)
-    grp = os.path.join(root, key, f"__grp__{filename}")
-    if not os.path.isfile(grp):
-        return False, f"not in the cache (no {key}/__grp__{filename}): the node would compile it"
-    try:
-        children = json.loads(Path(grp).read_text())["child_paths"]
-    except (ValueError, KeyError, TypeError):
-        return False, f"{key}/__grp__{filename} is unreadable: the node would compile it"
-    if filename not in children:
-        return False, f"{key}/__grp__{filename} lists no {filename}: the node would compile it"
-    outside = [p for p in children.values() if not os.path.realpath(p).startswith(root + os.sep)]
-    if outside:
-        return False, f"group file points outside the cache dir ({outside[0]}): not relocated for this location"
-    missing = sorted(c for c, p in children.items() if not os.path.exists(p))
-    if missing:
-        return False, f"entry {key} is incomplete (missing {', '.join(missing)}): the node would compile it"
+    group = f"__grp__{filename}"
+    state = CacheDir(cache_dir).entry_state(key)
+    if group not in state.groups:
+        return False, f"not in the cache (no {key}/{group}): the node would compile it"
+    if state.groups[group] is None:
+        return False, f"{key}/{group} is unreadable: the node would compile it"
+    if filename not in state.groups[group]:
+        return False, f"{key}/{group} lists no {filename}: the node would compile it"
+    if state.outside:
+        return False, f"group file points outside its entry ({state.outside[0]}): not relocated for this location"
+    if state.missing:
+        missing = ", ".join(m.removeprefix(f"{key}/") for m in state.missing)
+        return False, f"entry {key} is incomplete (missing {missing}): the node would compile it"
     return True, "present"
 
 
@@ -133,7 +129,7 @@ def probe(c: Compile, cache_dir: str) -> RequestResult:
         return RequestResult(c.label, c.kernel, None, False, f"cannot compute the key: {type(e).__name__}: {e}")
     if p is None:
         return RequestResult(c.label, c.kernel, None, False, "Triton did not look this kernel up in the cache")
-    hit, detail = entry_state(cache_dir, p.key, p.filename)
+    hit, detail = found(cache_dir, p.key, p.filename)
     return RequestResult(c.label, c.kernel, p.key, hit, detail)
 
 
