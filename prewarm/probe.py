@@ -4,8 +4,8 @@ Each planned compile is replayed through the real JIT path (``JITFunction.preloa
 ``get_group`` raises: Triton's ``compile()`` computes the key exactly as at runtime (this process's triton,
 Python ABI, env vars, the kernel's source and line number) and asks for ``__grp__<name>.json`` under the key
 dir; the probe stops it right there and the entry is inspected as the runtime's ``get_group`` needs it: the group
-file lists the kernel, every child file is present in the entry's own dir (``CacheDir.entry_state``). Build skips what hits; will-hit reports it;
-each backend probes its C modules through the same manager (prewarm.backends).
+file lists the kernel, every child file is present in the entry's own dir (``CacheDir.entry_state``). Build skips
+what hits; will-hit reports it; each backend probes its C modules through the same manager (prewarm.backends).
 """
 from __future__ import annotations
 
