@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import tritoncompat
+from .cachedir import CacheDir
 from .errors import ManifestError
 from .plan import Compile, load_record, resolve
 from .tritoncompat import Arg, Specialization
@@ -264,11 +265,10 @@ def explain_miss(c: Compile, cache_dir: str | os.PathLike, key: str,
 @functools.lru_cache(maxsize=8)
 def _cache_entries_cached(cache_dir: str, stamp: float) -> tuple[tuple[str, Specialization], ...]:
     out = []
-    for d in sorted(Path(cache_dir).iterdir()):
-        if d.is_dir() and not d.name.startswith("."):
-            spec = tritoncompat.read_key_dir(d)
-            if spec is not None:
-                out.append((d.name, spec))
+    for key in CacheDir(cache_dir).entries()[0]:
+        spec = tritoncompat.read_key_dir(Path(cache_dir, key))
+        if spec is not None:
+            out.append((key, spec))
     return tuple(out)
 
 
