@@ -1,13 +1,12 @@
 """fla-core 0.6.0's KDA planned and built offline under the H200 profile (prewarm.providers.fla_kda).
 
-Coverage is checked against traffic written independently of the provider (``bench/fla_traffic.py``: random
+Coverage is checked against traffic written independently of the provider (``prewarm.providers.fla_traffic``: random
 lengths, sequence counts, batch sizes, beta dtypes, views) run through fla's public API on meta tensors: every
 compile request it makes must be a planned one. Builds run as CLI processes, so the device profile never reaches
 this test process's later tests.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import subprocess
@@ -19,17 +18,11 @@ import pytest
 from prewarm import backends, devices, tritoncompat
 from prewarm.manifest import load
 from prewarm.plan import expand, expand_all, plan, resolve
+from prewarm.providers import fla_traffic
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "manifests" / "kimi-linear-h200-fla.toml"
 FIXED_SEEDS = [0, 1, 2]
-
-
-def traffic_module():
-    spec = importlib.util.spec_from_file_location("fla_traffic", REPO / "bench" / "fla_traffic.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +95,7 @@ def test_independent_fla_traffic_requests_nothing_the_plan_lacks(planned, seed):
     have = {c.specialization for c in compiles}
     missed: dict[str, str] = {}
     n = 0
-    for call in traffic_module().calls(m.spec(), seed, 30, "meta"):
+    for call in fla_traffic.calls(m.spec(), seed, 30, "meta"):
         with intercepted() as launches:
             call.run()
         for launch in launches:
@@ -151,13 +144,12 @@ RECORDED_FLA_APP = """
 import sys
 from prewarm.backends import get_target
 get_target("cuda", "sm_90", "offline", "H200").activate()  # stands in for the GPU the recording was made on
-sys.path.insert(0, sys.argv[1])
-import fla_traffic
 from prewarm import tritoncompat
 from prewarm.manifest import load
+from prewarm.providers import fla_traffic
 from prewarm.providers.fla_kda import intercepted
 
-spec = load(sys.argv[2]).spec()
+spec = load(sys.argv[1]).spec()
 for call in fla_traffic.calls(spec, 11, 40, "meta"):
     if call.label.startswith(("decode", "verify")):  # what a server compiles at a launch (kept small: no prefill)
         with intercepted() as launches:
@@ -176,7 +168,7 @@ def test_a_record_only_manifest_over_an_fla_recording_from_another_host_builds_o
     app.write_text(RECORDED_FLA_APP)
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "app-cache")}
     done = subprocess.run([sys.executable, "-m", "prewarm.cli", "record", "-o", str(tmp_path / "local.jsonl"), "--",
-                           sys.executable, str(app), str(REPO / "bench"), str(MANIFEST)],
+                           sys.executable, str(app), str(MANIFEST)],
                           capture_output=True, text=True, cwd=REPO, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = []
