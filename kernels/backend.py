@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -31,7 +32,9 @@ def normalize(backend: str) -> str:
         raise ValueError(f"unknown backend {backend!r}: expected one of {sorted(_ALIASES)}") from None
 
 
+@functools.cache
 def _npu_present() -> bool:
+    """Asked once per process (an import probe costs ~20 us, and every launch's dispatch asks)."""
     if importlib.util.find_spec("torch_npu") is None:
         return False
     import torch
@@ -89,6 +92,7 @@ REGISTRY: dict[str, Entry] = {}
 
 def register(name: str, entry: Entry) -> None:
     REGISTRY[name] = entry
+    _launch_selection.cache_clear()
 
 
 def _config_dict(cfg) -> dict:
@@ -116,9 +120,16 @@ def select(name: str, backend: str | None = None) -> Selection:
     return Selection(name, backend, entry.kernel, True, configs, {}, {})
 
 
+@functools.cache
+def _launch_selection(name: str, backend: str) -> Selection:
+    """:func:`select` once per (kernel, backend) for launches: a decode step is launch-bound, and an entry only
+    changes by :func:`register`, which clears this."""
+    return select(name, backend)
+
+
 def dispatch(name: str, grid: Callable[[dict], tuple], *args, **kwargs) -> None:
     """Launch ``name`` through :func:`launch` as the current backend selects it."""
-    sel = select(name)
+    sel = _launch_selection(name, detect())
     if sel.autotuned:
         launch(sel.kernel, grid, *args, **kwargs)
     else:

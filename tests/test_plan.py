@@ -137,8 +137,9 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     dtypes, G gate dtypes and D verify draft widths, the serving mix plans per activation dtype the 6 prefill
     kernels that read q/k/v (l2norm, intra_inter, intra_diag, recompute, state, output), per gate dtype cumsum (it
     reads g and fp32 only), solve once (fp32 only), and the recurrent kernel per (activation, gate) pair for decode
-    and each draft width. Batch sizes, lengths and every other argument make no variant (the wrappers'
-    canonical form), so decode buckets do not count. Each autotuned request compiles once per config."""
+    and each draft width, once per beta dtype it reads as given (B: the activation dtype and fp32). Batch sizes,
+    lengths and every other argument make no variant (the wrappers' canonical form), so decode buckets do not count.
+    Each autotuned request compiles once per config."""
     from prewarm.plan import expand_all
     from prewarm_kernels.backend import select
 
@@ -148,12 +149,14 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     spec = read_kda(m.spec())
     A, G = len(spec["dtypes"]["activation"]), len(spec["dtypes"]["gate"])
     D = len([d for d in spec["draft_widths"] if d > 1])
+    B = 2  # beta in bf16 (the activation dtype) or fp32
     assert (A, G, D) == (1, 2, 2)
     get_target(m.backend, m.arch, "offline").activate()
     planned = plan(m)
-    assert len(planned.requests) == 6 * A + G + 1 + (1 + D) * A * G == 15
+    assert len(planned.requests) == 6 * A + G + 1 + (1 + D) * A * G * B == 21
     configs = {name: len(select(name, m.backend).configs) for name in
                ("l2norm", "cumsum", "intra_inter", "intra_diag", "solve", "recompute", "state", "output", "recurrent")}
     per_activation = sum(configs[n] for n in ("l2norm", "intra_inter", "intra_diag", "recompute", "state", "output"))
-    expected = per_activation * A + configs["cumsum"] * G + configs["solve"] + configs["recurrent"] * (1 + D) * A * G
-    assert len(expand_all(planned.requests)) == expected == 50 + 36 + 3 + 6
+    expected = (per_activation * A + configs["cumsum"] * G + configs["solve"]
+                + configs["recurrent"] * (1 + D) * A * G * B)
+    assert len(expand_all(planned.requests)) == expected == 50 + 36 + 3 + 12

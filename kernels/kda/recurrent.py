@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import activations, as_fp32, as_index, as_pool, canonical, gate
+from .common import activations, as_index, as_pool, as_read, canonical, cdiv, gate, next_pow2
 
 PINNED = {"BV": 32, "num_warps": 4, "num_stages": 3}
 DEFAULT = {"BV": 32, "num_warps": 4, "num_stages": 2}
@@ -50,7 +50,7 @@ def kda_recurrent_kernel(q, k, v, g, beta, A_log, dt_bias, o, pool, indices, int
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_g = tl.load(g + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + (i_tok * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + i_tok * H + i_h)
+        b_b = tl.load(beta + i_tok * H + i_h).to(tl.float32)
         if USE_QK_L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -75,7 +75,7 @@ register("recurrent", Entry(kda_recurrent_kernel, PINNED, autotune_default=False
 
 def token_bucket(num_tokens: int) -> int:
     """The grid's token capacity: next power of 2 (a CUDA graph captured at a bucket replays the same grid)."""
-    return triton.next_power_of_2(max(int(num_tokens), 1))
+    return next_pow2(max(int(num_tokens), 1))
 
 
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -87,7 +87,8 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
     Decode (D == 1) advances the pool in place; verify (D > 1) leaves it. q, k, v share the activation dtype; g is
     the log-decay or, with A_log / dt_bias, the raw gate; beta, A_log, dt_bias may be any float dtype (used in
-    fp32); ``state_indices`` int32 or int64. Views and unaligned inputs are copied once (``common.canonical``).
+    fp32; beta read as given when fp32 or the activation dtype, see ``common.as_read``); ``state_indices`` int32 or
+    int64. Views and unaligned inputs are copied once (``common.canonical``).
     """
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError(f"q must be packed [1, N*D, H, K], got shape {tuple(q.shape)}")
@@ -103,15 +104,15 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         raise ValueError(f"q holds {T} tokens but {N} sequences x draft_width {D} = {N * D}")
     q, k, v = activations(q, k, v, (1, T, H, K), (1, T, H, V))
     g = canonical("g", g, (1, T, H, K))
-    beta = as_fp32("beta", beta, (1, T, H))
+    beta = as_read("beta", beta, (1, T, H), q.dtype)
     state_indices = as_index("state_indices", state_indices, (N,))
     pool = as_pool("state_pool", state_pool, H, K, V)
     gt = gate(A_log, dt_bias, lower_bound, H, K)
     scale = K ** -0.5 if scale is None else float(scale)
     o = torch.empty_like(v)
     inter = torch.empty(N, D, H, K, V, dtype=torch.float32, device=q.device) if D > 1 else None
-    slots = triton.cdiv(token_bucket(T), D)
-    dispatch("recurrent", lambda meta: (triton.cdiv(V, meta["BV"]), slots * H), q, k, v, g, beta, gt.A_log,
+    slots = cdiv(token_bucket(T), D)
+    dispatch("recurrent", lambda meta: (cdiv(V, meta["BV"]), slots * H), q, k, v, g, beta, gt.A_log,
              gt.dt_bias, o, pool, state_indices, inter, scale, gt.lower_bound, N, DRAFT=D, H=H, K=K, V=V,
-             BK=triton.next_power_of_2(K), GATE=gt.kind, USE_QK_L2NORM=bool(use_qk_l2norm))
+             BK=next_pow2(K), GATE=gt.kind, USE_QK_L2NORM=bool(use_qk_l2norm))
     return o, inter

@@ -3,10 +3,12 @@
 Both go through the same call builder, so the launches recorded on ``meta`` tensors are exactly the ones a real
 run makes. For every declared (activation dtype, gate dtype) pair: prefill is one packed varlen ``chunk_kda_fwd``
 (initial states from a pool by index, final state out), decode one recurrent call, verify one recurrent call per
-draft width > 1; the fused gate and the in-kernel q/k L2 norm as the spec declares. Nothing else varies a compiled
-variant: the wrappers canonicalize every other argument (see ``common``), and batch sizes, sequence counts and
-lengths are never specialized, so one call of each kind stands for all of them. ``run`` makes the same calls on a
-device, so a device build autotunes every planned autotune key (Triton's key includes the argument dtypes).
+draft width > 1, decode and verify once with beta in the activation dtype and once in fp32 (the recurrent kernel
+reads either as given: ``common.as_read``); the fused gate and the in-kernel q/k L2 norm as the spec declares.
+Nothing else varies a compiled variant: the wrappers canonicalize every other argument (see ``common``), and batch
+sizes, sequence counts and lengths are never specialized, so one call of each kind stands for all of them. ``run``
+makes the same calls on a device, so a device build autotunes every planned autotune key (Triton's key includes the
+argument dtypes).
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]
     pairs = dtype_pairs(spec)
 
     def layer_inputs(T: int, act: torch.dtype, gdt: torch.dtype):
-        """q, k, v, g, beta: beta in the activation dtype, as many models produce it (the wrapper makes it fp32)."""
+        """q, k, v, g, beta: beta in the activation dtype, as many models produce it (chunk_kda_fwd makes it fp32)."""
         g = randn(1, T, H, K, dtype=gdt) if fused else -torch.rand(1, T, H, K, generator=gen).to(device, gdt)
         beta = torch.rand(1, T, H, generator=gen).to(device, act)
         return randn(1, T, H, K, dtype=act), randn(1, T, H, K, dtype=act), randn(1, T, H, V, dtype=act), g, beta
@@ -84,17 +86,21 @@ def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]
         if not buckets:
             continue
 
-        def recurrent(draft: int, act=act, gdt=gdt):
+        def recurrent(draft: int, beta_dtype: torch.dtype | None, act=act, gdt=gdt):
             def call():
                 bs = buckets[-1]  # any batch size compiles the same variant: N is a runtime int, never specialized
                 q, k, v, g, beta = layer_inputs(bs * draft, act, gdt)
                 idx = torch.arange(bs, dtype=torch.int32).to(device)
+                beta = beta if beta_dtype is None else beta.to(beta_dtype)
                 return recurrent_kda(q, k, v, g, beta, pool, idx, draft_width=draft, use_qk_l2norm=l2norm, **gate)
             return call
 
-        yield label("decode"), recurrent(1)
-        for d in drafts:
-            yield label("verify", f"draft={d}"), recurrent(d)
+        # the recurrent kernel reads beta as given in the activation dtype or fp32 (common.as_read): one variant each
+        for beta_dtype in [None] + [torch.float32] * (act != torch.float32):
+            extra = [] if beta_dtype is None else ["beta=float32"]
+            yield label("decode", *extra), recurrent(1, beta_dtype)
+            for d in drafts:
+                yield label("verify", f"draft={d}", *extra), recurrent(d, beta_dtype)
 
 
 def _kernel_name(kernel) -> str:

@@ -13,6 +13,14 @@ SPEC = {"backend": "cuda", "arch": "sm_90",  # a manifest's [spec] as the provid
 PREFILL = ["l2norm", "l2norm", "cumsum", "intra_inter", "intra_diag", "solve", "recompute", "state", "output"]
 
 
+@pytest.fixture(autouse=True)
+def fresh_npu_probe(pk):
+    """detect() probes for an NPU once per process; each test here fakes its own environment."""
+    pk.backend._npu_present.cache_clear()
+    yield
+    pk.backend._npu_present.cache_clear()
+
+
 def test_detect_without_torch_npu_is_default(pk, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # not importable
     assert pk.backend.detect() == "default"
@@ -59,7 +67,9 @@ def test_select_default_keeps_autotune_lists(pk):
 def test_serving_launches_follow_selection(pk, backend):
     launches = pk.serving.launches({**SPEC, "backend": backend})
     labels = [rec.label for rec in launches]
-    assert labels == [f"prefill/{n}" for n in PREFILL] + ["decode/recurrent", "verify[draft=4]/recurrent"]
+    assert labels == [f"prefill/{n}" for n in PREFILL] + ["decode/recurrent", "verify[draft=4]/recurrent",
+                                                          "decode[beta=float32]/recurrent",
+                                                          "verify[draft=4,beta=float32]/recurrent"]
     for rec in launches:
         name = rec.label.split("/")[1]
         sel = pk.backend.select(name, backend)
@@ -72,7 +82,8 @@ def test_serving_launches_follow_selection(pk, backend):
         for key, value in sel.launch_kwargs.items():
             assert rec.kwargs[key] == value
     verify = [r for r in launches if r.label.startswith("verify")]
-    assert [r.kwargs["DRAFT"] for r in verify] == [4]
+    assert [r.kwargs["DRAFT"] for r in verify] == [4, 4]
+    assert [r.args[4].dtype for r in launches[-4:]] == [torch.bfloat16] * 2 + [torch.float32] * 2  # beta as read
     assert launches[2].kwargs["GATE"] == 2
     again = pk.serving.launches({**SPEC, "backend": backend})
     assert [(r.label, r.kernel, r.kwargs, r.grid if not callable(r.grid) else None) for r in again] == \
@@ -116,13 +127,16 @@ def test_serving_spec_errors(pk):
 
 def test_serving_plans_the_cross_product_of_declared_dtypes(pk):
     """activation x gate dtypes: kernels that read g (cumsum, recurrent) get one request per pair, the others
-    one per activation dtype; beta, A_log and dt_bias reach every kernel as fp32 whatever the pair."""
+    one per activation dtype; A_log and dt_bias reach every kernel as fp32 whatever the pair, beta too except in the
+    recurrent kernel, which reads it as given in the activation dtype or fp32 (one request each)."""
     spec = {**SPEC, "dtypes": {"activation": ["bfloat16", "float16"], "gate": ["bfloat16", "float32"]}}
     launches = pk.serving.launches(spec)
     pairs = [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "bfloat16"), ("float16", "float32")]
     expected = [f"{kind}[{extra}act={a},gate={g}]/{name}" for a, g in pairs
                 for kind, extra, names in [("prefill", "", PREFILL), ("decode", "", ["recurrent"]),
-                                           ("verify", "draft=4,", ["recurrent"])] for name in names]
+                                           ("verify", "draft=4,", ["recurrent"]),
+                                           ("decode", "beta=float32,", ["recurrent"]),
+                                           ("verify", "draft=4,beta=float32,", ["recurrent"])] for name in names]
     assert [r.label for r in launches] == expected
 
     def signature(rec):  # what tells compiled variants apart: argument dtypes and constexprs
@@ -135,12 +149,14 @@ def test_serving_plans_the_cross_product_of_declared_dtypes(pk):
         by_kernel[name] = by_kernel.get(name, 0) + 1
     # cumsum reads g only: one variant per gate dtype; solve reads fp32 only; recurrent reads both
     assert by_kernel == {"l2norm": 2, "cumsum": 2, "intra_inter": 2, "intra_diag": 2, "solve": 1, "recompute": 2,
-                         "state": 2, "output": 2, "recurrent": 8}
+                         "state": 2, "output": 2, "recurrent": 16}
     for rec in launches:
         name = rec.label.split("/")[1]
         fp32_roles = {"cumsum": [1, 2], "intra_inter": [3], "intra_diag": [3], "recompute": [2],
-                      "recurrent": [4, 5, 6]}.get(name, [])
+                      "recurrent": [5, 6]}.get(name, [])
         assert all(rec.args[i].dtype == torch.float32 for i in fp32_roles), rec.label
+        if name == "recurrent":
+            assert rec.args[4].dtype == (torch.float32 if "beta=float32" in rec.label else rec.args[0].dtype)
 
 
 def test_serving_declared_switches(pk):

@@ -32,7 +32,7 @@ def test_serving_launches_compile_for_sm90(sm90):
     from prewarm_kernels.kda import serving
 
     launches = serving.launches(SPEC)
-    assert len(launches) == 11  # 9 prefill (l2norm twice), 1 decode, 1 verify (draft 4)
+    assert len(launches) == 13  # 9 prefill (l2norm twice), decode and verify (draft 4) with a bf16 and an fp32 beta
     for rec in launches:
         kernel = rec.kernel.warmup(*rec.args, grid=rec.grid, **rec.kwargs)
         assert kernel.metadata.target.arch == 90, rec.label
@@ -131,7 +131,7 @@ def test_prefill_compiles_do_not_depend_on_incidental_choices(sm90, variant):
 
 
 @pytest.mark.parametrize("variant", [
-    dict(n=1), dict(n=17), dict(n=64), dict(n=1000), dict(beta_dtype=torch.bfloat16), dict(idx_dtype=torch.int64),
+    dict(n=1), dict(n=17), dict(n=64), dict(n=1000), dict(beta_dtype=torch.float16), dict(idx_dtype=torch.int64),
     dict(layout="fused"),
 ], ids=lambda v: ",".join(f"{k}={str(x).replace('torch.', '')}" for k, x in v.items()))
 @pytest.mark.parametrize("draft", [1, 4])
@@ -139,6 +139,16 @@ def test_recurrent_compiles_do_not_depend_on_batch_size_or_incidental_choices(sm
     base = _requests(_decode(draft=draft))
     assert len(base) == 1
     assert _requests(_decode(draft=draft, **variant)) == base
+
+
+@pytest.mark.parametrize("draft", [1, 4])
+def test_recurrent_reads_a_beta_in_the_activation_dtype_as_given(sm90, draft):
+    """A bf16 beta beside bf16 activations is read without a cast (decode is launch-bound): one other variant than
+    an fp32 beta, which the serving plan holds too (it plans both)."""
+    base = _requests(_decode(draft=draft))
+    own = _requests(_decode(draft=draft, beta_dtype=torch.bfloat16))
+    assert len(own) == 1 and own != base
+
 
 
 def test_declared_choices_are_variants(sm90):

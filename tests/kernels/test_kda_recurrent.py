@@ -93,3 +93,25 @@ def test_bad_inputs(pk):
         pk.recurrent.recurrent_kda(q, k, v, g, beta, pool, torch.arange(4, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"state_pool must be an fp32 pool \[P, H=2, K=16, V=16\], got torch.float16"):
         pk.recurrent.recurrent_kda(q, k, v, g, beta, pool.half(), torch.arange(6, dtype=torch.int32))
+
+
+def test_beta_is_read_as_given_in_the_activation_dtype_or_fp32(pk):
+    """Decode is launch-bound, so a bf16 beta beside bf16 activations, or an fp32 one, reaches the kernel as given
+    (no cast launch) and gives exactly what the same values in fp32 give; any other float dtype is cast to fp32."""
+    H, K, V, N = 2, 16, 16, 3
+    q, k, v, g, beta, pool = pk.make_inputs(1, N, H, K, V, seed=5, pool=N)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    idx = torch.arange(N, dtype=torch.int32)
+    read = {}
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        b = beta.to(dtype)
+        with pk.launch.capture() as recs:
+            pk.recurrent.recurrent_kda(q, k, v, g, b, pool, idx)
+        (rec,) = recs
+        read[dtype] = rec.args[4].dtype
+        assert (rec.args[4] is b) == (dtype != torch.float16)
+    assert read == {torch.bfloat16: torch.bfloat16, torch.float32: torch.float32, torch.float16: torch.float32}
+    as_bf16, as_fp32 = pool.clone(), pool.clone()
+    o1, _ = pk.recurrent.recurrent_kda(q, k, v, g, beta.bfloat16(), as_bf16, idx)
+    o2, _ = pk.recurrent.recurrent_kda(q, k, v, g, beta.bfloat16().float(), as_fp32, idx)
+    assert torch.equal(o1, o2) and torch.equal(as_bf16, as_fp32) and not torch.equal(as_bf16, pool)
