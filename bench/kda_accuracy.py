@@ -12,23 +12,49 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
-from _common import import_kernels  # noqa: E402  (same directory)
+from _common import child_env, import_kernels, run_cli  # noqa: E402  (same directory)
 
 import_kernels()
 
 from prewarm_kernels.kda import chunk_kda_fwd, recurrent_kda  # noqa: E402
 from prewarm_kernels.kda.reference import gate_ref, recurrent_ref  # noqa: E402
-from prewarm_kernels.launch import capture  # noqa: E402
 
 THRESHOLD = 0.005
 K = V = 128
 VARLEN = [1, 63, 64, 65, 1000, 4096]
+# One KDA layer as served (bf16, fused gate, in-kernel q/k L2 norm): what ``prebuild`` compiles per head count.
+MANIFEST = """name = "{name}"
+[target]
+backend = "cuda"
+arch = "sm_90"
+device = "H200"
+[spec.model]
+kda_heads = {H}
+head_k_dim = {K}
+head_v_dim = {V}
+{lower_bound}
+[spec.dtypes]
+activation = "bfloat16"
+gate = "bfloat16"
+[spec.serving]
+prefill = true
+decode_batch_buckets = {buckets}
+draft_widths = {drafts}
+fused_gate = true
+qk_l2norm = true
+[[kernels]]
+provider = "{provider}"
+"""
+OURS, FLA = "prewarm_kernels.kda.serving", "prewarm.providers.fla_kda"  # the providers ``prebuild`` can plan
 
 
 def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -49,62 +75,37 @@ def inputs(T: int, H: int, seed: int, dev: str):
     return q, k, v, raw, beta, A_log, dt_bias
 
 
-def meta_chunk_launches(H: int, lens: list[int], varlen: bool, fused_gate: bool, lower_bound, h0: bool,
-                        beta_dtype: str = "float32") -> list:
-    """The launches of one bf16 ``chunk_kda_fwd`` call, captured on meta tensors (nothing runs)."""
-    T, m, bf = sum(lens), "meta", torch.bfloat16
-    q, k, g = (torch.empty(1, T, H, K, device=m, dtype=bf) for _ in range(3))
-    v = torch.empty(1, T, H, V, device=m, dtype=bf)
-    beta = torch.empty(1, T, H, device=m, dtype=getattr(torch, beta_dtype))
-    N = len(lens) if varlen else 1
-    kw = {}
-    if varlen:
-        kw["cu_seqlens"] = torch.tensor([0] + torch.cumsum(torch.tensor(lens), 0).tolist(), dtype=torch.int32)
-    if fused_gate:
-        kw.update(A_log=torch.empty(H, device=m), dt_bias=torch.empty(H * K, device=m), lower_bound=lower_bound)
-    if h0:
-        kw.update(initial_state=torch.empty(N + 3, H, K, V, device=m),
-                  initial_state_indices=torch.empty(N, dtype=torch.int32, device=m))
-    with capture() as records:
-        chunk_kda_fwd(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True, **kw)
-    return records
-
-
-def _compile_job(job) -> str | None:
-    call, i_launch, i_config = job
-    try:
-        rec = meta_chunk_launches(**call)[i_launch]
-        kernel, extra = rec.kernel, {}
-        if i_config is not None:  # an Autotuner: compile one of its configs on the raw JITFunction
-            kernel, extra = rec.kernel.fn, rec.kernel.configs[i_config].all_kwargs()
-        grid = rec.grid if not callable(rec.grid) else (1,)
-        kernel.warmup(*rec.args, grid=grid, **rec.kwargs, **extra)
-        return None
-    except Exception as e:  # reported, never fatal: the timed run compiles whatever is missing itself
-        return f"{call} launch {i_launch} config {i_config}: {e!r}"
-
-
-def precompile(calls: list[dict], workers: int | None = None) -> dict:
-    """Compile every config of every kernel the given calls launch, in parallel processes, into the on-disk
-    Triton cache, so the autotuner in this process only benchmarks (its compiles are serial otherwise)."""
-    import concurrent.futures
-    import multiprocessing
-
+def prebuild(specs: list[dict], cache_dir: str, workers: int | None = None) -> dict:
+    """Compile what the given serving specs plan into ``cache_dir`` with ``prewarm build --mode offline`` (parallel
+    processes; no autotuning, so every autotune key is tuned here at the timed shapes, not at the plan's small
+    ones). Each spec: heads, and optionally gate_lower_bound, decode (bool), drafts, provider (OURS or FLA). Run
+    with TRITON_CACHE_DIR = ``cache_dir``, the timed calls then only benchmark configs; anything the plan lacks
+    compiles on first call."""
     t0 = time.time()
-    jobs = []
-    for call in calls:
-        for i, rec in enumerate(meta_chunk_launches(**call)):
-            configs = getattr(rec.kernel, "configs", None)
-            jobs += [(call, i, j) for j in range(len(configs))] if configs is not None else [(call, i, None)]
-    workers = workers or min(16, os.cpu_count() or 1)
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        failures = [f for f in pool.map(_compile_job, jobs) if f is not None]
-    for f in failures[:5]:
-        print(f"precompile failure: {f}", flush=True)
-    summary = {"jobs": len(jobs), "failures": len(failures), "workers": workers, "seconds": round(time.time() - t0, 1)}
-    print(f"precompiled {len(jobs) - len(failures)}/{len(jobs)} kernel configs with {workers} processes in "
-          f"{summary['seconds']}s", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="kda-bench-"))
+    builds = []
+    for s in specs:
+        H, lb = s["heads"], s.get("gate_lower_bound")
+        provider = s.get("provider", OURS)
+        path = work / f"kda-h{H}-{len(builds)}.toml"
+        path.write_text(MANIFEST.format(name=f"kda-bench-h{H}", H=H, K=K, V=V, provider=provider,
+                                        lower_bound="" if lb is None else f"gate_lower_bound = {lb}",
+                                        buckets=[1] if s.get("decode") else [], drafts=list(s.get("drafts", []))))
+        args = ["build", str(path), "--cache-dir", cache_dir, "--mode", "offline"]
+        rc, secs = run_cli(args + (["--workers", str(workers)] if workers else []), child_env(work), 900,
+                           check=False)
+        builds.append({"heads": H, "provider": provider, "rc": rc, "seconds": round(secs, 1)})
+    shutil.rmtree(work, ignore_errors=True)
+    summary = {"builds": builds, "seconds": round(time.time() - t0, 1), "cache_dir": cache_dir}
+    print(f"prebuilt {len(specs)} manifests in {summary['seconds']}s: {builds}", flush=True)
     return summary
+
+
+def fresh_triton_cache() -> str:
+    """TRITON_CACHE_DIR for this process: the caller's, else a new empty dir (set before the first compile)."""
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kda-bench-cache-")
+    return os.environ["TRITON_CACHE_DIR"]
 
 
 def chunk_case(H: int, lens: list[int], varlen: bool, lower_bound, dev: str) -> dict:
@@ -170,9 +171,9 @@ def main() -> int:
         plan += [("chunk", H, [T], False, lb) for T in args.seqlens]
         plan.append(("chunk", H, VARLEN, True, lb))
         plan += [("rec", H, bs, d, lb) for bs, d in [(1, 1), (16, 1), (1, 4), (16, 4)]]
-    calls = {(H, varlen): dict(H=H, lens=lens, varlen=varlen, fused_gate=True, lower_bound=lb, h0=True)
-             for kind, H, lens, varlen, lb in plan if kind == "chunk"}  # T is not specialized: one per (H, varlen)
-    pre = precompile(list(calls.values()), args.workers)
+    cache = fresh_triton_cache()
+    pre = prebuild([{"heads": H, "gate_lower_bound": -5.0 if H == 6 else None, "decode": True, "drafts": [4]}
+                    for H in args.heads], cache, args.workers)
     with torch.inference_mode():
         for i, case in enumerate(plan):
             if time.time() - t_start > args.budget_s:
@@ -197,7 +198,7 @@ def main() -> int:
     report = {"benchmark": "kda_accuracy", "threshold_rel_rms": THRESHOLD, "K": K, "V": V, "dtype": "bfloat16",
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "python": platform.python_version(),
-              "all_pass": ok, "precompile": pre, "results": results, "errors": errors, "skipped": skipped,
+              "all_pass": ok, "prebuild": pre, "results": results, "errors": errors, "skipped": skipped,
               "wall_s": round(time.time() - t_start, 1)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -23,7 +23,7 @@ from _common import import_kernels, write_json  # noqa: E402  (same directory)
 import_kernels()
 
 import triton  # noqa: E402
-from kda_accuracy import precompile  # noqa: E402  (same directory)
+from kda_accuracy import fresh_triton_cache, prebuild  # noqa: E402  (same directory)
 from prewarm_kernels.kda import chunk_kda_fwd, recurrent_kda  # noqa: E402
 
 K = V = 128
@@ -85,14 +85,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/kda_canonical_cost.json")
     ap.add_argument("--reps", type=int, default=7, help="interleaved do_bench rounds per form")
-    ap.add_argument("--workers", type=int, default=None, help="parallel compile processes (default: min(16, CPUs))")
+    ap.add_argument("--workers", type=int, default=None, help="build processes (default: CPU count)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.time()
-    pre = precompile([dict(H=H, lens=[T], varlen=True, fused_gate=True, lower_bound=None, h0=True)
-                      for H, T in PREFILL], args.workers)
+    pre = prebuild([{"heads": H, "decode": True, "drafts": [D for _, _, D in RECURRENT if D > 1]}
+                    for H in dict.fromkeys(H for H, _ in PREFILL)], fresh_triton_cache(), args.workers)
     points = []
     with torch.inference_mode():
         for H, T in PREFILL:
@@ -107,7 +107,7 @@ def main() -> int:
                         "cast": "bf16 beta/A_log/dt_bias, int64 indices (cast by the wrapper)",
                         "views": "q/k/v/g split out of one fused projection (copied by the wrapper)"},
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "precompile": pre, "points": points,
+              "python": platform.python_version(), "prebuild": pre, "points": points,
               "wall_s": round(time.time() - t0, 1)}
     write_json(args.out, report)
     print(f"wrote {args.out}")
