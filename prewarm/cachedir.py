@@ -256,8 +256,10 @@ class CacheDir:
             try:
                 with open_regular(entry / name) as fh:
                     children = json.loads(fh.read(MAX_GROUP_BYTES + 1))["child_paths"]
-                assert isinstance(children, dict)
-            except Exception:  # unreadable, not JSON, not a group: Triton ignores it and compiles
+                if not isinstance(children, dict):
+                    raise TypeError("child_paths is not an object")
+            except (OSError, IntegrityError, ValueError, RecursionError, KeyError, TypeError):
+                # unreadable, not JSON, not a group: Triton ignores it and compiles
                 c.groups[name] = None
                 c.modified.append(f"{key}/{name} (not a Triton group file)")
                 continue
