@@ -19,6 +19,7 @@ Probes (installed inside a measuring child):
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -78,6 +79,51 @@ def fresh_dir(path: Path) -> Path:
 def files_under(path: Path) -> set[str]:
     """Every file below ``path``, relative to it (a cache dir's before/after listing)."""
     return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} if path.exists() else set()
+
+
+# --- command lines -------------------------------------------------------------------------------------------
+
+
+def bench_parser(doc: str, name: str, manifest: Path = DEFAULT_MANIFEST) -> argparse.ArgumentParser:
+    """A GPU bench's command line: --manifest, --out (``bench/results/NAME.json``), --work-dir, --timeout, and the
+    hidden options of its measuring child: --child, --result (the JSON the child writes)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--manifest", default=str(manifest))
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / f"{name}.json"))
+    p.add_argument("--work-dir", default=str(DEFAULT_WORK), help="scratch space: node dirs, bundles, child results")
+    p.add_argument("--timeout", type=float, default=420, help="seconds allowed to a build or a measuring process")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p
+
+
+def add_seed_options(p: argparse.ArgumentParser, seeds: str, calls: int) -> None:
+    """The options of a bench that runs one fresh process per seed on a fresh install (see :func:`seed_runs`)."""
+    p.add_argument("--bundle", help="bundle dir to install (e.g. built and packed on a CPU box): every seed runs on it")
+    p.add_argument("--seeds", default=seeds, help="comma-separated, distinct; one fresh process each")
+    p.add_argument("--device-runs", type=int, default=0,
+                   help="also build a --mode device bundle here and run the first N seeds on it")
+    p.add_argument("--calls", type=int, default=calls, help="calls per step (the first step: the first CALLS calls)")
+    p.add_argument("--steps", type=int, default=4, help="steps per process")
+    p.add_argument("--expect-zero", action="store_true", help="exit 1 if any process compiled or failed")
+    p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+
+
+def parse_seed_options(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse; outside the child, ``--seeds`` becomes a list and the options of :func:`add_seed_options` are checked
+    (exit 2 naming the option)."""
+    args = p.parse_args()
+    if args.child:
+        return args
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    if len(set(args.seeds)) != len(args.seeds) or not args.seeds:
+        p.error(f"--seeds {args.seeds}: expected distinct seeds, at least one")
+    if args.calls < 1 or args.steps < 1 or not 0 <= args.device_runs <= len(args.seeds):
+        p.error("--calls and --steps must be >= 1, --device-runs between 0 and the number of seeds")
+    return args
 
 
 # --- child processes -----------------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_for, child_env, child_main, diff, fresh_dir, init_device,
-    install_bundle, load_spec, log, open_traffic, result_header, run_calls, run_child, run_cli, write_json,
+    Probes, bench_parser, bundle_for, child_env, child_main, diff, fresh_dir, init_device, install_bundle, load_spec,
+    log, open_traffic, result_header, run_calls, run_child, run_cli, write_json,
 )
 
 RATIO_GOAL = 20.0
@@ -145,19 +145,13 @@ def summarize(res: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "cold_start.json"))
-    p.add_argument("--work-dir", default=str(DEFAULT_WORK), help="scratch space (bundle, caches)")
+    p = bench_parser(__doc__, "cold_start")
     p.add_argument("--bundle", help="reuse this bundle instead of building one (skips prepare)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds allowed to each build / measuring process")
     p.add_argument("--seed", type=int, default=7, help="traffic seed (both runs draw the same calls)")
     p.add_argument("--calls", type=int, default=32, help="calls per step")
     p.add_argument("--keep-work", action="store_true", help="keep the installed and cold cache dirs")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child_main(measure, args)

@@ -41,8 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_for, child_env, child_main, diff, fresh_dir, init_device,
-    install_bundle, load_spec, log, open_traffic, result_header, run_calls, write_json,
+    REPO, Probes, bench_parser, bundle_for, child_env, child_main, diff, fresh_dir, init_device, install_bundle,
+    load_spec, log, open_traffic, result_header, run_calls, write_json,
 )
 
 B_LIMIT_S = 0.050
@@ -266,24 +266,18 @@ def orchestrate(args) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "dp_stall.json"))
-    p.add_argument("--work-dir", default=str(DEFAULT_WORK))
+    p = bench_parser(__doc__, "dp_stall")
     p.add_argument("--bundle", help="bundle dir to install (default: WORK/bundle, built if missing)")
     p.add_argument("--ranks", type=int, default=2, help="one process per GPU")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--calls", type=int, default=16, help="calls of traffic per rank and step")
     p.add_argument("--seed", type=int, default=100, help="traffic seed (every rank draws the same calls)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--timeout", type=float, default=300, help="seconds allowed to a build or a scenario")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--collective-timeout", type=float, default=300, help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child_main(rank_main, args)

@@ -17,7 +17,6 @@ process or the device build failed, and with ``--expect-zero`` if any process co
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_WORK, REPO, Probes, bundle_for, child_env, child_main, init_device, load_spec, log, run_calls, run_child,
-    seed_runs, write_json,
+    REPO, Probes, add_seed_options, bench_parser, bundle_for, child_env, child_main, init_device, load_spec, log,
+    parse_seed_options, run_calls, run_child, seed_runs, write_json,
 )
 from prewarm.providers.fla_traffic import calls  # noqa: E402
 
@@ -59,7 +58,7 @@ def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, out: dic
         env = child_env(work, TRITON_CACHE_DIR=str(node), TRITON_CACHE_AUTOTUNING="1")
         run = run_child(Path(__file__), ["--child", "--seed", str(seed), "--manifest", args.manifest,
                                          "--calls", str(args.calls), "--steps", str(args.steps)],
-                        env, work / f"result-{label}-{seed}.json", timeout=1800)
+                        env, work / f"result-{label}-{seed}.json", timeout=args.timeout)
         log(f"{label} seed {seed}: {run['compiles']} compiles, first step {run['first_step_s']} s "
             f"(autotune {run['first_step']['autotune_s']} s), {run['cache_hits']} disk hits")
         return run
@@ -70,36 +69,24 @@ def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, out: dic
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--manifest", default=str(DEFAULT_FLA_MANIFEST))
-    ap.add_argument("--bundle", help="a packed bundle built on the CPU box (prewarm build + prewarm pack): every seed")
-    ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--device-runs", type=int, default=0,
-                    help="also build a --mode device bundle here and run the first N seeds on it")
-    ap.add_argument("--calls", type=int, default=8, help="calls per step (the first step is timed)")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--work", default=str(DEFAULT_WORK / "fla"))
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "fla_traffic.json"))
-    ap.add_argument("--expect-zero", action="store_true")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    p = bench_parser(__doc__, "fla_traffic", manifest=DEFAULT_FLA_MANIFEST)
+    add_seed_options(p, seeds="1,2,3", calls=8)
+    args = parse_seed_options(p)
     if args.child:
         return child_main(child, args)
     if not args.bundle and not args.device_runs:
-        ap.error("give --bundle (runs every seed on it), --device-runs N, or both")
-    work = Path(args.work).resolve()
+        p.error("give --bundle (runs every seed on it), --device-runs N, or both")
+    work = Path(args.work_dir).resolve() / "fla"
     work.mkdir(parents=True, exist_ok=True)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     manifest = Path(args.manifest).resolve()
     out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
     if args.bundle:
-        bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, 1800)
+        bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
         drive("offline", bundle, seeds, args, work, out)
     if args.device_runs:
         try:
-            device, out["bundles"]["device"] = bundle_for(None, manifest, work, 420, fallback=False)
+            device, out["bundles"]["device"] = bundle_for(None, manifest, work, args.timeout, fallback=False)
             drive("device", device, seeds[:args.device_runs], args, work, out)
         except Exception as e:  # noqa: BLE001 - keep the offline runs
             out["device_error"] = f"{type(e).__name__}: {e}"

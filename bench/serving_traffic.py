@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    DEFAULT_MANIFEST, DEFAULT_WORK, REPO, Probes, bundle_for, child_env, child_main, files_under, init_device,
-    load_spec, log, open_traffic, result_header, run_calls, run_child, seed_runs, write_json,
+    add_seed_options, bench_parser, bundle_for, child_env, child_main, files_under, init_device, load_spec, log,
+    open_traffic, parse_seed_options, Probes, result_header, run_calls, run_child, seed_runs, write_json,
 )
 
 
@@ -161,39 +161,18 @@ def orchestrate(args) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bundle", help="bundle dir to install (e.g. built and packed on a CPU box)")
+    p = bench_parser(__doc__, "serving_traffic")
+    add_seed_options(p, seeds="1,2,3,4,5", calls=32)
     p.add_argument("--label", default="offline", help="name of --bundle in the results (default: offline)")
-    p.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated; one fresh process each")
-    p.add_argument("--device-runs", type=int, default=0,
-                   help="also build a --mode device bundle here and run the first N seeds on it")
-    p.add_argument("--calls", type=int, default=32, help="calls per step (the first step: the first CALLS calls)")
-    p.add_argument("--steps", type=int, default=4, help="steps per process")
-    p.add_argument("--manifest", default=str(DEFAULT_MANIFEST))
-    p.add_argument("--work-dir", default=str(DEFAULT_WORK), help="node dirs, the device bundle, child results")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "serving_traffic.json"))
-    p.add_argument("--timeout", type=float, default=420, help="seconds allowed to each process or build")
-    p.add_argument("--expect-zero", action="store_true", help="exit 1 if any process compiled or failed")
     p.add_argument("--keep-compiled", metavar="DIR",
                    help="copy the key dir of every compile into DIR/<bundle>-<seed>/ (to run `prewarm explain` on)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_seed_options(p)
     if args.child:
         return child_main(measure, args)
     if not args.bundle:
         p.error("--bundle is required")
-    try:
-        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
-    if len(set(args.seeds)) != len(args.seeds) or not args.seeds:
-        p.error(f"--seeds {args.seeds}: expected distinct seeds, at least one")
-    if args.calls < 1 or args.steps < 1 or not 0 <= args.device_runs <= len(args.seeds):
-        p.error("--calls and --steps must be >= 1, --device-runs between 0 and the number of seeds")
     if args.device_runs and args.label == "device":
         p.error("--label device is the name of the bundle --device-runs builds: give --bundle another label")
     res = orchestrate(args)
