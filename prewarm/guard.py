@@ -196,7 +196,7 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
         tritoncompat.set_cache_manager(manager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
     if armed and not _guard.armed and tritoncompat.triton_distribution()[0] == "triton-ascend":
-        from .backends.npu import check_serving_env  # Ascend codegen env vars the cache key misses: refused (error) or said
+        from .backends.npu import check_serving_env  # codegen env vars the key misses: refused (error) or said
 
         check_serving_env(mode)
     _guard.armed = _guard.armed or armed

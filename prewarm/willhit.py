@@ -142,5 +142,5 @@ def _check(manifest_path: str, cache_dir: str, mode: str) -> WillHitReport:
     report = WillHitReport(planned.manifest.name, os.path.abspath(cache_dir), planned.target.describe())
     report.results = probe_all(planned.compiles, cache_dir)
     report.autotune = probe_autotune_all(planned.requests, cache_dir)
-    report.modules = planned.target.probe_modules(planned.compiles, report.results, cache_dir)
+    report.modules = backends.probe_modules(planned.target, planned.compiles, report.results, cache_dir)
     return report

@@ -16,9 +16,9 @@ from .cuda import CudaDeviceTarget, CudaOfflineTarget
 from .target import MODES, Target
 
 __all__ = ["MODES", "BACKENDS", "CudaDeviceTarget", "CudaOfflineTarget", "Target", "activate_for_planning",
-           "get_target", "select"]
+           "get_target", "probe_modules", "select"]
 
-BACKENDS = {"cuda": cuda, "npu": npu}  # each: TARGETS (mode -> class), auto_mode(), activate_for_planning()
+BACKENDS = {"cuda": cuda, "npu": npu}  # each: TARGETS, auto_mode(), activate_for_planning(), probe_modules()
 
 
 def get_target(backend: str, arch: str, mode: str = "auto", device_profile: str | None = None) -> Target:
@@ -54,3 +54,9 @@ def activate_for_planning(manifest: Manifest) -> None:
     module = BACKENDS.get(manifest.backend)
     if module is not None:
         module.activate_for_planning(manifest.arch, devices.manifest_device(manifest))
+
+
+def probe_modules(target: Target, compiles: list, results: list, cache_dir: str) -> list:
+    """The C modules ``target``'s runtime builds at first launch for the planned compiles that hit (``results``:
+    prewarm.probe's), looked up in ``cache_dir`` through the backend's own classes (``ModuleResult`` each)."""
+    return BACKENDS[target.backend].probe_modules(compiles, results, cache_dir)

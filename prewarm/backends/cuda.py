@@ -61,15 +61,8 @@ def activate_for_planning(arch: str, device_profile: str | None) -> None:
         activate_offline(arch, device_profile)
 
 
-class CudaTarget(Target):
-    """What both CUDA targets share: the launchers and cuda_utils the runtime builds, probed the same way."""
-
-    def probe_modules(self, compiles: list, results: list, cache_dir: str) -> list:
-        return probe_modules(compiles, results, cache_dir)
-
-
 @dataclass
-class CudaOfflineTarget(CudaTarget):
+class CudaOfflineTarget(Target):
     """CUDA without a GPU: the real compiler pipeline down to cubin, through a target-only driver."""
 
     mode: ClassVar[str] = "offline"
@@ -103,7 +96,7 @@ class CudaOfflineTarget(CudaTarget):
 
 
 @dataclass
-class CudaDeviceTarget(CudaTarget):
+class CudaDeviceTarget(Target):
     """CUDA on a real GPU: compile, then run each provider's serving mix once (autotune + launchers on disk)."""
 
     mode: ClassVar[str] = "device"

@@ -224,15 +224,8 @@ def _claim_once(target: Target) -> None:
         _CLAIMED.add(cache_dir)
 
 
-class AscendTarget(Target):
-    """What both Ascend targets share: the runtime modules a node builds at first launch, probed the same way."""
-
-    def probe_modules(self, compiles: list, results: list, cache_dir: str) -> list:
-        return probe_modules(compiles, results, cache_dir)
-
-
 @dataclass
-class NpuTarget(AscendTarget):
+class NpuTarget(Target):
     """An Ascend node: TRITON_COMPILE_ONLY launches through triton-ascend's own driver (launchers included)."""
 
     mode: ClassVar[str] = "device"
@@ -318,7 +311,7 @@ def _answer_soc(soc: str) -> None:
 
 
 @dataclass
-class NpuOfflineTarget(AscendTarget):
+class NpuOfflineTarget(Target):
     """A container build step with the CANN toolkit and no NPU: every planned kernel compiled to its .npubin (the
     expensive part) through the real JIT, the target-only driver giving the manifest's SoC to bishengir-compile.
     Launchers, npu_utils.so and the precompiled header need torch_npu's headers and the node's AI-core count: the

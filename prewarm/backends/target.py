@@ -52,11 +52,6 @@ class Target(ABC):
         """
         return []
 
-    def probe_modules(self, compiles: list, results: list, cache_dir: str) -> list:
-        """The C modules the runtime builds at first launch for the planned compiles that hit (``ModuleResult``
-        of prewarm.probe), looked up in ``cache_dir``; none where the backend builds none."""
-        return []
-
     def notes(self) -> list[str]:
         """Caveats a person must know about caches built by this target (shown by plan and build)."""
         return []
