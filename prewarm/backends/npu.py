@@ -237,9 +237,9 @@ class NpuTarget(Target):
         try:
             arch = driver.active.get_current_target().arch
         except Exception as e:
-            raise EnvironmentProblem(f"build --mode device: no usable NPU driver ({type(e).__name__}: {e})") from e
+            raise EnvironmentProblem(f"npu device mode: no usable NPU driver ({type(e).__name__}: {e})") from e
         if arch != self.arch:
-            raise EnvironmentProblem(f"build --mode device: the manifest targets {self.arch} but this node's NPU "
+            raise EnvironmentProblem(f"npu device mode: the manifest targets {self.arch} but this node's NPU "
                                      f"compiles for {arch} (device SoC or TRITON_ASCEND_ARCH)")
 
     def prepare_build(self) -> None:

@@ -197,3 +197,16 @@ def test_a_manifest_listing_two_a3_socs_builds_two_sets_and_each_node_verifies_i
                       ("", "this node's Ascend SoC is unknown")):  # no boundary: the driver cannot start
         p = verify(manifest, out / "Ascend910_9392", on(soc))
         assert p.returncode == FingerprintMismatch.exit_code and said in " ".join(p.stderr.split()), p.stderr[-3000:]
+
+
+def test_verify_on_a_node_without_the_cann_compiler_finds_the_device_build(toy_manifest, tmp_path, node):
+    """verify only computes keys and looks them up: under the node's own driver it needs no bishengir-compile (the
+    device target's compiler check is the build's alone: Target.prepare_build)."""
+    cache = tmp_path / "cache"
+    assert build(toy_manifest, cache, node).returncode == 0
+    bindir = tmp_path / "no-bishengir"  # the driver's bisheng only (its is_active asks it)
+    standin.make_bisheng(bindir)
+    p = verify(toy_manifest, cache, {**node, "PATH": f"{bindir}{os.pathsep}/usr/bin:/bin"}, "--require-launchers")
+    doc = json.loads(p.stdout)
+    assert doc["will_hit"]["hits"] == TOY_COMPILES and all(m["present"] for m in doc["will_hit"]["modules"]), \
+        p.stderr[-3000:]
