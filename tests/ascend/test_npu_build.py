@@ -210,3 +210,21 @@ def test_verify_on_a_node_without_the_cann_compiler_finds_the_device_build(toy_m
     doc = json.loads(p.stdout)
     assert doc["will_hit"]["hits"] == TOY_COMPILES and all(m["present"] for m in doc["will_hit"]["modules"]), \
         p.stderr[-3000:]
+
+
+def test_an_offline_build_asks_the_cann_compiler_for_its_identity_once(toy_manifest, tmp_path, node):
+    """The toolchain fingerprint (a bishengir-compile run, a hash of its binary) is computed by the build's parent and
+    handed to its workers with the target: not once per worker, after the build and for the record again."""
+    host = {k: v for k, v in node.items() if k not in ("PREWARM_TEST_NPU_SOC", "PYTHONPATH")}
+    real = Path(host["PATH"].split(os.pathsep)[0]) / "bishengir-compile"
+    logged = tmp_path / "logged"
+    logged.mkdir()
+    calls = tmp_path / "calls.log"
+    (logged / "bishengir-compile").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {real} "$@"\n')
+    (logged / "bishengir-compile").chmod(0o755)
+    p = run_prewarm("build", "--json", toy_manifest, "--cache-dir", tmp_path / "cache", "--mode", "offline",
+                    "--workers", "2", env={**host, "PATH": f"{logged}{os.pathsep}{host['PATH']}"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = calls.read_text().splitlines()
+    assert len(lines) > TOY_COMPILES - 1  # every compile ran the compiler through the logging wrapper
+    assert [line for line in lines if "--version" in line.split()] == ["--version"]
