@@ -131,3 +131,22 @@ def test_an_ascend_plan_process_answers_the_a3s_core_counts_through_triton_ascen
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.splitlines()[-1]) == [
         {"max_shared_mem": 1, "num_aicore": 24, "num_vectorcore": 48}, False]
+
+
+def test_plan_itself_activates_nothing_a_planning_process_activates_the_profile_first(tmp_path):
+    """plan() leaves torch.cuda and Triton's driver alone even where the manifest names a device; the plan CLI's
+    backends.activate_for_planning (no GPU here) is what makes this process answer as that device."""
+    from prewarm_helpers import REPO
+
+    text = (REPO / "manifests" / "kimi-linear-h200.toml").read_text()
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(text.replace('arch = "sm_90"\n', 'arch = "sm_90"\ndevice = "H200"\n', 1))
+    code = ("import json, sys, torch\nfrom prewarm import backends, tritoncompat\nfrom prewarm.manifest import load\n"
+            "from prewarm.plan import plan\n"
+            "def seen(): return [tritoncompat.chosen_driver() is not None, torch.cuda.get_device_name.__module__]\n"
+            f"m = load({str(manifest)!r})\nplanned = len(plan(m).requests)\nbefore = seen()\n"
+            "backends.activate_for_planning(m)\nprint(json.dumps([planned, before, seen()]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    planned, before, after = json.loads(done.stdout.splitlines()[-1])
+    assert planned > 0 and before == [False, "torch.cuda"] and after == [True, "prewarm.devices"]
