@@ -178,32 +178,15 @@ def assert_clean(p: subprocess.CompletedProcess, what: str) -> None:
     assert re.search(r"^clean$", p.stdout, re.M), f"{what}: verify did not report clean:\n{p.stdout[-3000:]}"
 
 
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML here")
-
-
 def small_manifest(shipped: Path, dest: Path) -> Path:
-    """The shipped manifest with one decode bucket only (no prefill, no drafts): same target, model and kernels."""
-    doc = tomllib.loads(shipped.read_text())
-    doc["name"] = doc.get("name", shipped.stem) + "-deploy-test"
-    doc["serving"] = {"prefill": False, "decode_batch_buckets": [1], "draft_widths": []}
-    lines = [f"{k} = {_toml(v)}" for k, v in doc.items() if not isinstance(v, (dict, list))]
-    for k, v in doc.items():
-        if isinstance(v, dict):
-            lines += ["", f"[{k}]"] + [f"{kk} = {_toml(vv)}" for kk, vv in v.items()]
-    for k, v in doc.items():
-        if isinstance(v, list):
-            for item in v:
-                lines += ["", f"[[{k}]]"] + [f"{kk} = {_toml(vv)}" for kk, vv in item.items()]
-    dest.write_text("\n".join(lines) + "\n")
+    """The shipped manifest with one decode bucket only (no prefill, no drafts): same target, model and kernels (its
+    own text, with `[spec.serving]` replaced)."""
+    text = shipped.read_text()
+    name = tomllib.loads(text).get("name", shipped.stem)
+    head, tail = text.split("[spec.serving]", 1)
+    head = re.sub(r"^name = .*$", f'name = "{name}-deploy-test"', head, count=1, flags=re.M)
+    serving = "[spec.serving]\nprefill = false\ndecode_batch_buckets = [1]\ndraft_widths = []\n\n"
+    dest.write_text(head + serving + tail[tail.index("[[kernels]]"):])
     return dest
 
 
