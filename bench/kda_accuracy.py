@@ -15,13 +15,14 @@ import platform
 import shutil
 import sys
 import tempfile
+import tomllib
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-from _common import child_env, import_kernels, run_cli  # noqa: E402  (same directory)
+from _common import REPO, child_env, import_kernels, run_cli  # noqa: E402  (same directory)
 
 import_kernels()
 
@@ -54,7 +55,13 @@ qk_l2norm = true
 [[kernels]]
 provider = "{provider}"
 """
-OURS, FLA = "prewarm_kernels.kda.serving", "prewarm.providers.fla_kda"  # the providers ``prebuild`` can plan
+# ``prebuild`` plans with the provider of one of the shipped manifests: our kernels' or fla-core's
+OURS, FLA = "kimi-linear-h200.toml", "kimi-linear-h200-fla.toml"
+
+
+def shipped_provider(manifest: str) -> str:
+    """The ``[[kernels]] provider`` of ``manifests/<manifest>``: what a deployment of it builds with."""
+    return tomllib.loads((REPO / "manifests" / manifest).read_text())["kernels"][0]["provider"]
 
 
 def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -78,15 +85,15 @@ def inputs(T: int, H: int, seed: int, dev: str):
 def prebuild(specs: list[dict], cache_dir: str, workers: int | None = None) -> dict:
     """Compile what the given serving specs plan into ``cache_dir`` with ``prewarm build --mode offline`` (parallel
     processes; no autotuning, so every autotune key is tuned here at the timed shapes, not at the plan's small
-    ones). Each spec: heads, and optionally gate_lower_bound, decode (bool), drafts, provider (OURS or FLA). Run
-    with TRITON_CACHE_DIR = ``cache_dir``, the timed calls then only benchmark configs; anything the plan lacks
-    compiles on first call."""
+    ones). Each spec: heads, and optionally gate_lower_bound, decode (bool), drafts, like (OURS or FLA: whose
+    provider). Run with TRITON_CACHE_DIR = ``cache_dir``, the timed calls then only benchmark configs; anything the
+    plan lacks compiles on first call."""
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="kda-bench-"))
     builds = []
     for s in specs:
         H, lb = s["heads"], s.get("gate_lower_bound")
-        provider = s.get("provider", OURS)
+        provider = shipped_provider(s.get("like", OURS))
         path = work / f"kda-h{H}-{len(builds)}.toml"
         path.write_text(MANIFEST.format(name=f"kda-bench-h{H}", H=H, K=K, V=V, provider=provider,
                                         lower_bound="" if lb is None else f"gate_lower_bound = {lb}",

@@ -209,7 +209,7 @@ def main() -> int:
     drafts = sorted({d for d, _ in VERIFY})
     specs = [{"heads": H, "decode": H == H_DECODE, "drafts": drafts} for H in dict.fromkeys(heads)]
     # fla's prefill kernels too (its own provider): fla would otherwise compile ~170 variants serially per head count
-    specs += [{"heads": H, "provider": FLA} for H, _ in PREFILL if "prefill" in args.only]
+    specs += [{"heads": H, "like": FLA} for H, _ in PREFILL if "prefill" in args.only]
     pre = prebuild(specs, cache, args.workers)
     cases = []
     if "decode" in args.only:
