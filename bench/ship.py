@@ -102,7 +102,7 @@ def main() -> None:
     entries = args.entries or (200 if args.small else 2000)
 
     from prewarm import fingerprint
-    from prewarm.bundle import pack
+    from prewarm.pack import pack
     from prewarm.install import install
     from prewarm.verify import verify
 

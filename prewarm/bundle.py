@@ -1,4 +1,5 @@
-"""Pack a Triton cache dir into a content-addressed bundle, and read a bundle back without trusting it.
+"""The bundle format: its index, one cache entry's object (``pack_entry``) and reading a bundle back without
+trusting it. Packing a whole cache dir is pack.py's; installing one, install.py's.
 
 Bundle layout (a directory, or the same names under any fsspec URL)::
 
@@ -25,7 +26,6 @@ Nothing here executes bundle content: members are parsed as data and written wit
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
 import hashlib
 import io
@@ -34,13 +34,13 @@ import os
 import re
 import stat
 import tarfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import zstandard
 
 from . import __version__
-from .errors import EnvironmentProblem, IntegrityError, PrewarmError, UnsafeBundleError
+from .errors import IntegrityError, PrewarmError, UnsafeBundleError
 
 FORMAT = 1
 INDEX = "index.json"
@@ -101,16 +101,6 @@ class Index:
     @property
     def total_size(self) -> int:
         return sum(f.size for e in self.entries for f in e.files)
-
-
-@dataclass
-class PackResult:
-    bundle_dir: Path
-    index: Index
-    objects_written: int
-    bytes_in: int
-    bytes_out: int
-    skipped: list[str] = field(default_factory=list)  # top-level paths that are not cache entries
 
 
 def _canonical(doc: dict) -> bytes:
@@ -188,7 +178,7 @@ def absolute_group(data: bytes, entry_dir: str) -> bytes:
     return json.dumps(doc).encode()
 
 
-# --- pack ----------------------------------------------------------------------------------------------------
+# --- one entry's object --------------------------------------------------------------------------------------
 
 
 def _tarinfo(path: str, size: int, executable: bool) -> tarfile.TarInfo:
@@ -223,68 +213,6 @@ def pack_entry(entry_dir: Path, names: list[str]) -> tuple[Entry, bytes]:
     obj = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(raw)
     name = hashlib.sha256(obj).hexdigest() + ".tar.zst"
     return Entry(key, name, len(obj), len(raw), tuple(records)), obj
-
-
-def pack(
-    cache_dir: str | os.PathLike,
-    bundle_dir: str | os.PathLike,
-    *,
-    signing_key: str | os.PathLike | None = None,
-    workers: int | None = None,
-) -> PackResult:
-    """Cache dir -> bundle dir. Objects already in ``bundle_dir`` with the same bytes are reused; the index is
-    written last. A local write or read failure (full or read-only disk) is an EnvironmentProblem."""
-    cache_dir, bundle_dir = Path(cache_dir), Path(bundle_dir)
-    if not cache_dir.is_dir():
-        raise IntegrityError(f"{cache_dir}: not a directory (expected a Triton cache dir)")
-    try:
-        return _pack(cache_dir, bundle_dir, signing_key, workers)
-    except OSError as e:
-        raise EnvironmentProblem(f"{e.filename or bundle_dir}: {e.strerror} (packing {cache_dir} into {bundle_dir})"
-                                 ) from None
-
-
-def _pack(cache_dir: Path, bundle_dir: Path, signing_key: str | os.PathLike | None, workers: int | None) -> PackResult:
-    from . import fingerprint, signing
-    from .cachedir import CacheDir, write_atomic
-
-    cache = CacheDir(cache_dir)
-    record = cache.read_build_info()
-    fp = record.get("fingerprint")
-    fp = {str(k): str(v) for k, v in fp.items()} if isinstance(fp, dict) else fingerprint.current()
-    manifest = record.get("manifest") if isinstance(record.get("manifest"), dict) else None
-    if manifest is not None:
-        manifest = {"name": str(manifest.get("name", "")), "digest": str(manifest.get("digest", ""))}
-    keys, skipped = cache.entries()
-    (bundle_dir / OBJECTS).mkdir(parents=True, exist_ok=True)
-
-    def one(key: str) -> tuple[Entry, bool]:
-        entry, obj = pack_entry(cache.root / key, cache.files(key, in_flight=False))
-        dest = bundle_dir / OBJECTS / entry.object
-        if dest.is_file() and dest.stat().st_size == len(obj) and dest.read_bytes() == obj:
-            return entry, False  # an existing object is trusted only after comparing its bytes
-        write_atomic(dest, obj, durable=False)  # flushed all at once below, before the index
-        return entry, True
-
-    with cf.ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 1) + 1)) as pool:
-        results = list(pool.map(one, keys))
-    os.sync()  # every object on disk before the index that names them: one flush, not an fsync per object
-    index = Index(fp, manifest, tuple(e for e, _ in results))
-    data = index.to_bytes()
-    sig = bundle_dir / SIGNATURE
-    if signing_key:
-        write_atomic(sig, signing.sign(data, signing_key))
-    elif sig.exists():
-        sig.unlink()  # a stale signature over another index would only ever fail
-    write_atomic(bundle_dir / INDEX, data)
-    return PackResult(
-        bundle_dir,
-        index,
-        sum(w for _, w in results),
-        index.total_size,
-        sum(e.object_size for e in index.entries),
-        skipped,
-    )
 
 
 # --- reading a bundle without trusting it --------------------------------------------------------------------

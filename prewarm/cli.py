@@ -156,7 +156,7 @@ def cmd_record(args) -> int:
 
 
 def cmd_pack(args) -> int:
-    from .bundle import pack
+    from .pack import pack
 
     r = pack(args.cache_dir, args.output, signing_key=args.sign)
     if args.json:

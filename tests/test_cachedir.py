@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from prewarm.bundle import pack
+from prewarm.pack import pack
 from prewarm.cachedir import META, CacheDir, write_atomic
 from prewarm.install import install
 

@@ -383,7 +383,7 @@ def test_prelaunch_requiring_autotune_results_refuses_an_offline_bundle(baked, t
     """A bundle from an offline build has no autotune results: the node starts the server by default, and stays
     down with exit 5 when PREWARM_REQUIRE_AUTOTUNE=1 (meant for bundles from a device build)."""
     from prewarm.build import build
-    from prewarm.bundle import pack
+    from prewarm.pack import pack
 
     image: Image = baked["image"]
     fixtures = REPO / "tests" / "fixtures"
@@ -406,7 +406,7 @@ def test_prelaunch_requiring_launchers_refuses_a_bundle_without_them(baked, tmp_
     import shutil
 
     from prewarm.build import build
-    from prewarm.bundle import pack
+    from prewarm.pack import pack
     from prewarm.willhit import check
 
     image: Image = baked["image"]

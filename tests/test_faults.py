@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 
 from prewarm import fingerprint
-from prewarm.bundle import INDEX, OBJECTS, SIGNATURE, pack
+from prewarm.bundle import INDEX, OBJECTS, SIGNATURE
 from prewarm.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, PrewarmError
 from prewarm.install import install
+from prewarm.pack import pack
 from prewarm.signing import keygen
 from prewarm.verify import verify
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import bundle, fingerprint, install, manifest, tritoncompat
+from prewarm import fingerprint, install, manifest, tritoncompat
 from prewarm.backends import npu
 from prewarm.cachedir import CacheDir
 from prewarm.errors import FingerprintMismatch, IntegrityError, ManifestError
+from prewarm.pack import pack
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "cann"))
 import standin  # noqa: E402
@@ -138,7 +139,7 @@ def make_bundle(tmp_path: Path, fp: dict[str, str]) -> Path:
     (entry / "add_kernel.json").write_text("{}")
     CacheDir(cache).write_build_info({"fingerprint": fp})
     out = tmp_path / "bundle"
-    bundle.pack(cache, out)
+    pack(cache, out)
     return out
 
 

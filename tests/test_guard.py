@@ -16,7 +16,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
 from prewarm.build import build  # noqa: E402
-from prewarm.bundle import pack  # noqa: E402
+from prewarm.pack import pack  # noqa: E402
 from prewarm.install import install  # noqa: E402
 from prewarm_helpers import copy_cache  # noqa: E402
 

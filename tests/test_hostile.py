@@ -16,11 +16,11 @@ import pytest
 import zstandard
 
 from prewarm import fingerprint
-from prewarm.bundle import (INDEX, OBJECTS, SIGNATURE, Entry, FileRecord, Index, _with_checksum, pack,
-                            parse_index)
+from prewarm.bundle import INDEX, OBJECTS, SIGNATURE, Entry, FileRecord, Index, _with_checksum, parse_index
 from prewarm.cachedir import META, CacheDir
 from prewarm.errors import IntegrityError, SignatureError, UnsafeBundleError
 from prewarm.install import install
+from prewarm.pack import pack
 from prewarm.verify import verify
 
 from prewarm_helpers import run_cli, synthetic_cache

@@ -11,8 +11,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "prewarm"
 # Imports that close a cycle today, in modules outside the backends work, each deferred to the function that needs
 # it: named so that no other cycle can appear unnoticed; the test fails when one closes no cycle any more.
 DEFERRED = {
-    ("prewarm.bundle", "prewarm.signing"): "pack signs; signing reads the key files with bundle's bounded readers",
-    ("prewarm.bundle", "prewarm.cachedir"): "pack reads the cache dir through its owner, whose receipts hold indexes",
     ("prewarm.store", "prewarm.oci"): "open_store opens oci:// stores (oras only where used); OciStore is a Store",
 }
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from prewarm import fingerprint
-from prewarm.bundle import INDEX, pack, parse_index
+from prewarm.bundle import INDEX, parse_index
 from prewarm.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError
 from prewarm.install import install
+from prewarm.pack import pack
 from prewarm.verify import verify
 
 from prewarm_helpers import concurrent_installs, run_cli, synthetic_cache

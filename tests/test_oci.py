@@ -21,11 +21,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from prewarm.bundle import INDEX, OBJECTS, pack
+from prewarm.bundle import INDEX, OBJECTS
 from prewarm.cachedir import META
 from prewarm.errors import IntegrityError, StoreError
 from prewarm.install import install
 from prewarm.oci import ARTIFACT_TYPE, INDEX_MEDIA_TYPE, OBJECT_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE, OciStore, open_oci
+from prewarm.pack import pack
 from prewarm.store import push
 from prewarm.verify import verify
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from prewarm.bundle import pack
+from prewarm.pack import pack
 from prewarm.install import install
 from prewarm.scan import scan
 

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from prewarm.bundle import INDEX, OBJECTS, pack
+from prewarm.bundle import INDEX, OBJECTS
 from prewarm.errors import IntegrityError, StoreError
 from prewarm.install import install
+from prewarm.pack import pack
 from prewarm.store import open_store, push
 from prewarm.verify import verify
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prewarm.bundle import pack
+from prewarm.pack import pack
 from prewarm.cachedir import META, CacheDir
 from prewarm.errors import FingerprintMismatch, IntegrityError
 from prewarm.install import install

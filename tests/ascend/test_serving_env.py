@@ -9,8 +9,9 @@ import sys
 import pytest
 from conftest import ARCH, run_prewarm
 
-from prewarm import bundle, fingerprint, install
+from prewarm import fingerprint, install
 from prewarm.cachedir import CacheDir
+from prewarm.pack import pack
 
 SERVER = "import triton; print('serving')"  # the guard arms when the server imports triton
 
@@ -24,7 +25,7 @@ def node_cache(tmp_path, monkeypatch):
     entry.mkdir(parents=True)
     (entry / "add_kernel.npubin").write_bytes(b"NPUBIN stand-in")
     CacheDir(build).write_build_info({"fingerprint": fingerprint.current("npu", ARCH)})
-    bundle.pack(build, tmp_path / "bundle")
+    pack(build, tmp_path / "bundle")
     install.install(str(tmp_path / "bundle"), tmp_path / "node", durable=False)
     return tmp_path / "node"
 
