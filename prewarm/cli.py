@@ -175,7 +175,7 @@ def cmd_pack(args) -> int:
 def cmd_push(args) -> int:
     from rich.table import Table
 
-    from .store import push
+    from .stores import push
 
     with progress_bar(args) as bar:
         tasks = {}  # one bar per target; progress() is called from the push threads, rich's Progress is thread-safe

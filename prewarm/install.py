@@ -32,7 +32,8 @@ from .bundle import (INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, Entry, FileReco
                      parse_index, read_bounded, unpack_object)
 from .cachedir import CacheDir, EntryState, fsync_dir, installed_files, stat_key
 from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, StoreError
-from .store import Store, default_store_root, join, open_store, retry
+from .stores import default_store_root, open_store
+from .stores.base import Store, join, retry
 
 MAX_SIGNATURE_BYTES = 64 << 10
 

@@ -8,13 +8,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "prewarm"
 
-# Imports that close a cycle today, in modules outside the backends work, each deferred to the function that needs
-# it: named so that no other cycle can appear unnoticed; the test fails when one closes no cycle any more.
-DEFERRED = {
-    ("prewarm.store", "prewarm.oci"): "open_store opens oci:// stores (oras only where used); OciStore is a Store",
-}
-
-
 def module_name(path: Path, package: Path) -> str:
     parts = list(path.relative_to(package.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -90,14 +83,7 @@ def test_the_walk_sees_deferred_and_relative_imports(tmp_path):
 
 def test_no_import_cycle_in_prewarm():
     graph = import_graph()
-    for (importer, imported) in DEFERRED:
-        assert imported in graph[importer], f"{importer} no longer imports {imported}: remove it from DEFERRED"
-        graph[importer].discard(imported)
     assert not cycles(graph), f"import cycles: {[sorted(c) for c in cycles(graph)]}"
-    for (importer, imported) in DEFERRED:
-        graph[importer].add(imported)
-        assert cycles(graph), f"{importer} -> {imported} closes no cycle any more: remove it from DEFERRED"
-        graph[importer].discard(imported)
 
 
 def test_the_backends_import_in_a_fresh_interpreter_in_any_order():

@@ -25,9 +25,10 @@ from prewarm.bundle import INDEX, OBJECTS
 from prewarm.cachedir import META
 from prewarm.errors import IntegrityError, StoreError
 from prewarm.install import install
-from prewarm.oci import ARTIFACT_TYPE, INDEX_MEDIA_TYPE, OBJECT_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE, OciStore, open_oci
 from prewarm.pack import pack
-from prewarm.store import push
+from prewarm.stores import push
+from prewarm.stores.oci import (ARTIFACT_TYPE, INDEX_MEDIA_TYPE, OBJECT_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE, OciStore,
+                                 open_oci)
 from prewarm.verify import verify
 
 from prewarm_helpers import concurrent_installs, copy_cache, run_cli

@@ -13,7 +13,7 @@ from prewarm.bundle import INDEX, OBJECTS
 from prewarm.errors import IntegrityError, StoreError
 from prewarm.install import install
 from prewarm.pack import pack
-from prewarm.store import open_store, push
+from prewarm.stores import open_store, push
 from prewarm.verify import verify
 
 from prewarm_helpers import run_cli

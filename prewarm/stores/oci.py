@@ -22,7 +22,7 @@ auth (docker config, credential helpers, bearer tokens), container URLs and uplo
 blob upload from memory (``upload_blob`` takes a file path), raw manifest bytes (``get_manifest`` returns parsed
 JSON, so a pinned digest could not be checked), HTTP Basic challenges (``_Auth``), request timeouts and a bounded
 retry (its ``do_request`` sleeps 3, 5, 11, 29 and 83 s between attempts): those few requests go through its
-``do_request`` without that retry loop, and ``store.retry`` owns retries as for every other store.
+``do_request`` without that retry loop, and ``base.retry`` owns retries as for every other store.
 
 Options (``storage_options`` or ``FSSPEC_OCI='{"insecure": true}'``, the same channel as the other stores):
 ``insecure`` (plain HTTP, loopback registries only; TLS is verified otherwise, with ``REQUESTS_CA_BUNDLE`` for a
@@ -51,9 +51,9 @@ import oras.provider
 import oras.utils
 import requests
 
-from .bundle import INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, parse_index, read_bounded
-from .errors import IntegrityError, StoreError
-from .store import Store
+from ..bundle import INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, parse_index, read_bounded
+from ..errors import IntegrityError, StoreError
+from .base import Store
 
 ARTIFACT_TYPE = "application/vnd.prewarm.bundle.v1"
 INDEX_MEDIA_TYPE = "application/vnd.prewarm.bundle.index.v1+json"
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 
 
 class RegistryUnavailable(Exception):
-    """A 5xx or 429 answer: transient, retried by ``store.retry`` like a dropped connection."""
+    """A 5xx or 429 answer: transient, retried by ``base.retry`` like a dropped connection."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class _Auth(oras.auth.TokenAuth):
 
 
 class _Registry(oras.provider.Registry):
-    """oras's client, its requests made once each: ``store.retry`` retries (bounded, logged in the push report)."""
+    """oras's client, its requests made once each: ``base.retry`` retries (bounded, logged in the push report)."""
 
     do_request = oras.provider.Registry.do_request.__wrapped__
 
@@ -387,7 +387,7 @@ class OciStore(Store):
         elif name == INDEX:  # last: the blobs it names are all there; the manifest makes the bundle visible
             self._put_blob(data, INDEX_MEDIA_TYPE, INDEX)
             body = self._manifest_for(data)
-            r = self._request("PUT", self._url(self.container.manifest_url(self.ref.tag)), f"PUT manifest",
+            r = self._request("PUT", self._url(self.container.manifest_url(self.ref.tag)), "PUT manifest",
                               data=body, headers={"Content-Type": MANIFEST_MEDIA_TYPE})
             self.manifest_digest = "sha256:" + hashlib.sha256(body).hexdigest()
             got = r.headers.get("Docker-Content-Digest")
