@@ -102,8 +102,8 @@ def main() -> None:
     entries = args.entries or (200 if args.small else 2000)
 
     from prewarm import fingerprint
-    from prewarm.pack import pack
     from prewarm.install import install
+    from prewarm.pack import pack
     from prewarm.verify import verify
 
     work = Path(tempfile.mkdtemp(prefix="prewarm-ship-", dir=args.workdir))
