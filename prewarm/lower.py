@@ -15,9 +15,7 @@ unified-buffer (UB) footprint from the linalg: a pinned config that cannot fit t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
-import json
 import re
 import subprocess
 import time
@@ -28,7 +26,7 @@ from .backends import npu
 from .errors import EnvironmentProblem
 from .manifest import Manifest
 
-STAGES = ("ast", "ttir", "ttadapter")  # what runs without CANN, in compile()'s order
+STAGES = tritoncompat.ASCEND_FRONT_END  # what runs without CANN, in compile()'s order
 UB_STAGE = "ub"  # the footprint check after the last stage
 
 # Local buffers in triton-adapter's linalg: loads land in memref.alloc'd buffers, results in tensor.empty ones.
@@ -109,34 +107,12 @@ def _message(e: BaseException) -> str:
 def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
     """Run ``compile()``'s stages up to ``ttadapter`` on exactly what ``preload(c.specialization)`` compiles, then
     check its UB estimate against ``arch``'s UB."""
-    from triton._C.libtriton import ir
-    from triton.compiler.compiler import make_backend
-
     out = LoweredCompile(c.kernel, c.label, c.request)
-    data = json.loads(c.specialization)
     jit = tritoncompat.jit_function(planning.resolve(c.kernel))
-    src = tritoncompat.ascend_ast_source(jit, data)  # as JITFunction.preload rebuilds the request ...
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
-    # ... and compile() keys and stages it.
-    target = npu.NpuOfflineDriver(arch).target
-    backend = make_backend(target)
-    opts = backend.parse_options(dict(options, **src.parse_options()))
-    env_vars = tritoncompat.cache_invalidating_env_vars()
-    digest = hashlib.sha256(tritoncompat.ascend_cache_key(src, backend, opts, env_vars).encode()).hexdigest()
-    out.cache_key = tritoncompat.ascend_key_dir(digest)
-    metadata = {"hash": digest, "target": target, **opts.__dict__, **env_vars}
-    stages: dict = {}
-    backend.add_stages(stages, opts)
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    steps = [("ast", lambda _: src.make_ir(opts, backend.get_codegen_implementation(), backend.get_module_map(),
-                                           context))]
-    # (compile_mode="simt_only" kernels have no ttadapter stage: ttir goes straight to bishengir-compile)
-    steps += [(name, lambda m, f=stages[name]: f(m, metadata)) for name in STAGES[1:] if name in stages]
-    module = None
-    try:
-        for name, step in steps:
+    with tritoncompat.ascend_front_end(jit, c.specialization, npu.NpuOfflineDriver(arch).target) as front:
+        out.cache_key = front.key_dir
+        module = None
+        for name, step in front.steps:
             start = time.perf_counter()
             try:
                 module = step(module)
@@ -144,10 +120,8 @@ def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
                 out.failed_stage, out.error = name, _message(e)
                 return out
             out.stage_ms[name] = round((time.perf_counter() - start) * 1000, 2)
-    finally:
-        context.disable_multithreading()  # as compile(): a later fork must not inherit a live thread pool
     if "ttadapter" in out.stage_ms:  # (simt_only kernels: no linalg, no estimate)
-        out.ub_bytes = ub_estimate(str(module), bool(getattr(opts, "multibuffer", False)))
+        out.ub_bytes = ub_estimate(str(module), bool(getattr(front.options, "multibuffer", False)))
         if out.ub_bytes > npu.ub_size(arch):
             out.failed_stage = UB_STAGE
             out.error = (f"estimated on-chip buffer footprint {out.ub_bytes / 1024:.0f} KB exceeds {arch}'s "

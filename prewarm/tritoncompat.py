@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -37,8 +38,6 @@ def triton_distribution() -> tuple[str, str]:
 @functools.lru_cache()
 def triton_key() -> str:
     """Triton's own version+source digest, the first part of every cache key (sha256 of it, for brevity)."""
-    import hashlib
-
     try:
         from triton.runtime.cache import triton_key as key  # 3.4+
     except ImportError:
@@ -490,6 +489,53 @@ def ascend_cache_key(src, backend, options, env_vars: dict) -> str:
         from triton.compiler.compiler import triton_key
 
         return f"{triton_key()}-{src.hash()}-{backend.hash()}-{options.hash()}-{str(sorted(env_vars.items()))}"
+
+
+ASCEND_FRONT_END = ("ast", "ttir", "ttadapter")  # compile()'s stages that run without CANN, in its order
+
+
+@dataclass
+class FrontEnd:
+    """compile()'s front end set up for one request: where it keys, with what options, and its stages to run."""
+
+    key_dir: str  # the key dir under TRITON_CACHE_DIR compile() would use for the request
+    options: Any  # the backend's parsed options (NPUOptions)
+    steps: list  # [(stage name, step)], ASCEND_FRONT_END's present stages in order; step(previous module) -> module
+
+
+@contextlib.contextmanager
+def ascend_front_end(jit, specialization_data: str, target):
+    """triton-ascend's ``compile()`` pipeline for exactly the request ``preload(specialization_data)`` compiles, on
+    ``target``, as far as it runs without CANN: keyed and staged as compile() does it, the stages left to the caller
+    to run in order. The MLIR context lives for the block (its thread pool stopped after it, as compile() does)."""
+    from triton._C.libtriton import ir
+    from triton.compiler.compiler import make_backend
+
+    data = json.loads(specialization_data)
+    src = ascend_ast_source(jit, data)  # as JITFunction.preload rebuilds the request ...
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    # ... and compile() keys and stages it.
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    env_vars = cache_invalidating_env_vars()
+    digest = hashlib.sha256(ascend_cache_key(src, backend, opts, env_vars).encode()).hexdigest()
+    metadata = {"hash": digest, "target": target, **opts.__dict__, **env_vars}
+    stages: dict = {}
+    backend.add_stages(stages, opts)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+
+    def make_ir(_):
+        return src.make_ir(opts, backend.get_codegen_implementation(), backend.get_module_map(), context)
+
+    # (compile_mode="simt_only" kernels have no ttadapter stage: ttir goes straight to bishengir-compile)
+    steps = [(ASCEND_FRONT_END[0], make_ir)]
+    steps += [(name, lambda m, f=stages[name]: f(m, metadata)) for name in ASCEND_FRONT_END[1:] if name in stages]
+    try:
+        yield FrontEnd(ascend_key_dir(digest), opts, steps)
+    finally:
+        context.disable_multithreading()  # as compile(): a later fork must not inherit a live thread pool
 
 
 def ascend_compiler_path(layout: str | None = None, backend_dir: Path | None = None) -> str | None:
