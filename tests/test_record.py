@@ -81,22 +81,13 @@ def test_no_command_is_an_error(tmp_path):
     assert main(["record", "-o", str(tmp_path / "r.jsonl")]) == ManifestError.exit_code
 
 
-def test_a_command_that_probes_for_triton_first_is_still_recorded(tmp_path):
+def test_a_command_that_probes_for_triton_first_is_still_recorded(tmp_path, monkeypatch):
     """torch and fla call ``importlib.util.find_spec("triton")`` before importing it: the hook must survive that."""
     out = tmp_path / "probed.jsonl"
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "TRITON_CACHE_DIR")}
-    os.environ["PYTHONPATH"] = str(FIXTURES)
-    os.environ["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     probe_then_run = ("import importlib.util, runpy; assert importlib.util.find_spec('triton'); "
                       "runpy.run_module('prewarm_toy.record_app', run_name='__main__')")
-    try:
-        code = main(["record", "-o", str(out), "--", sys.executable, "-c", probe_then_run])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
-    assert code == 0
+    assert main(["record", "-o", str(out), "--", sys.executable, "-c", probe_then_run]) == 0
     kernels = [json.loads(line)["kernel"] for line in out.read_text().splitlines()]
     assert kernels.count("prewarm_toy.kernels:decode_kernel") == 2 and "prewarm_toy.kernels:add_kernel" in kernels
