@@ -507,12 +507,14 @@ class FrontEnd:
 def ascend_front_end(jit, specialization_data: str, target):
     """triton-ascend's ``compile()`` pipeline for exactly the request ``preload(specialization_data)`` compiles, on
     ``target``, as far as it runs without CANN: keyed and staged as compile() does it, the stages left to the caller
-    to run in order. The MLIR context lives for the block (its thread pool stopped after it, as compile() does)."""
+    to run in order. The MLIR context lives for the block. The 3.5 layout follows upstream 3.5's compile() (target
+    and language passed, codegen per options, no thread pool to stop), read from its source: no 3.5 wheel to run."""
     from triton._C.libtriton import ir
     from triton.compiler.compiler import make_backend
 
+    layout = ascend_layout()
     data = json.loads(specialization_data)
-    src = ascend_ast_source(jit, data)  # as JITFunction.preload rebuilds the request ...
+    src = ascend_ast_source(jit, data, layout)  # as JITFunction.preload rebuilds the request ...
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
     # ... and compile() keys and stages it.
     backend = make_backend(target)
@@ -521,21 +523,26 @@ def ascend_front_end(jit, specialization_data: str, target):
     digest = hashlib.sha256(ascend_cache_key(src, backend, opts, env_vars).encode()).hexdigest()
     metadata = {"hash": digest, "target": target, **opts.__dict__, **env_vars}
     stages: dict = {}
-    backend.add_stages(stages, opts)
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
+    if layout == "3.5":
+        import triton
 
-    def make_ir(_):
-        return src.make_ir(opts, backend.get_codegen_implementation(), backend.get_module_map(), context)
-
-    # (compile_mode="simt_only" kernels have no ttadapter stage: ttir goes straight to bishengir-compile)
-    steps = [(ASCEND_FRONT_END[0], make_ir)]
+        metadata["triton_version"] = triton.__version__
+        backend.add_stages(stages, opts, src.language)
+        make_ir_args = (target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
+    else:
+        backend.add_stages(stages, opts)
+        make_ir_args = (opts, backend.get_codegen_implementation(), backend.get_module_map(), context)
+    # (simt-only kernels have no ttadapter stage: ttir goes straight to bishengir-compile)
+    steps = [(ASCEND_FRONT_END[0], lambda _: src.make_ir(*make_ir_args))]
     steps += [(name, lambda m, f=stages[name]: f(m, metadata)) for name in ASCEND_FRONT_END[1:] if name in stages]
     try:
-        yield FrontEnd(ascend_key_dir(digest), opts, steps)
+        yield FrontEnd(ascend_key_dir(digest, layout), opts, steps)
     finally:
-        context.disable_multithreading()  # as compile(): a later fork must not inherit a live thread pool
+        if layout == "3.2":
+            context.disable_multithreading()  # as compile(): a later fork must not inherit a live thread pool
 
 
 def ascend_compiler_path(layout: str | None = None, backend_dir: Path | None = None) -> str | None:
