@@ -186,13 +186,9 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
 
     if _guard is None:
         _guard = _Guard(mode, record, plan)
-        try:
-            from triton import knobs
-            from triton.runtime.cache import FileCacheManager
-
-            manager = _watched(knobs.cache.manager_class or FileCacheManager)  # 3.4+: a custom one is kept
-        except ImportError:  # 3.2 imports TRITON_CACHE_MANAGER by name
-            manager = __getattr__("GuardedCacheManager")
+        current = tritoncompat.cache_manager_class()  # 3.4+: a custom one is kept
+        # (3.2 imports TRITON_CACHE_MANAGER by name)
+        manager = _watched(current) if current else __getattr__("GuardedCacheManager")
         tritoncompat.set_cache_manager(manager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
     if armed and not _guard.armed and tritoncompat.triton_distribution()[0] == "triton-ascend":

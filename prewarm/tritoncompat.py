@@ -100,6 +100,18 @@ def set_cache_manager(cls: type | None) -> None:
             os.environ["TRITON_CACHE_MANAGER"] = f"{cls.__module__}:{cls.__qualname__}"
 
 
+def cache_manager_class() -> type | None:
+    """The cache manager class this process's Triton uses now (3.4+: the knob's, else FileCacheManager); None on
+    3.2, which imports TRITON_CACHE_MANAGER by name at every lookup."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    from triton.runtime.cache import FileCacheManager
+
+    return knobs.cache.manager_class or FileCacheManager
+
+
 def get_jit_cache_hook():
     try:
         from triton import knobs
