@@ -39,6 +39,13 @@ WHY = {
 
 # Factors read from a visible device: UNKNOWN where there is none (a build box, a CI machine); not compared then.
 DEVICE_FACTORS = ("target.arch", "ascend.soc")
+# How a node without a visible device states a device factor anyway, by (backend, factor). Such a factor is never
+# left unchecked: triton-ascend's driver takes the SoC from TRITON_ASCEND_ARCH before the device, as detect_arch
+# does, and every Ascend key contains it, so a node that cannot tell it cannot be checked and is refused.
+NODE_CAN_STATE = {
+    ("npu", "target.arch"): "run where torch_npu sees the NPU, or set TRITON_ASCEND_ARCH to this node's SoC (what "
+                            "torch.npu.get_device_name(0) says with torch_npu, e.g. Ascend910_9391)",
+}
 MISSING = "(not recorded)"  # a side has no value at all for the factor
 
 
@@ -134,25 +141,33 @@ def _cuda_arch() -> str:
     return UNKNOWN
 
 
+def _how_to_state(factor: str, built: dict[str, str], node: dict[str, str]) -> str | None:
+    """How a node states ``factor`` without a visible device, where either side's backend allows it."""
+    return next(filter(None, (NODE_CAN_STATE.get((fp.get("target.backend"), factor)) for fp in (node, built))), None)
+
+
 def compare(built: dict[str, str], node: dict[str, str]) -> list[Mismatch]:
     """Each factor that differs, failing closed: a blocking factor the bundle lacks or records as UNKNOWN, one this
     node cannot determine, and a factor this node does not know at all are blocking gaps. Only a device factor
-    (``DEVICE_FACTORS``) UNKNOWN on a side is not compared; an unset ``env.*`` var is simply absent."""
+    (``DEVICE_FACTORS``) UNKNOWN on a side is not compared, unless that side's backend lets a node state it
+    (``NODE_CAN_STATE``: an Ascend node's SoC); an unset ``env.*`` var is simply absent."""
     out = []
     for factor in sorted(set(built) | set(node)):
         unset = UNSET if factor.startswith("env.") else MISSING
         b, n = built.get(factor, unset), node.get(factor, unset)
         if b == n:
             continue
+        how = _how_to_state(factor, built, node)
         if n == MISSING:
             out.append(Mismatch(factor, b, n, True, "a factor this node does not have: cannot be checked", gap=True))
-        elif UNKNOWN in (b, n) and factor in DEVICE_FACTORS or not is_blocking(factor) and (
+        elif UNKNOWN in (b, n) and factor in DEVICE_FACTORS and not how or not is_blocking(factor) and (
                 b == MISSING or UNKNOWN in (b, n)):
             continue
         elif b in (MISSING, UNKNOWN) or n == UNKNOWN:
             side = "this node cannot determine it" if n == UNKNOWN else "the bundle does not record it"
-            out.append(Mismatch(factor, b, n, True, f"{side}, and it decides whether the cache is right for this node",
-                                gap=True))
+            fix = f": {how}" if how and n == UNKNOWN else ""
+            out.append(Mismatch(factor, b, n, True,
+                                f"{side}, and it decides whether the cache is right for this node{fix}", gap=True))
         else:
             why = WHY.get(factor) or (
                 "a codegen env var: Triton folds it into its key" if factor.startswith("env.")

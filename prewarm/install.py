@@ -125,8 +125,9 @@ class _StoreStream:
 
 
 def node_fingerprint() -> dict[str, str]:
-    """This node's own factors: backend and arch detected here, never taken from a bundle (a node without a visible
-    device reports its arch unknown: not compared; a node with another GPU is a mismatch)."""
+    """This node's own factors: backend and arch detected here, never taken from a bundle (a CUDA node without a
+    visible device reports its arch unknown: not compared; an Ascend node that cannot tell its SoC is refused; a node
+    with another GPU or SoC is a mismatch)."""
     return fingerprint.current()
 
 

@@ -24,10 +24,11 @@ ARCH = "Ascend910_9391"
 
 @pytest.fixture
 def toolchain(tmp_path, monkeypatch):
-    """A node with a stand-in CANN 8.3.RC1 toolkit and bishengir-compile on PATH, no Ascend env vars set."""
-    for name in (*fingerprint.ASCEND_CODEGEN_ENV, "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "TRITON_NPU_COMPILER_PATH",
-                 "TRITON_ASCEND_ARCH"):
+    """A node with a stand-in CANN 8.3.RC1 toolkit and bishengir-compile on PATH, no Ascend codegen env vars set,
+    its SoC ARCH stated as a node without torch_npu states it (TRITON_ASCEND_ARCH)."""
+    for name in (*fingerprint.ASCEND_CODEGEN_ENV, "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "TRITON_NPU_COMPILER_PATH"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRITON_ASCEND_ARCH", ARCH)
     home = standin.make_toolkit(tmp_path / "Ascend" / "ascend-toolkit" / "8.3.RC1")
     bindir = tmp_path / "bin"
     standin.make_bishengir(bindir)
@@ -125,6 +126,20 @@ def test_compare_explains_each_ascend_factor(toolchain, monkeypatch):
     assert all(m.blocking for m in mismatches.values())
     assert "Triton's key ignores it" in mismatches["ascend.bishengir.version"].why
     assert "Triton's key misses" in mismatches["ascend.env.TRITON_DISABLE_FFTS"].why
+
+
+def test_an_ascend_node_that_cannot_tell_its_soc_is_a_blocking_gap_naming_the_fix(toolchain, monkeypatch):
+    built = npu_fp()
+    monkeypatch.delenv("TRITON_ASCEND_ARCH")  # and no torch_npu: the node cannot tell its SoC
+    [m] = fingerprint.compare(built, fingerprint.current())
+    assert (m.factor, m.built, m.node, m.blocking, m.gap) == ("target.arch", ARCH, fingerprint.UNKNOWN, True, True)
+    assert "set TRITON_ASCEND_ARCH to this node's SoC" in m.why
+
+
+def test_a_cuda_node_without_a_visible_gpu_leaves_its_arch_unchecked():
+    """A CUDA node states its arch only through a visible GPU (a build box, CI): not knowable there, not compared."""
+    built = {"target.backend": "cuda", "target.arch": "sm_90"}
+    assert fingerprint.compare(built, {**built, "target.arch": fingerprint.UNKNOWN}) == []
 
 
 # --- install refuses a bundle from another toolchain --------------------------------------------------------------

@@ -139,8 +139,7 @@ def node_soc(manifest) -> str:
     if not soc or soc == fingerprint.UNKNOWN:
         raise FingerprintMismatch(
             f"target.arch: this node's Ascend SoC is unknown ({why}): every cache key contains it, so which kernels "
-            f"the node would look up cannot be checked. Run where torch_npu sees the NPU, or set TRITON_ASCEND_ARCH "
-            f"to the node's SoC (what torch.npu.get_device_name(0) says with torch_npu, e.g. Ascend910_9391)")
+            f"the node would look up cannot be checked: {fingerprint.NODE_CAN_STATE['npu', 'target.arch']}")
     if soc not in socs(manifest):
         raise FingerprintMismatch(f"target.arch: this node's SoC is {soc}, which {manifest.path} does not target "
                                   f"({', '.join(socs(manifest))}): every kernel would miss")

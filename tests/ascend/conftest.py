@@ -48,6 +48,22 @@ def toy_manifest(tmp_path) -> Path:
     return write_manifest(tmp_path / "toy.toml", TOY_KERNELS)
 
 
+def stand_in_bundle(tmp_path: Path) -> Path:
+    """A bundle of one stand-in Ascend entry, built for ARCH under this process's toolchain (its fingerprint as
+    `prewarm build` records it): for what install and the guard check against a node, not for its kernels."""
+    from prewarm import fingerprint
+    from prewarm.cachedir import CacheDir
+    from prewarm.pack import pack
+
+    build = tmp_path / "build"
+    entry = build / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk"
+    entry.mkdir(parents=True)
+    (entry / "add_kernel.npubin").write_bytes(b"NPUBIN stand-in")
+    CacheDir(build).write_build_info({"fingerprint": fingerprint.current("npu", ARCH)})
+    pack(build, tmp_path / "bundle")
+    return tmp_path / "bundle"
+
+
 def run_prewarm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real `prewarm` command line in a fresh process of this env (toy kernels importable)."""
     env = dict(env or os.environ)

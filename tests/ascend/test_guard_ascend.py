@@ -70,6 +70,7 @@ def test_guard_arming_refuses_an_ascend_codegen_env_the_installed_bundle_was_not
     _, cache, env = built
     assert run_prewarm("pack", cache, "-o", tmp_path / "bundle", env=env).returncode == 0
     node = tmp_path / "node"
+    env = {**env, "TRITON_ASCEND_ARCH": ARCH}  # the node states its SoC (no torch_npu here)
     p = run_prewarm("install", tmp_path / "bundle", "--cache-dir", node, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     serve = {**env, "TRITON_CACHE_DIR": str(node), "TRITON_ALL_BLOCKS_PARALLEL": "1"}

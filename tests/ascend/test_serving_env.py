@@ -7,11 +7,9 @@ import os
 import sys
 
 import pytest
-from conftest import ARCH, run_prewarm
+from conftest import ARCH, run_prewarm, stand_in_bundle
 
 from prewarm import fingerprint, install
-from prewarm.cachedir import CacheDir
-from prewarm.pack import pack
 
 SERVER = "import triton; print('serving')"  # the guard arms when the server imports triton
 
@@ -20,13 +18,8 @@ SERVER = "import triton; print('serving')"  # the guard arms when the server imp
 def node_cache(tmp_path, monkeypatch):
     for name in fingerprint.ASCEND_CODEGEN_ENV:
         monkeypatch.delenv(name, raising=False)
-    build = tmp_path / "build"
-    entry = build / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk"
-    entry.mkdir(parents=True)
-    (entry / "add_kernel.npubin").write_bytes(b"NPUBIN stand-in")
-    CacheDir(build).write_build_info({"fingerprint": fingerprint.current("npu", ARCH)})
-    pack(build, tmp_path / "bundle")
-    install.install(str(tmp_path / "bundle"), tmp_path / "node", durable=False)
+    monkeypatch.setenv("TRITON_ASCEND_ARCH", ARCH)  # the node states its SoC (no torch_npu here)
+    install.install(str(stand_in_bundle(tmp_path)), tmp_path / "node", durable=False)
     return tmp_path / "node"
 
 
