@@ -149,15 +149,16 @@ def _how_to_state(factor: str, built: dict[str, str], node: dict[str, str]) -> s
 def compare(built: dict[str, str], node: dict[str, str]) -> list[Mismatch]:
     """Each factor that differs, failing closed: a blocking factor the bundle lacks or records as UNKNOWN, one this
     node cannot determine, and a factor this node does not know at all are blocking gaps. Only a device factor
-    (``DEVICE_FACTORS``) UNKNOWN on a side is not compared, unless that side's backend lets a node state it
-    (``NODE_CAN_STATE``: an Ascend node's SoC); an unset ``env.*`` var is simply absent."""
+    (``DEVICE_FACTORS``) UNKNOWN on a side is not compared, unless either side's backend lets a node state it
+    (``NODE_CAN_STATE``: an Ascend node's SoC; UNKNOWN there is a gap, even on both sides); an unset ``env.*`` var
+    is simply absent."""
     out = []
     for factor in sorted(set(built) | set(node)):
         unset = UNSET if factor.startswith("env.") else MISSING
         b, n = built.get(factor, unset), node.get(factor, unset)
-        if b == n:
-            continue
         how = _how_to_state(factor, built, node)
+        if b == n and not (how and n == UNKNOWN):
+            continue
         if n == MISSING:
             out.append(Mismatch(factor, b, n, True, "a factor this node does not have: cannot be checked", gap=True))
         elif UNKNOWN in (b, n) and factor in DEVICE_FACTORS and not how or not is_blocking(factor) and (

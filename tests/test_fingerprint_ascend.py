@@ -131,9 +131,13 @@ def test_compare_explains_each_ascend_factor(toolchain, monkeypatch):
 def test_an_ascend_node_that_cannot_tell_its_soc_is_a_blocking_gap_naming_the_fix(toolchain, monkeypatch):
     built = npu_fp()
     monkeypatch.delenv("TRITON_ASCEND_ARCH")  # and no torch_npu: the node cannot tell its SoC
-    [m] = fingerprint.compare(built, fingerprint.current())
+    node = fingerprint.current()
+    [m] = fingerprint.compare(built, node)
     assert (m.factor, m.built, m.node, m.blocking, m.gap) == ("target.arch", ARCH, fingerprint.UNKNOWN, True, True)
     assert "set TRITON_ASCEND_ARCH to this node's SoC" in m.why
+    # a bundle that does not say its SoC either does not make the two agree
+    assert [m.factor for m in fingerprint.compare({**built, "target.arch": fingerprint.UNKNOWN}, node)] == [
+        "target.arch"]
 
 
 def test_a_cuda_node_without_a_visible_gpu_leaves_its_arch_unchecked():
