@@ -26,7 +26,8 @@ ARCH = "Ascend910_9391"
 def toolchain(tmp_path, monkeypatch):
     """A node with a stand-in CANN 8.3.RC1 toolkit and bishengir-compile on PATH, no Ascend codegen env vars set,
     its SoC ARCH stated as a node without torch_npu states it (TRITON_ASCEND_ARCH)."""
-    for name in (*fingerprint.ASCEND_CODEGEN_ENV, "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "TRITON_NPU_COMPILER_PATH"):
+    for name in (*fingerprint.ASCEND_CODEGEN_ENV, "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME",
+                 "TRITON_NPU_COMPILER_PATH"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TRITON_ASCEND_ARCH", ARCH)
     home = standin.make_toolkit(tmp_path / "Ascend" / "ascend-toolkit" / "8.3.RC1")
