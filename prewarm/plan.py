@@ -389,36 +389,28 @@ def other_dtypes(data: str, close_dtypes: tuple) -> list[tuple[str, str]]:
     """``data`` (a recorded compile request) with the pointer parameters ``close_dtypes`` names in every other
     combination of their listed dtypes (the recorded one included as a choice), as (description, specialization
     data) pairs: one recording covers the dtypes a manifest declares. Each type is Triton's own name for a tensor
-    of that dtype (``mangle_type``; a const pointer stays const); parameters the kernel lacks, or recorded as no
-    pointer, are left as recorded. Constexprs a wrapper or heuristic derived from a dtype stay as recorded (the
-    guard names such a miss); the in-memory ``key`` is kept, as :func:`other_int_classes` keeps it."""
-    import torch
-    from triton.runtime.jit import mangle_type
-
-    obj = json.loads(data)
-    sig = obj["signature"]
+    of that dtype (a const pointer stays const); parameters the kernel lacks, or recorded as no pointer, are left as
+    recorded. Constexprs a wrapper or heuristic derived from a dtype stay as recorded (the guard names such a miss);
+    the in-memory ``key`` is kept, as :func:`other_int_classes` keeps it."""
+    pointers = tritoncompat.pointer_args(data)
     axes = []  # (param, [recorded type, other types...])
     for param, names in close_dtypes:
-        recorded = sig.get(param)
-        if isinstance(recorded, str) and recorded.startswith("*"):
-            const = "*k" if recorded.startswith("*k") else "*"
-            types = [const + mangle_type(torch.empty(0, dtype=getattr(torch, n), device="meta"))[1:] for n in names]
+        if param in pointers:
+            recorded = pointers[param]
+            types = [tritoncompat.pointer_type(n, const=recorded.startswith("*k")) for n in names]
             axes.append((param, list(dict.fromkeys([recorded, *types]))))
     out = []
     for combo in itertools.product(*(types for _, types in axes)):
-        changed = [(param, ty) for (param, types), ty in zip(axes, combo) if ty != types[0]]
+        changed = {param: ty for (param, types), ty in zip(axes, combo) if ty != types[0]}
         if changed:
-            variant = {**obj, "signature": {**sig, **dict(changed)}}
-            out.append((" ".join(f"{param}={ty}" for param, ty in changed), json.dumps(variant)))
+            what = " ".join(f"{param}={ty}" for param, ty in changed.items())
+            out.append((what, tritoncompat.with_pointer_types(data, changed)))
     return out
 
 
 def _check_close_dtypes(manifest: Manifest, src: KernelSource, requests: list[Request]) -> None:
     """Every parameter ``close_dtypes`` names is a pointer of some recorded kernel (a typo closes nothing)."""
-    pointers: set[str] = set()
-    for r in requests:
-        sig = json.loads(r.specialization)["signature"]
-        pointers.update(p for p, ty in sig.items() if isinstance(ty, str) and ty.startswith("*"))
+    pointers = {p for r in requests for p in tritoncompat.pointer_args(r.specialization)}
     for param, names in src.close_dtypes:
         if param not in pointers:
             raise ManifestError(
@@ -426,55 +418,31 @@ def _check_close_dtypes(manifest: Manifest, src: KernelSource, requests: list[Re
                 f"pointer parameter {param!r}: expected one of {', '.join(sorted(pointers)) or '(none recorded)'}"
             )
 
-# The classes Triton (3.4+) puts a specialized int argument in, as a compile request records them.
-_INT_CLASSES = {"1": "=1", "D": "%16=0", "": " other"}
+
+# How a closed request's label names an int argument's class
+_CLASS_LABELS = {tritoncompat.INT_ONE: "=1", tritoncompat.INT_DIVISIBLE: "%16=0", tritoncompat.INT_OTHER: " other"}
 
 
 def other_int_classes(kernel: Any, data: str) -> list[tuple[str, str]]:
-    """``data`` (a recorded compile request, triton 3.4+) with its specialized int arguments in every other
-    combination of the classes Triton tells apart (equal to 1: compiled in; a multiple of 16; neither), as
-    (description, specialization data) pairs, so a recording from one traffic sample also covers the next batch
-    size. Arguments the kernel declares ``do_not_specialize`` (fla's T and N), constexprs, annotated ones and
-    triton 3.2 data (constexprs keyed by name) are left as recorded. The data's ``key`` (the in-memory cache key)
-    is kept: Triton's on-disk key does not read it."""
-    obj = json.loads(data)
-    if "constant_keys" not in obj:
-        return []
-    sig = obj["signature"]
-    consts = {tuple(k): v for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
-    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
+    """``data`` (a recorded compile request) with its specialized int arguments in every other combination of the
+    classes Triton tells apart (equal to 1: compiled in; a multiple of 16; neither), as (description, specialization
+    data) pairs, so a recording from one traffic sample also covers the next batch size. Arguments the kernel
+    declares ``do_not_specialize`` (fla's T and N), constexprs and annotated ones are left as recorded, and so is
+    triton 3.2 data (:func:`tritoncompat.int_args` gives none). The data's ``key`` is kept."""
+    recorded = tritoncompat.int_args(data)
     choices = []  # (param, width, classes, recorded class)
     for p in tritoncompat.jit_function(kernel).params:
-        ty, path = sig.get(p.name), (p.num,)
-        if p.is_constexpr or p.do_not_specialize or getattr(p, "annotation_type", None):
+        if p.name not in recorded or p.is_constexpr or p.do_not_specialize or getattr(p, "annotation_type", None):
             continue
-        if ty == "constexpr" and consts.get(path) == 1:
-            width, now = "i32", "1"
-        elif ty in ("i32", "i64"):
-            width, now = ty, "D" if ["tt.divisibility", 16] in attrs.get(path, []) else ""
-        else:
-            continue
-        classes = ["1", "D", ""] if width == "i32" else ["D", ""]
-        if p.do_not_specialize_on_alignment:
-            classes.remove("D")
-        choices.append((p, width, classes, now))
+        width, now = recorded[p.name]
+        classes = [c for c in tritoncompat.INT_CLASSES[width]
+                   if not (c == tritoncompat.INT_DIVISIBLE and p.do_not_specialize_on_alignment)]  # fmt: skip
+        choices.append((p.name, width, classes, now))
     out = []
     for combo in itertools.product(*(c[2] for c in choices)):
         if all(cls == c[3] for cls, c in zip(combo, choices)):
             continue  # the recorded request itself
-        new_sig, new_consts, new_attrs = dict(sig), dict(consts), dict(attrs)
-        for cls, (p, width, _, _) in zip(combo, choices):
-            path = (p.num,)
-            if cls == "1":
-                new_sig[p.name], new_consts[path] = "constexpr", 1
-                new_attrs.pop(path, None)
-            else:
-                new_sig[p.name] = width
-                new_consts.pop(path, None)
-                new_attrs[path] = [["tt.divisibility", 16]] if cls == "D" else []
-        variant = {**obj, "signature": new_sig,
-                   "constant_keys": [list(k) for k in sorted(new_consts)], "constant_vals": [new_consts[k] for k in sorted(new_consts)],
-                   "attrs_keys": [list(k) for k in sorted(new_attrs)], "attrs_vals": [new_attrs[k] for k in sorted(new_attrs)]}  # fmt: skip
-        what = " ".join(f"{c[0].name}{_INT_CLASSES[cls]}" for cls, c in zip(combo, choices))
-        out.append((what, json.dumps(variant)))
+        what = " ".join(f"{name}{_CLASS_LABELS[cls]}" for cls, (name, _, _, _) in zip(combo, choices))
+        closed = {name: (width, cls) for cls, (name, width, _, _) in zip(combo, choices)}
+        out.append((what, tritoncompat.with_int_classes(data, closed)))
     return out

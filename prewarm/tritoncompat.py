@@ -429,6 +429,75 @@ def read_key_dir(path: str | os.PathLike) -> Specialization | None:
     return None
 
 
+# --- rewriting compile requests -----------------------------------------------------------------------------------
+# Closing recorded traffic (plan.py) derives, from one recorded request, the ones Triton makes for other dtypes and
+# int classes. Triton (3.4+) puts a specialized int argument in one of three classes: equal to 1 (compiled in as the
+# constexpr 1), a multiple of 16 (tt.divisibility 16), neither; a 1 is an i32, so an i64 is in one of the last two.
+INT_ONE, INT_DIVISIBLE, INT_OTHER = "=1", "%16=0", "other"
+INT_CLASSES = {"i32": (INT_ONE, INT_DIVISIBLE, INT_OTHER), "i64": (INT_DIVISIBLE, INT_OTHER)}
+_DIVISIBLE = ["tt.divisibility", 16]
+
+
+def pointer_type(dtype: str, const: bool = False) -> str:
+    """Triton's signature type for a tensor of the torch dtype named ``dtype``: "*bf16", "*kfp32" (``const``)."""
+    import torch
+    from triton.runtime.jit import mangle_type  # its second parameter differs between versions: not passed
+
+    return ("*k" if const else "*") + mangle_type(torch.empty(0, dtype=getattr(torch, dtype), device="meta"))[1:]
+
+
+def pointer_args(data: str) -> dict[str, str]:
+    """The request's pointer parameters and their recorded types ("*fp32", "*kbf16"), either version's data."""
+    return {n: ty for n, ty in json.loads(data)["signature"].items() if isinstance(ty, str) and ty.startswith("*")}
+
+
+def with_pointer_types(data: str, types: dict[str, str]) -> str:
+    """The request ``data`` (either version) with the named pointer parameters of the given types, the rest as is."""
+    obj = json.loads(data)
+    return json.dumps({**obj, "signature": {**obj["signature"], **types}})
+
+
+def int_args(data: str) -> dict[str, tuple[str, str]]:
+    """The request's classed int arguments in parameter order, as name -> (width, class); one recorded as the
+    constexpr 1 is an i32 ``INT_ONE`` (whether the kernel declared it constexpr is the caller's to tell from its
+    params). triton 3.2 data gives {}: it keeps ints equal to 1 among the constexprs by name, and is not rewritten."""
+    obj = json.loads(data)
+    if "constant_keys" not in obj:
+        return {}
+    consts = {tuple(k): v for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
+    out = {}
+    for i, (name, ty) in enumerate(obj["signature"].items()):
+        if ty == "constexpr" and consts.get((i,)) == 1:
+            out[name] = ("i32", INT_ONE)
+        elif ty in INT_CLASSES:
+            out[name] = (ty, INT_DIVISIBLE if _DIVISIBLE in attrs.get((i,), []) else INT_OTHER)
+    return out
+
+
+def with_int_classes(data: str, classes: dict[str, tuple[str, str]]) -> str:
+    """The request ``data`` (3.4+: names from :func:`int_args`) with the named int arguments in the given (width,
+    class), as Triton records a call with such values. The ``key`` (the in-memory cache key) is kept: Triton's
+    on-disk key does not read it."""
+    obj = json.loads(data)
+    index = {name: i for i, name in enumerate(obj["signature"])}
+    sig = dict(obj["signature"])
+    consts = {tuple(k): v for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
+    for name, (width, cls) in classes.items():
+        path = (index[name],)
+        if cls == INT_ONE:
+            sig[name], consts[path] = "constexpr", 1
+            attrs.pop(path, None)
+        else:
+            sig[name] = width
+            consts.pop(path, None)
+            attrs[path] = [_DIVISIBLE] if cls == INT_DIVISIBLE else []
+    return json.dumps({**obj, "signature": sig,
+                       "constant_keys": [list(k) for k in sorted(consts)], "constant_vals": [consts[k] for k in sorted(consts)],
+                       "attrs_keys": [list(k) for k in sorted(attrs)], "attrs_vals": [attrs[k] for k in sorted(attrs)]})  # fmt: skip
+
+
 # --- triton-ascend versions ---------------------------------------------------------------------------------------
 # Two layouts: "3.2" (triton-ascend 3.2.x, on the registry today: a triton 3.2 core) and "3.5" (its main branch,
 # 3.5/3.6: a triton 3.5 core, which fla-core's NPU extra already pins). What differs, read from both sources:
