@@ -8,7 +8,7 @@ import torch
 
 from prewarm import tritoncompat
 from prewarm.backends import npu
-from prewarm.plan import other_dtypes
+from prewarm.plan import other_dtypes, other_int_classes
 
 
 def test_a_closed_request_is_what_triton_ascend_makes_for_the_other_dtype():
@@ -26,3 +26,15 @@ def test_a_closed_request_is_what_triton_ascend_makes_for_the_other_dtype():
         return {f: v for f, v in json.loads(data).items() if f != "key"}
 
     assert what == "y=*bf16" and without_key(closed) == without_key(made[1])
+
+
+def test_int_classes_are_left_as_recorded_on_triton_ascend_3_2():
+    """3.2 keeps an int equal to 1 among the constexprs by name: closing leaves its ints as recorded (no variant, no
+    error), while the dtype closing above still applies."""
+    import ascend_toy_kernels as k
+    from conftest import ARCH
+
+    npu.activate_offline(ARCH)
+    with tritoncompat.compile_requests(skip=True) as made:
+        k.add_kernel.warmup(torch.float32, torch.float32, torch.float32, 100, 4096, BS=64, grid=(1,))
+    assert tritoncompat.int_args(made[0]) == {} and other_int_classes(k.add_kernel, made[0]) == []
