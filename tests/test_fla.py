@@ -140,6 +140,16 @@ def test_decode_and_verify_build_offline_in_worker_processes_and_verify_clean(tm
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
 
 
+def build_record_only(tmp_path: Path, record: str, entry_extra: str = "") -> dict:
+    """`prewarm build --mode offline` of a manifest holding only the H200 target and ``record``; its JSON report."""
+    (tmp_path / "m.toml").write_text('[target]\nbackend = "cuda"\narch = "sm_90"\ndevice = "H200"\n'
+                                     f'[[kernels]]\nrecord = "{record}"\n{entry_extra}')
+    built = run_cli("build", str(tmp_path / "m.toml"), "--cache-dir", str(tmp_path / "cache"), "--workers", "2",
+                    "--mode", "offline", "--json")
+    assert built.returncode == 0, built.stderr[-3000:]
+    return json.loads(built.stdout)
+
+
 RECORDED_FLA_APP = """
 import sys
 from prewarm.backends import get_target
@@ -178,13 +188,7 @@ def test_a_record_only_manifest_over_an_fla_recording_from_another_host_builds_o
         data["options"]["extern_libs"] = [["libdevice", "/h200/venv/triton/backends/nvidia/lib/libdevice.10.bc"]]
         lines.append(json.dumps({**entry, "specialization_data": json.dumps(data)}))
     (tmp_path / "h200.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp_path / "m.toml").write_text(
-        '[target]\nbackend = "cuda"\narch = "sm_90"\ndevice = "H200"\n'
-        '[[kernels]]\nrecord = "h200.jsonl"\n')
-    built = run_cli("build", str(tmp_path / "m.toml"), "--cache-dir", str(tmp_path / "cache"), "--workers", "2",
-                    "--mode", "offline", "--json")
-    assert built.returncode == 0, built.stderr[-3000:]
-    report = json.loads(built.stdout)
+    report = build_record_only(tmp_path, "h200.jsonl")
     assert report["failed"] == 0 and report["compiled"] == report["compiles"] >= 2
     assert {r["key"] for r in report["results"]} == {p.name for p in (tmp_path / "app-cache").iterdir()
                                                      if not p.name.startswith(".")} - _launcher_dirs(tmp_path / "app-cache")
@@ -207,14 +211,7 @@ def test_a_recording_made_on_the_h200_builds_offline_here_closed_over_beta(tmp_p
     assert not Path(libdevice).exists()  # recorded on another machine: replay must normalize it
     one_each = {e["kernel"]: e for e in reversed(lines)}
     (tmp_path / "sample.jsonl").write_text("".join(json.dumps(e) + "\n" for e in one_each.values()))
-    (tmp_path / "m.toml").write_text(
-        '[target]\nbackend = "cuda"\narch = "sm_90"\ndevice = "H200"\n'
-        '[[kernels]]\nrecord = "sample.jsonl"\nclose = true\n'
-        '[kernels.close_dtypes]\nbeta = ["bfloat16", "float32"]\n')
-    built = run_cli("build", str(tmp_path / "m.toml"), "--cache-dir", str(tmp_path / "cache"), "--workers", "2",
-                    "--mode", "offline", "--json")
-    assert built.returncode == 0, built.stderr[-3000:]
-    report = json.loads(built.stdout)
+    report = build_record_only(tmp_path, "sample.jsonl", 'close = true\n[kernels.close_dtypes]\nbeta = ["bfloat16", "float32"]\n')
     closed = [r for r in report["results"] if "closed" in r["label"]]
     assert report["failed"] == 0 and report["compiled"] == report["compiles"] == len(one_each) + len(closed)
     # beta is a pointer of 4 of the 8 kernels (recompute, intra token-parallel, inter+solve, recurrent)
