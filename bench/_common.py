@@ -97,6 +97,24 @@ def bench_parser(doc: str, name: str, manifest: Path = DEFAULT_MANIFEST) -> argp
     return p
 
 
+def kernel_bench_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """A kernel bench's command line: --out (``bench/results/NAME.json``) and --workers (its `prewarm build`)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / f"{name}.json"))
+    p.add_argument("--workers", type=int, default=None, help="build processes (default: CPU count)")
+    return p
+
+
+def cuda_missing() -> bool:
+    """True, said on stderr, when no CUDA GPU is visible (a kernel bench then exits 2)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    print("needs a CUDA GPU", file=sys.stderr)
+    return True
+
+
 def add_seed_options(p: argparse.ArgumentParser, seeds: str, calls: int) -> None:
     """The options of a bench that runs one fresh process per seed on a fresh install (see :func:`seed_runs`)."""
     p.add_argument("--bundle", help="bundle dir to install (e.g. built and packed on a CPU box): every seed runs on it")

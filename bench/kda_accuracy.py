@@ -8,8 +8,6 @@ and in-kernel q/k L2 norm, as served), plus the recurrent kernel for decode and 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import shutil
@@ -22,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from _common import REPO, child_env, import_kernels, run_cli  # noqa: E402  (same directory)
+from _common import (  # noqa: E402  (same directory)
+    REPO, child_env, cuda_missing, import_kernels, kernel_bench_parser, run_cli, write_json,
+)
 
 import_kernels()
 
@@ -159,15 +159,12 @@ def recurrent_case(H: int, bs: int, draft: int, lower_bound, dev: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/kda_accuracy.json")
+    ap = kernel_bench_parser(__doc__, "kda_accuracy")
     ap.add_argument("--heads", type=int, nargs="+", default=[6, 32])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1, 63, 64, 65, 4096, 16384])
     ap.add_argument("--budget-s", type=float, default=450.0, help="skip the remaining cases after this many seconds")
-    ap.add_argument("--workers", type=int, default=None, help="parallel compile processes (default: min(16, CPUs))")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_missing():
         return 2
     dev = "cuda"
     t_start = time.time()
@@ -207,9 +204,7 @@ def main() -> int:
               "triton": __import__("triton").__version__, "python": platform.python_version(),
               "all_pass": ok, "prebuild": pre, "results": results, "errors": errors, "skipped": skipped,
               "wall_s": round(time.time() - t_start, 1)}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.out, report)
     worst = max((max(r["rel_rms_o"], r["rel_rms_state"]) for r in results), default=float("nan"))
     print(f"{'ALL PASS' if ok else 'FAILURES'}: {len(results)} cases, {len(errors)} errors, {len(skipped)} skipped, "
           f"worst rel RMS {worst:.2e} (< {THRESHOLD}); wrote {args.out} in {report['wall_s']}s")

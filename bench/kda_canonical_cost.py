@@ -10,7 +10,6 @@ A_log, dt_bias, int64 indices: the casts) and ``views`` (q, k, v, g split out of
 """
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -18,7 +17,7 @@ import time
 
 import torch
 
-from _common import import_kernels, write_json  # noqa: E402  (same directory)
+from _common import cuda_missing, import_kernels, kernel_bench_parser, write_json  # noqa: E402  (same directory)
 
 import_kernels()
 
@@ -82,13 +81,10 @@ def measure(name: str, make, reps: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/kda_canonical_cost.json")
+    ap = kernel_bench_parser(__doc__, "kda_canonical_cost")
     ap.add_argument("--reps", type=int, default=7, help="interleaved do_bench rounds per form")
-    ap.add_argument("--workers", type=int, default=None, help="build processes (default: CPU count)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_missing():
         return 2
     t0 = time.time()
     pre = prebuild([{"heads": H, "decode": True, "drafts": [D for _, _, D in RECURRENT if D > 1]}

@@ -27,7 +27,6 @@ tuned at other shapes; the tuning keys hold no token count).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -37,7 +36,7 @@ import traceback
 
 import torch
 
-from _common import import_kernels, write_json  # noqa: E402  (same directory)
+from _common import cuda_missing, import_kernels, kernel_bench_parser, write_json  # noqa: E402  (same directory)
 
 import_kernels()
 
@@ -184,15 +183,12 @@ def measure(label: str, ours, fla, agreement, reps: int, graphs: bool) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/kda_speed.json")
+    ap = kernel_bench_parser(__doc__, "kda_speed")
     ap.add_argument("--reps", type=int, default=7, help="interleaved rounds per implementation and timing mode")
-    ap.add_argument("--workers", type=int, default=None, help="build processes (default: CPU count)")
     ap.add_argument("--only", nargs="+", choices=("decode", "verify", "prefill"),
                     default=["decode", "verify", "prefill"])
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_missing():
         return 2
     t_start = time.time()
     try:

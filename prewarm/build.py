@@ -3,7 +3,9 @@
 The parent plans, expands every request into Triton's own compile requests under the target, and probes the
 cache (the will-hit probe: no compile); only the missing ones go to a process pool, where each worker
 replays them with ``JITFunction.preload`` into the cache dir. A second build of the same manifest therefore
-spawns nothing. The cache dir's build info (``CacheDir.build_info``) records what was built (the packer reads it).
+compiles nothing (the pool's forkserver is still started in the background while the parent plans: it cannot know
+before probing that nothing is missing, and starting it late would put its imports back on the critical path).
+The cache dir's build info (``CacheDir.build_info``) records what was built (the packer reads it).
 """
 from __future__ import annotations
 
@@ -26,7 +28,6 @@ from .errors import EnvironmentProblem
 from .manifest import Manifest, load
 from .plan import Compile, plan_for, resolve
 from .probe import probe_all
-
 
 
 @dataclass
