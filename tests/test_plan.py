@@ -135,8 +135,8 @@ def test_plan_table_shows_the_kda_labels_verbatim():
 def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     """Requests and compiles of the shipped H200 manifest, derived rather than copied from a run. With A activation
     dtypes, G gate dtypes and D verify draft widths, the serving mix plans per activation dtype the 6 prefill
-    kernels that read q/k/v (l2norm, intra_inter, intra_diag, recompute, state, output), per gate dtype cumsum (it
-    reads g and fp32 only), solve once (fp32 only), and the recurrent kernel per (activation, gate) pair for decode
+    kernels that read q/k/v (l2norm, intra_token, inter_solve, recompute, state, output), per gate dtype cumsum (it
+    reads g and fp32 only), and the recurrent kernel per (activation, gate) pair for decode
     and each draft width, once per beta dtype it reads as given (B: the activation dtype and fp32). Batch sizes,
     lengths and every other argument make no variant (the wrappers' canonical form), so decode buckets do not count.
     Each autotuned request compiles once per config."""
@@ -153,10 +153,9 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     assert (A, G, D) == (1, 2, 2)
     get_target(m.backend, m.arch, "offline").activate()
     planned = plan(m)
-    assert len(planned.requests) == 6 * A + G + 1 + (1 + D) * A * G * B == 21
+    assert len(planned.requests) == 6 * A + G + (1 + D) * A * G * B == 20
     configs = {name: len(select(name, m.backend).configs) for name in
-               ("l2norm", "cumsum", "intra_inter", "intra_diag", "solve", "recompute", "state", "output", "recurrent")}
-    per_activation = sum(configs[n] for n in ("l2norm", "intra_inter", "intra_diag", "recompute", "state", "output"))
-    expected = (per_activation * A + configs["cumsum"] * G + configs["solve"]
-                + configs["recurrent"] * (1 + D) * A * G * B)
-    assert len(expand_all(planned.requests)) == expected == 50 + 36 + 3 + 12
+               ("l2norm", "cumsum", "intra_token", "inter_solve", "recompute", "state", "output", "recurrent")}
+    per_activation = sum(configs[n] for n in ("l2norm", "intra_token", "inter_solve", "recompute", "state", "output"))
+    expected = per_activation * A + configs["cumsum"] * G + configs["recurrent"] * (1 + D) * A * G * B
+    assert len(expand_all(planned.requests)) == expected == 47 + 36 + 12

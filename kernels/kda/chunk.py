@@ -1,4 +1,4 @@
-"""The chunked KDA forward (chunk 64, token-major): cumsum -> intra -> solve -> recompute -> state -> output."""
+"""The chunked KDA forward (chunk 64, token-major): cumsum -> intra (with the solve) -> recompute -> state -> output."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,6 @@ from .intra import chunk_intra
 from .l2norm import l2norm_rstd
 from .output import chunk_output
 from .recompute import chunk_recompute
-from .solve import chunk_solve
 from .state import chunk_state, initial_states
 
 
@@ -36,8 +35,7 @@ def chunk_kda_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     scale = L.K ** -0.5 if scale is None else float(scale)
     q_rstd, k_rstd = (l2norm_rstd(q), l2norm_rstd(k)) if use_qk_l2norm else (None, None)
     G = chunk_cumsum(g, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, _layout=L)
-    Akk, Aqk = chunk_intra(q, k, G, beta, scale, q_rstd=q_rstd, k_rstd=k_rstd, _layout=L)
-    Ai = chunk_solve(Akk, _layout=L)
+    Ai, Aqk = chunk_intra(q, k, G, beta, scale, q_rstd=q_rstd, k_rstd=k_rstd, _layout=L)
     w, u, kg = chunk_recompute(k, v, beta, G, Ai, k_rstd=k_rstd, _layout=L)
     h, v_new, final = chunk_state(kg, w, u, G, initial_state, initial_state_indices, output_final_state,
                                   _layout=L)

@@ -1,10 +1,20 @@
-"""Intra-chunk matrices over 16-token sub-chunks, in fp32.
+"""Intra-chunk matrices and the WY solve, fp32, in two kernels (after fla's token-parallel intra + fused inter-solve).
 
-Akk[i, j] = beta_i * sum_c k_ic k_jc exp(G_ic - G_jc) (i > j), Aqk[i, j] = scale * sum_c q_ic k_jc exp(G_ic - G_jc)
-(i >= j); both [B, T, H, 64], zero above the diagonal. The "inter" kernel fills the off-diagonal 16x16 blocks
-(and the zeros above), tiled over K with BK, using the first token of the row sub-chunk as the reference point so
-both factors are exponentials of non-positive numbers. The "intra" kernel fills the diagonal blocks column by column
-in plain fp32: exp(G_i - G_j) per pair and channel for rows i >= j only, every other exponent masked to -inf.
+Aqk[i, j] = scale * sum_c q_ic k_jc exp(G_ic - G_jc) (i >= j) and Akk[i, j] = beta_i * sum_c k_ic k_jc exp(G_ic - G_jc)
+(i > j) over each 64-token chunk, in 16-token sub-chunks; the outputs are Aqk and Ainv = (I + Akk)^-1, both
+[B, T, H, 64], zero above the diagonal.
+
+- "intra_token": the diagonal 16x16 blocks, one row token at a time: each row loops over the earlier tokens of its
+  sub-chunk only (the causal triangle: about half the exps of a block-wide pass), for BH heads at once. It writes
+  its 16-wide row of Aqk in place, and inverts I + Akk's diagonal block as its rows come (forward substitution in
+  registers: row i needs rows < i only), writing the inverse's rows to a [B, T, H, 16] buffer. A program covers TB
+  whole sub-chunks' rows of one chunk: the grid is (chunks * 64 / TB, heads / BH). The NPU pins TB = 64: one
+  program per chunk and head like every other chunk kernel, far below triton-ascend's 65,535-program grid limit.
+- "inter_solve": per chunk and head, the off-diagonal blocks of both matrices by dots over K tiles (reference point:
+  the row sub-chunk's first token, so both factors are exponentials of non-positive numbers). Aqk's are stored;
+  Akk's stay in registers and give Ainv's blocks below the diagonal from the inverted diagonal blocks by block
+  products (ieee dots: exact fp32). Akk never goes to memory, and no kernel runs a serial substitution over memory
+  (that loop's load latency made a fused kernel with it 2x slower on the H200).
 """
 from __future__ import annotations
 
@@ -15,15 +25,76 @@ import triton.language as tl
 from ..backend import Entry, dispatch, register
 from .common import AUTOTUNE_CACHE, BC, BT, as_fp32, canonical, check_rstd, chunk_bounds, layout
 
-INTER_CONFIGS = [
+TOKEN_CONFIGS = [
+    triton.Config({"TB": TB, "BH": BH}, num_warps=num_warps, num_stages=2)
+    for TB in [BC]  # whole sub-chunks: the diagonal blocks are inverted in registers as their rows come
+    for BH in [1, 2, 4]
+    for num_warps in [1, 2, 4]
+]
+TOKEN_PINNED = {"TB": BT, "BH": 1, "num_warps": 4, "num_stages": 3}
+SOLVE_CONFIGS = [
     triton.Config({"BK": BK}, num_warps=num_warps, num_stages=num_stages)
-    for BK in [16, 32, 64]
+    for BK in [32, 64]
     for num_warps in [1, 2, 4, 8]
     for num_stages in [2, 3]
 ]
-INTER_PINNED = {"BK": 64, "num_warps": 4, "num_stages": 3}
-INTRA_CONFIGS = [triton.Config({}, num_warps=num_warps, num_stages=3) for num_warps in [1, 2, 4, 8]]
-INTRA_PINNED = {"num_warps": 4, "num_stages": 3}
+SOLVE_PINNED = {"BK": 64, "num_warps": 4, "num_stages": 3}
+
+
+@triton.autotune(configs=TOKEN_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
+@triton.jit
+def kda_intra_token_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Aid, cu_seqlens, chunk_indices, scale,
+                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                           TB: tl.constexpr, BH: tl.constexpr, NORM_QK: tl.constexpr):
+    i_tb, i_hb = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_t, bos, T = chunk_bounds(i_tb // (BT // TB), cu_seqlens, chunk_indices)
+    r0 = i_t * BT + (i_tb % (BT // TB)) * TB  # this program's first row, counted from the sequence start
+    o_h = i_hb * BH + tl.arange(0, BH)
+    m_h = o_h < H
+    o_k = tl.arange(0, BK)
+    m_hk = m_h[:, None] & (o_k < K)[None, :]
+    o_j = tl.arange(0, BC)
+    HK = H * K
+    p_hk = bos * HK + o_h[:, None] * K + o_k[None, :]
+    b_y = tl.zeros([BH, BC, BC], dtype=tl.float32)  # rows of Y = (I + Akk_block)^-1 - I done so far
+    for r in range(TB):
+        i = r0 + r
+        if i < T:
+            p_i = p_hk + i * HK
+            b_q = tl.load(q + p_i, mask=m_hk, other=0.0).to(tl.float32)
+            b_k = tl.load(k + p_i, mask=m_hk, other=0.0).to(tl.float32)
+            b_g = tl.load(G + p_i, mask=m_hk, other=0.0)
+            i_l = i % BC  # the row's place in its sub-chunk
+            i_s = i - i_l
+            b_aqk = tl.zeros([BH, BC], dtype=tl.float32)
+            b_akk = tl.zeros([BH, BC], dtype=tl.float32)
+            for j in range(i_s, i + 1):
+                p_j = p_hk + j * HK
+                b_kj = tl.load(k + p_j, mask=m_hk, other=0.0).to(tl.float32)
+                b_gj = tl.load(G + p_j, mask=m_hk, other=0.0)
+                b_kje = b_kj * tl.exp(b_g - b_gj)  # G_i - G_j <= 0 for j <= i
+                m_col = (o_j == j - i_s)[None, :]
+                b_aqk = tl.where(m_col, tl.sum(b_q * b_kje, 1)[:, None], b_aqk)
+                b_akk = tl.where(m_col, tl.sum(b_k * b_kje, 1)[:, None], b_akk)
+            b_akk = tl.where((o_j < i_l)[None, :], b_akk, 0.0)  # Akk is strictly lower triangular
+            b_b = tl.load(beta + (bos + i) * H + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_aqk *= scale
+            b_akk *= b_b[:, None]
+            if NORM_QK:  # A is bilinear in rows and columns: apply the L2 norms to the row
+                m_cols = m_h[:, None] & (o_j <= i_l)[None, :]
+                rk_j = tl.load(k_rstd + (bos + i_s + o_j)[None, :] * H + o_h[:, None], mask=m_cols, other=0.0)
+                rq_i = tl.load(q_rstd + (bos + i) * H + o_h, mask=m_h, other=0.0)
+                rk_i = tl.load(k_rstd + (bos + i) * H + o_h, mask=m_h, other=0.0)
+                b_aqk *= rq_i[:, None] * rk_j
+                b_akk *= rk_i[:, None] * rk_j
+            # forward substitution, one row at a time as the rows come: Y_i = -A_i - sum_{m < i} A_im Y_m (Akk's row
+            # is zero from column i_l on, so rows of Y left from an earlier sub-chunk never count)
+            b_yr = -b_akk - tl.sum(b_akk[:, :, None] * b_y, 1)
+            b_y = tl.where((o_j == i_l)[None, :, None], b_yr[:, None, :], b_y)
+            m_row = m_h[:, None] & (o_j >= 0)[None, :]
+            p_row = ((bos + i) * H + o_h)[:, None]
+            tl.store(Aqk + p_row * BT + (i_s % BT + o_j)[None, :], b_aqk, mask=m_row)
+            tl.store(Aid + p_row * BC + o_j[None, :], b_yr + (o_j == i_l)[None, :].to(tl.float32), mask=m_row)
 
 
 @triton.jit
@@ -44,30 +115,31 @@ def _col_t(k, G, o_c, o_k, m_k, b_gn, HK):
 
 
 @triton.jit
-def _store_row(Aqk, Akk, beta, o_c, m_c, o_i, HBT, H, b_q0, b_k0, b_q1, b_k1, b_q2, b_k2, scale,
+def _store_row(Aqk, Ai, o_c, m_c, o_i, HBT, b_q0, b_q1, b_q2, b_i0, b_i1, b_i2, b_i3,
                BC: tl.constexpr, R: tl.constexpr):
-    """Store the off-diagonal blocks of row sub-chunk R (R blocks) and zero its blocks above the diagonal."""
-    b_b = tl.load(beta + o_c * H, mask=m_c, other=0.0)
+    """Row sub-chunk R: Aqk's R blocks left of the diagonal and zeros right of it (the diagonal block is
+    intra_token's); Ainv's R + 1 blocks up to the diagonal and zeros right of it."""
     m = m_c[:, None] & (o_i[None, :] >= 0)
     p = o_c[:, None] * HBT + o_i[None, :]
+    tl.store(Ai + p, b_i0, mask=m)
     if R >= 1:
-        tl.store(Aqk + p, b_q0 * scale, mask=m)
-        tl.store(Akk + p, b_k0 * b_b[:, None], mask=m)
+        tl.store(Aqk + p, b_q0, mask=m)
+        tl.store(Ai + p + BC, b_i1, mask=m)
     if R >= 2:
-        tl.store(Aqk + p + BC, b_q1 * scale, mask=m)
-        tl.store(Akk + p + BC, b_k1 * b_b[:, None], mask=m)
+        tl.store(Aqk + p + BC, b_q1, mask=m)
+        tl.store(Ai + p + 2 * BC, b_i2, mask=m)
     if R >= 3:
-        tl.store(Aqk + p + 2 * BC, b_q2 * scale, mask=m)
-        tl.store(Akk + p + 2 * BC, b_k2 * b_b[:, None], mask=m)
+        tl.store(Aqk + p + 2 * BC, b_q2, mask=m)
+        tl.store(Ai + p + 3 * BC, b_i3, mask=m)
     b_z = tl.zeros([BC, BC], dtype=tl.float32)
     for c in tl.static_range(R + 1, 4):
         tl.store(Aqk + p + c * BC, b_z, mask=m)
-        tl.store(Akk + p + c * BC, b_z, mask=m)
+        tl.store(Ai + p + c * BC, b_z, mask=m)
 
 
-@triton.autotune(configs=INTER_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
+@triton.autotune(configs=SOLVE_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
 @triton.jit
-def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale,
+def kda_inter_solve_kernel(q, k, G, beta, q_rstd, k_rstd, Aid, Aqk, Ai, cu_seqlens, chunk_indices, scale,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                            NORM_QK: tl.constexpr):
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -77,8 +149,9 @@ def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, 
     k += base * K
     G += base * K
     beta += base
+    Aid += base * BC
     Aqk += base * BT
-    Akk += base * BT
+    Ai += base * BT
     HK = H * K
     o_i = tl.arange(0, BC)
     i_r0 = i_t * BT
@@ -156,71 +229,50 @@ def kda_intra_inter_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, 
         b_k31 *= rk3[:, None] * rk1[None, :]
         b_q32 *= rq3[:, None] * rk2[None, :]
         b_k32 *= rk3[:, None] * rk2[None, :]
+    b_b1 = tl.load(beta + o_c1 * H, mask=m_c1, other=0.0)
+    b_b2 = tl.load(beta + o_c2 * H, mask=m_c2, other=0.0)
+    b_b3 = tl.load(beta + o_c3 * H, mask=m_c3, other=0.0)
+    b_k10 *= b_b1[:, None]
+    b_k20 *= b_b2[:, None]
+    b_k21 *= b_b2[:, None]
+    b_k30 *= b_b3[:, None]
+    b_k31 *= b_b3[:, None]
+    b_k32 *= b_b3[:, None]
+
+    m_d = o_i[None, :] >= 0
+    b_i00 = tl.load(Aid + o_c0[:, None] * (H * BC) + o_i[None, :], mask=m_c0[:, None] & m_d, other=0.0)
+    b_i11 = tl.load(Aid + o_c1[:, None] * (H * BC) + o_i[None, :], mask=m_c1[:, None] & m_d, other=0.0)
+    b_i22 = tl.load(Aid + o_c2[:, None] * (H * BC) + o_i[None, :], mask=m_c2[:, None] & m_d, other=0.0)
+    b_i33 = tl.load(Aid + o_c3[:, None] * (H * BC) + o_i[None, :], mask=m_c3[:, None] & m_d, other=0.0)
+    # X_ij = -X_ii * sum_{j <= m < i} A_im X_mj
+    b_i10 = -tl.dot(b_i11, tl.dot(b_k10, b_i00, input_precision="ieee"), input_precision="ieee")
+    b_i21 = -tl.dot(b_i22, tl.dot(b_k21, b_i11, input_precision="ieee"), input_precision="ieee")
+    b_i20 = -tl.dot(b_i22, tl.dot(b_k20, b_i00, input_precision="ieee")
+                    + tl.dot(b_k21, b_i10, input_precision="ieee"), input_precision="ieee")
+    b_i32 = -tl.dot(b_i33, tl.dot(b_k32, b_i22, input_precision="ieee"), input_precision="ieee")
+    b_i31 = -tl.dot(b_i33, tl.dot(b_k31, b_i11, input_precision="ieee")
+                    + tl.dot(b_k32, b_i21, input_precision="ieee"), input_precision="ieee")
+    b_i30 = -tl.dot(b_i33, tl.dot(b_k30, b_i00, input_precision="ieee")
+                    + tl.dot(b_k31, b_i10, input_precision="ieee")
+                    + tl.dot(b_k32, b_i20, input_precision="ieee"), input_precision="ieee")
+
     HBT = H * BT
     b_z = tl.zeros([BC, BC], dtype=tl.float32)
-    _store_row(Aqk, Akk, beta, o_c0, m_c0, o_i, HBT, H, b_z, b_z, b_z, b_z, b_z, b_z, scale, BC, 0)
-    _store_row(Aqk, Akk, beta, o_c1, m_c1, o_i, HBT, H, b_q10, b_k10, b_z, b_z, b_z, b_z, scale, BC, 1)
-    _store_row(Aqk, Akk, beta, o_c2, m_c2, o_i, HBT, H, b_q20, b_k20, b_q21, b_k21, b_z, b_z, scale, BC, 2)
-    _store_row(Aqk, Akk, beta, o_c3, m_c3, o_i, HBT, H, b_q30, b_k30, b_q31, b_k31, b_q32, b_k32, scale, BC, 3)
+    _store_row(Aqk, Ai, o_c0, m_c0, o_i, HBT, b_z, b_z, b_z, b_i00, b_z, b_z, b_z, BC, 0)
+    _store_row(Aqk, Ai, o_c1, m_c1, o_i, HBT, b_q10 * scale, b_z, b_z, b_i10, b_i11, b_z, b_z, BC, 1)
+    _store_row(Aqk, Ai, o_c2, m_c2, o_i, HBT, b_q20 * scale, b_q21 * scale, b_z, b_i20, b_i21, b_i22, b_z, BC, 2)
+    _store_row(Aqk, Ai, o_c3, m_c3, o_i, HBT, b_q30 * scale, b_q31 * scale, b_q32 * scale, b_i30, b_i31, b_i32,
+               b_i33, BC, 3)
 
 
-@triton.autotune(configs=INTRA_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
-@triton.jit
-def kda_intra_diag_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, cu_seqlens, chunk_indices, scale,
-                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                          NORM_QK: tl.constexpr):
-    i_tc, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_t, i_c = i_tc // (BT // BC), i_tc % (BT // BC)
-    i_t, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
-    i_r = i_t * BT + i_c * BC
-    if i_r >= T:
-        return
-    base = (bos * H + i_h)
-    HK = H * K
-    o_i = tl.arange(0, BC)
-    o_c = i_r + o_i
-    m_c = o_c < T
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m = m_c[:, None] & m_k[None, :]
-    p = (base * K) + o_c[:, None] * HK + o_k[None, :]
-    b_q = tl.load(q + p, mask=m, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p, mask=m, other=0.0).to(tl.float32)
-    b_g = tl.load(G + p, mask=m, other=0.0)
-    b_aqk = tl.zeros([BC, BC], dtype=tl.float32)
-    b_akk = tl.zeros([BC, BC], dtype=tl.float32)
-    # Column j: sum_c x_ic k_jc exp(G_ic - G_jc) for rows i >= j. Elementwise fp32 rather than the dots of the
-    # inter kernel: a reference-token split of a 16x16 block needs 4 levels of small dots, whose operands kept
-    # 255 registers live (spilling) and ran 1.3x slower on the H200 (scratch measurement, see kernels/README.md).
-    for j in tl.static_range(BC):
-        m_j = m_k & (i_r + j < T)
-        p_j = base * K + (i_r + j) * HK + o_k
-        b_kj = tl.load(k + p_j, mask=m_j, other=0.0).to(tl.float32)
-        b_gj = tl.load(G + p_j, mask=m_j, other=0.0)
-        b_kje = tl.exp(tl.where(((o_i >= j) & m_c)[:, None], b_g - b_gj[None, :], float("-inf"))) * b_kj[None, :]
-        b_aqk = tl.where(o_i[None, :] == j, tl.sum(b_q * b_kje, 1)[:, None], b_aqk)
-        b_akk = tl.where(o_i[None, :] == j, tl.sum(b_k * b_kje, 1)[:, None], b_akk)
-    b_akk = tl.where(o_i[:, None] > o_i[None, :], b_akk, 0.0)  # Akk is strictly lower triangular
-    if NORM_QK:
-        rq = tl.load(q_rstd + base + o_c * H, mask=m_c, other=0.0)
-        rk = tl.load(k_rstd + base + o_c * H, mask=m_c, other=0.0)
-        b_aqk *= rq[:, None] * rk[None, :]
-        b_akk *= rk[:, None] * rk[None, :]
-    b_b = tl.load(beta + base + o_c * H, mask=m_c, other=0.0)
-    p_A = base * BT + o_c[:, None] * (H * BT) + (i_c * BC + o_i)[None, :]
-    m_A = m_c[:, None] & (o_i[None, :] >= 0)
-    tl.store(Aqk + p_A, b_aqk * scale, mask=m_A)
-    tl.store(Akk + p_A, b_akk * b_b[:, None], mask=m_A)
-
-
-register("intra_inter", Entry(kda_intra_inter_kernel, INTER_PINNED))
-register("intra_diag", Entry(kda_intra_diag_kernel, INTRA_PINNED))
+register("intra_token", Entry(kda_intra_token_kernel, TOKEN_PINNED))
+register("inter_solve", Entry(kda_inter_solve_kernel, SOLVE_PINNED))
 
 
 def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, scale: float,
                 cu_seqlens: torch.Tensor | None = None, q_rstd: torch.Tensor | None = None,
                 k_rstd: torch.Tensor | None = None, *, _layout=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Akk, Aqk), each [B, T, H, 64] fp32, from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H] (any float
+    """(Ainv, Aqk), each [B, T, H, 64] fp32, from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H] (any float
     dtype: read as fp32). With ``q_rstd``/``k_rstd`` (fp32 [B, T, H], from :func:`l2norm_rstd`) q and k count as
     L2-normalised."""
     L = _layout or layout(k, None, cu_seqlens)
@@ -228,11 +280,14 @@ def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.T
     k = canonical("k", k, (L.B, L.T, L.H, L.K))
     G = canonical("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
     beta = as_fp32("beta", beta, (L.B, L.T, L.H))
-    Akk = torch.empty(L.B, L.T, L.H, BT, dtype=torch.float32, device=k.device)
-    Aqk = torch.empty_like(Akk)
     q_rstd, k_rstd = check_rstd(q_rstd, k_rstd, L)
-    args = (q, k, G, beta, q_rstd, k_rstd, Aqk, Akk, L.cu_seqlens, L.chunk_indices, float(scale))
+    Aid = torch.empty(L.B, L.T, L.H, BC, dtype=torch.float32, device=k.device)
+    Aqk = torch.empty(L.B, L.T, L.H, BT, dtype=torch.float32, device=k.device)
+    Ai = torch.empty_like(Aqk)
     kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, NORM_QK=q_rstd is not None)
-    dispatch("intra_inter", lambda meta: (L.NT, L.H), *args, **kw)
-    dispatch("intra_diag", lambda meta: (L.NT * (BT // BC), L.H), *args, BK=triton.next_power_of_2(L.K), **kw)
-    return Akk, Aqk
+    dispatch("intra_token", lambda meta: (L.NT * (BT // meta["TB"]), -(-L.H // meta["BH"])),
+             q, k, G, beta, q_rstd, k_rstd, Aqk, Aid, L.cu_seqlens, L.chunk_indices, float(scale),
+             BK=triton.next_power_of_2(L.K), **kw)
+    dispatch("inter_solve", lambda meta: (L.NT, L.H), q, k, G, beta, q_rstd, k_rstd, Aid, Aqk, Ai, L.cu_seqlens,
+             L.chunk_indices, float(scale), **kw)
+    return Ai, Aqk

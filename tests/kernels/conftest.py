@@ -72,7 +72,7 @@ def pk():
     undo = _interpreter_patches()
     try:
         mods = {name: importlib.import_module(f"prewarm_kernels.{name}") for name in
-                ("backend", "launch", "index", "kda", "kda.chunk", "kda.cumsum", "kda.intra", "kda.solve",
+                ("backend", "launch", "index", "kda", "kda.chunk", "kda.cumsum", "kda.intra",
                  "kda.recompute", "kda.state", "kda.output", "kda.recurrent", "kda.reference", "kda.l2norm",
                  "kda.serving")}
         ns = SimpleNamespace(**{k.replace("kda.", ""): v for k, v in mods.items()})

@@ -10,7 +10,7 @@ import torch
 SPEC = {"backend": "cuda", "arch": "sm_90",  # a manifest's [spec] as the provider receives it (6 heads per rank)
         "model": {"kda_heads": 6, "head_k_dim": 128, "head_v_dim": 128, "gate_lower_bound": -5.0, "layers": 69},
         "serving": {"decode_batch_buckets": [1, 16], "draft_widths": [4]}}
-PREFILL = ["l2norm", "l2norm", "cumsum", "intra_inter", "intra_diag", "solve", "recompute", "state", "output"]
+PREFILL = ["l2norm", "l2norm", "cumsum", "intra_token", "inter_solve", "recompute", "state", "output"]
 
 
 @pytest.fixture(autouse=True)
@@ -41,18 +41,19 @@ def test_detect_with_torch_npu(pk, monkeypatch, available, expected):
 
 
 def test_select_npu_pins_configs_on_raw_jit(pk):
-    sel = {name: pk.backend.select(name, "npu") for name in ("cumsum", "intra_inter", "intra_diag")}
+    sel = {name: pk.backend.select(name, "npu") for name in ("cumsum", "intra_token", "inter_solve")}
     assert sel["cumsum"].launch_kwargs == {"BS": 64, "num_warps": 4, "num_stages": 3}
-    assert sel["intra_inter"].launch_kwargs == {"BK": 64, "num_warps": 4, "num_stages": 3}
-    assert sel["intra_diag"].launch_kwargs == {"num_warps": 4, "num_stages": 3}
+    # one program per chunk and head (TB = 64 rows): the grid of every chunk kernel, below the NPU's grid limit
+    assert sel["intra_token"].launch_kwargs == {"TB": 64, "BH": 1, "num_warps": 4, "num_stages": 3}
+    assert sel["inter_solve"].launch_kwargs == {"BK": 64, "num_warps": 4, "num_stages": 3}
     for s in sel.values():
         assert not s.autotuned and s.kernel is pk.backend.REGISTRY[s.name].kernel.fn
     assert sel["cumsum"].constexprs == {"BS": 64}
 
 
 def test_select_default_keeps_autotune_lists(pk):
-    counts = {name: len(pk.backend.select(name, "cuda").configs) for name in ("cumsum", "intra_inter", "intra_diag")}
-    assert counts == {"cumsum": 18, "intra_inter": 24, "intra_diag": 4}
+    counts = {name: len(pk.backend.select(name, "cuda").configs) for name in ("cumsum", "intra_token", "inter_solve")}
+    assert counts == {"cumsum": 18, "intra_token": 18, "inter_solve": 12}
     for name in pk.backend.REGISTRY:
         sel = pk.backend.select(name, "default")
         assert sel.autotuned == (name != "recurrent")
@@ -147,12 +148,12 @@ def test_serving_plans_the_cross_product_of_declared_dtypes(pk):
     by_kernel = {}
     for name, *_ in distinct:
         by_kernel[name] = by_kernel.get(name, 0) + 1
-    # cumsum reads g only: one variant per gate dtype; solve reads fp32 only; recurrent reads both
-    assert by_kernel == {"l2norm": 2, "cumsum": 2, "intra_inter": 2, "intra_diag": 2, "solve": 1, "recompute": 2,
+    # cumsum reads g only: one variant per gate dtype; recurrent reads both
+    assert by_kernel == {"l2norm": 2, "cumsum": 2, "intra_token": 2, "inter_solve": 2, "recompute": 2,
                          "state": 2, "output": 2, "recurrent": 16}
     for rec in launches:
         name = rec.label.split("/")[1]
-        fp32_roles = {"cumsum": [1, 2], "intra_inter": [3], "intra_diag": [3], "recompute": [2],
+        fp32_roles = {"cumsum": [1, 2], "intra_token": [3], "inter_solve": [3], "recompute": [2],
                       "recurrent": [5, 6]}.get(name, [])
         assert all(rec.args[i].dtype == torch.float32 for i in fp32_roles), rec.label
         if name == "recurrent":
@@ -163,6 +164,6 @@ def test_serving_declared_switches(pk):
     """fused_gate / qk_l2norm from the spec decide GATE and the L2-norm launches (defaults: both on)."""
     plain = pk.serving.launches({**SPEC, "model": {k: v for k, v in SPEC["model"].items() if k != "gate_lower_bound"},
                                  "serving": {**SPEC["serving"], "fused_gate": False, "qk_l2norm": False}})
-    assert [r.label for r in plain][:3] == ["prefill/cumsum", "prefill/intra_inter", "prefill/intra_diag"]
+    assert [r.label for r in plain][:3] == ["prefill/cumsum", "prefill/intra_token", "prefill/inter_solve"]
     assert {r.kwargs["GATE"] for r in plain if "GATE" in r.kwargs} == {0}
     assert not any(r.kwargs.get("USE_QK_L2NORM") or r.kwargs.get("NORM_QK") for r in plain)

@@ -68,7 +68,7 @@ def test_importing_kda_registers_every_declared_kernel():
     p = _fresh("import prewarm_kernels.kda, prewarm_kernels.backend as b; print(' '.join(sorted(b.REGISTRY)))")
     assert p.returncode == 0, p.stderr
     assert set(p.stdout.split()) == _declared_kernels()
-    assert len(_declared_kernels()) == 9
+    assert len(_declared_kernels()) == 8
 
 
 def test_select_before_any_kernel_package_is_imported_says_what_to_import():
