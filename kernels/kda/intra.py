@@ -14,8 +14,7 @@ Aqk[i, j] = scale * sum_c q_ic k_jc exp(G_ic - G_jc) (i >= j) and Akk[i, j] = be
   the row sub-chunk's first token, so both factors are exponentials of non-positive numbers). Aqk's are stored;
   Akk's stay in registers and give Ainv's blocks below the diagonal from the inverted diagonal blocks by block
   products (ieee dots: exact fp32). Akk never goes to memory, and no kernel runs a serial substitution over memory
-  (with that loop, 56 dependent loads per program, the fused kernel took 0.83 ms instead of 0.50 ms on the H200 at
-  H=32, T=16384; kernels/README.md has the history).
+  (with one, the fused kernel took 0.83 ms, not 0.50, on the H200 at H=32, T=16384: see kernels/README.md).
 """
 from __future__ import annotations
 
