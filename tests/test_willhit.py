@@ -78,6 +78,22 @@ def test_a_codegen_env_var_changes_every_key(cache):
     assert out.split() == ["0", "11"]
 
 
+@pytest.mark.parametrize("where,hits", [("end", 11), ("top", 0)])
+def test_a_node_must_run_the_kernel_source_the_cache_was_built_from_line_for_line(cache, tmp_path, where, hits):
+    """Triton's key holds each kernel's source and its first line number: a line added at the end of the kernel
+    module changes no key, the same line at its top moves every kernel below it, and every one of them misses (a
+    bundle serves exactly the kernel source it was built from, down to a docstring line above a kernel)."""
+    path, _ = cache
+    pkg = tmp_path / "prewarm_toy"
+    shutil.copytree(FIXTURES / "prewarm_toy", pkg)
+    src = (pkg / "kernels.py").read_text()
+    (pkg / "kernels.py").write_text(src + "# a comment\n" if where == "end" else "# a comment\n" + src)
+    code = f"from prewarm.willhit import check; r = check({str(TOY)!r}, {str(path)!r}); print(r.hits, r.misses)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=True,
+                         capture_output=True, text=True).stdout
+    assert out.split() == [str(hits), str(11 - hits)]
+
+
 def test_a_copied_cache_whose_groups_point_back_misses(cache, tmp_path):
     path, _ = cache
     copy = tmp_path / "copy"
