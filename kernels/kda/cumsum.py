@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BT, canonical, chunk_bounds, gate, layout
+from .common import AUTOTUNE_CACHE, BT, canonical, cdiv, chunk_bounds, gate, layout
 
 CONFIGS = [
     triton.Config({"BS": BS}, num_warps=num_warps, num_stages=num_stages)
@@ -57,7 +57,7 @@ def chunk_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None = None, A_log:
     g = canonical("g", g, (L.B, L.T, L.H, L.K))
     gt = gate(A_log, dt_bias, lower_bound, L.H, L.K)
     G = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    dispatch("cumsum", lambda meta: (triton.cdiv(L.K, meta["BS"]), L.NT, L.H),
+    dispatch("cumsum", lambda meta: (cdiv(L.K, meta["BS"]), L.NT, L.H),
              g, gt.A_log, gt.dt_bias, G, L.cu_seqlens, L.chunk_indices, gt.lower_bound,
              H=L.H, K=L.K, BT=BT, GATE=gt.kind)
     return G

@@ -23,11 +23,11 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BC, BT, as_fp32, canonical, check_rstd, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BC, BT, as_fp32, canonical, cdiv, check_rstd, chunk_bounds, layout, next_pow2
 
+# TB = whole sub-chunks: the diagonal blocks are inverted in registers as their rows come
 TOKEN_CONFIGS = [
-    triton.Config({"TB": TB, "BH": BH}, num_warps=num_warps, num_stages=2)
-    for TB in [BC]  # whole sub-chunks: the diagonal blocks are inverted in registers as their rows come
+    triton.Config({"TB": BC, "BH": BH}, num_warps=num_warps, num_stages=2)
     for BH in [1, 2, 4]
     for num_warps in [1, 2, 4]
 ]
@@ -285,9 +285,9 @@ def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.T
     Aqk = torch.empty(L.B, L.T, L.H, BT, dtype=torch.float32, device=k.device)
     Ai = torch.empty_like(Aqk)
     kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, NORM_QK=q_rstd is not None)
-    dispatch("intra_token", lambda meta: (L.NT * (BT // meta["TB"]), -(-L.H // meta["BH"])),
+    dispatch("intra_token", lambda meta: (L.NT * (BT // meta["TB"]), cdiv(L.H, meta["BH"])),
              q, k, G, beta, q_rstd, k_rstd, Aqk, Aid, L.cu_seqlens, L.chunk_indices, float(scale),
-             BK=triton.next_power_of_2(L.K), **kw)
+             BK=next_pow2(L.K), **kw)
     dispatch("inter_solve", lambda meta: (L.NT, L.H), q, k, G, beta, q_rstd, k_rstd, Aid, Aqk, Ai, L.cu_seqlens,
              L.chunk_indices, float(scale), **kw)
     return Ai, Aqk

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, FLOAT_DTYPES, canonical
+from .common import AUTOTUNE_CACHE, FLOAT_DTYPES, canonical, cdiv, next_pow2
 
 CONFIGS = [triton.Config({"BR": BR}, num_warps=num_warps) for BR in [16, 64] for num_warps in [2, 4]]
 PINNED = {"BR": 16, "num_warps": 4, "num_stages": 3}
@@ -35,5 +35,5 @@ def l2norm_rstd(x: torch.Tensor) -> torch.Tensor:
     D = x.shape[-1]
     R = x.numel() // D
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    dispatch("l2norm", lambda meta: (triton.cdiv(R, meta["BR"]),), x, rstd, R, D=D, BD=triton.next_power_of_2(D))
+    dispatch("l2norm", lambda meta: (cdiv(R, meta["BR"]),), x, rstd, R, D=D, BD=next_pow2(D))
     return rstd

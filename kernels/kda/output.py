@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BT, canonical, chunk_bounds, layout
+from .common import AUTOTUNE_CACHE, BT, canonical, cdiv, chunk_bounds, layout
 
 CONFIGS = [
     triton.Config({"BK": BK, "BV": BV}, num_warps=num_warps, num_stages=2)
@@ -68,6 +68,6 @@ def chunk_output(q: torch.Tensor, G: torch.Tensor, h: torch.Tensor, Aqk: torch.T
     if q_rstd is not None:
         q_rstd = canonical("q_rstd", q_rstd, (L.B, L.T, L.H), (torch.float32,))
     o = torch.empty_like(v_new)
-    dispatch("output", lambda meta: (triton.cdiv(L.V, meta["BV"]), L.NT, L.H), q, G, h, Aqk, v_new, q_rstd,
+    dispatch("output", lambda meta: (cdiv(L.V, meta["BV"]), L.NT, L.H), q, G, h, Aqk, v_new, q_rstd,
              o, L.cu_seqlens, L.chunk_indices, float(scale), H=L.H, K=L.K, V=L.V, BT=BT, NORM_Q=q_rstd is not None)
     return o

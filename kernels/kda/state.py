@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..backend import Entry, dispatch, register
-from .common import AUTOTUNE_CACHE, BT, as_index, as_pool, canonical, layout
+from .common import AUTOTUNE_CACHE, BT, as_index, as_pool, canonical, cdiv, layout, next_pow2
 
 CONFIGS = [
     triton.Config({"BV": BV}, num_warps=num_warps, num_stages=num_stages)
@@ -98,6 +98,6 @@ def chunk_state(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Ten
     ht = torch.empty(N, L.H, L.K, L.V, dtype=torch.float32, device=kg.device)
     if pool is None:  # every index -1: zero states, never read (ht stands in for the pool pointer)
         pool, indices = ht, torch.full((N,), -1, dtype=torch.int32, device=kg.device)
-    dispatch("state", lambda meta: (triton.cdiv(L.V, meta["BV"]), N, L.H), kg, w, u, G, h, v_new, pool, indices,
-             ht, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=triton.next_power_of_2(L.K))
+    dispatch("state", lambda meta: (cdiv(L.V, meta["BV"]), N, L.H), kg, w, u, G, h, v_new, pool, indices,
+             ht, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=next_pow2(L.K))
     return h, v_new, (ht if output_final_state else None)
