@@ -158,4 +158,4 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
                ("l2norm", "cumsum", "intra_token", "inter_solve", "recompute", "state", "output", "recurrent")}
     per_activation = sum(configs[n] for n in ("l2norm", "intra_token", "inter_solve", "recompute", "state", "output"))
     expected = per_activation * A + configs["cumsum"] * G + configs["recurrent"] * (1 + D) * A * G * B
-    assert len(expand_all(planned.requests)) == expected == 47 + 36 + 12
+    assert len(expand_all(planned.requests)) == expected == 37 + 36 + 12

@@ -1,20 +1,21 @@
-"""Intra-chunk matrices and the WY solve, fp32, in two kernels (after fla's token-parallel intra + fused inter-solve).
+"""Intra-chunk matrices and the WY solve in two kernels (after fla's token-parallel intra + fused inter-solve).
 
 Aqk[i, j] = scale * sum_c q_ic k_jc exp(G_ic - G_jc) (i >= j) and Akk[i, j] = beta_i * sum_c k_ic k_jc exp(G_ic - G_jc)
 (i > j) over each 64-token chunk, in 16-token sub-chunks; the outputs are Aqk and Ainv = (I + Akk)^-1, both
-[B, T, H, 64], zero above the diagonal.
+[B, T, H, 64] in k's dtype, zero above the diagonal. Everything is computed in fp32 and rounded once at the store.
 
 - "intra_token": the diagonal 16x16 blocks, one row token at a time: each row loops over the earlier tokens of its
   sub-chunk only (the causal triangle: about half the exps of a block-wide pass), for BH heads at once. It writes
-  its 16-wide row of Aqk in place, and inverts I + Akk's diagonal block as its rows come (forward substitution in
-  registers: row i needs rows < i only), writing the inverse's rows to a [B, T, H, 16] buffer. A program covers TB
-  whole sub-chunks' rows of one chunk: the grid is (chunks * 64 / TB, heads / BH). The NPU pins TB = 64: one
-  program per chunk and head like every other chunk kernel, far below triton-ascend's 65,535-program grid limit.
+  its 16-wide row of Aqk in place and its row of Akk's diagonal block to a [B, T, H, 16] fp32 buffer. A program
+  covers TB rows of one chunk: the grid is (chunks * 64 / TB, heads / BH). CUDA runs one row per program; the NPU
+  pins TB = 64: one program per chunk and head like every other chunk kernel, far below triton-ascend's
+  65,535-program grid limit.
 - "inter_solve": per chunk and head, the off-diagonal blocks of both matrices by dots over K tiles (reference point:
   the row sub-chunk's first token, so both factors are exponentials of non-positive numbers). Aqk's are stored;
-  Akk's stay in registers and give Ainv's blocks below the diagonal from the inverted diagonal blocks by block
-  products (ieee dots: exact fp32). Akk never goes to memory, and no kernel runs a serial substitution over memory
-  (with one, the fused kernel took 0.83 ms, not 0.50, on the H200 at H=32, T=16384: see kernels/README.md).
+  Akk's stay in registers. The diagonal blocks' inverses come from a product of four factors (no serial
+  substitution: with one, loading its rows from memory, the fused kernel took 0.83 ms on the H200 at H=32,
+  T=16384; see kernels/README.md), then Ainv's blocks below the diagonal by block products. CUDA's dots are tf32
+  for the block products and 3xtf32 for the inverses; the NPU pins ieee (triton-ascend has no tf32).
 """
 from __future__ import annotations
 
@@ -25,25 +26,25 @@ import triton.language as tl
 from ..backend import Entry, dispatch, register
 from .common import AUTOTUNE_CACHE, BC, BT, as_fp32, canonical, cdiv, check_rstd, chunk_bounds, layout, next_pow2
 
-# TB = whole sub-chunks: the diagonal blocks are inverted in registers as their rows come
+# one row per program on CUDA; the NPU pins TB = 64 rows (one program per chunk and head: below its grid limit)
 TOKEN_CONFIGS = [
-    triton.Config({"TB": BC, "BH": BH}, num_warps=num_warps, num_stages=2)
-    for BH in [1, 2, 4]
-    for num_warps in [1, 2, 4]
+    triton.Config({"TB": 1, "BH": BH}, num_warps=num_warps, num_stages=2)
+    for BH, num_warps in [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4)]
 ]
 TOKEN_PINNED = {"TB": BT, "BH": 1, "num_warps": 4, "num_stages": 3}
+# tensor-core dots: tf32 for the block products (like fla), 3xtf32 (fp32-accurate) for the diagonal inverses;
+# triton-ascend has ieee and hf32 only
 SOLVE_CONFIGS = [
-    triton.Config({"BK": BK}, num_warps=num_warps, num_stages=num_stages)
+    triton.Config({"BK": BK, "DOT_PREC": "tf32", "INV_PREC": "tf32x3"}, num_warps=num_warps, num_stages=2)
     for BK in [32, 64]
-    for num_warps in [1, 2, 4, 8]
-    for num_stages in [2, 3]
+    for num_warps in [1, 2, 4]
 ]
-SOLVE_PINNED = {"BK": 64, "num_warps": 4, "num_stages": 3}
+SOLVE_PINNED = {"BK": 64, "DOT_PREC": "ieee", "INV_PREC": "ieee", "num_warps": 4, "num_stages": 3}
 
 
 @triton.autotune(configs=TOKEN_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
 @triton.jit
-def kda_intra_token_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Aid, cu_seqlens, chunk_indices, scale,
+def kda_intra_token_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akd, cu_seqlens, chunk_indices, scale,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                            TB: tl.constexpr, BH: tl.constexpr, NORM_QK: tl.constexpr):
     i_tb, i_hb = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -56,7 +57,6 @@ def kda_intra_token_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Aid, cu_seqlens, 
     o_j = tl.arange(0, BC)
     HK = H * K
     p_hk = bos * HK + o_h[:, None] * K + o_k[None, :]
-    b_y = tl.zeros([BH, BC, BC], dtype=tl.float32)  # rows of Y = (I + Akk_block)^-1 - I done so far
     for r in range(TB):
         i = r0 + r
         if i < T:
@@ -87,14 +87,10 @@ def kda_intra_token_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Aid, cu_seqlens, 
                 rk_i = tl.load(k_rstd + (bos + i) * H + o_h, mask=m_h, other=0.0)
                 b_aqk *= rq_i[:, None] * rk_j
                 b_akk *= rk_i[:, None] * rk_j
-            # forward substitution, one row at a time as the rows come: Y_i = -A_i - sum_{m < i} A_im Y_m (Akk's row
-            # is zero from column i_l on, so rows of Y left from an earlier sub-chunk never count)
-            b_yr = -b_akk - tl.sum(b_akk[:, :, None] * b_y, 1)
-            b_y = tl.where((o_j == i_l)[None, :, None], b_yr[:, None, :], b_y)
             m_row = m_h[:, None] & (o_j >= 0)[None, :]
             p_row = ((bos + i) * H + o_h)[:, None]
-            tl.store(Aqk + p_row * BT + (i_s % BT + o_j)[None, :], b_aqk, mask=m_row)
-            tl.store(Aid + p_row * BC + o_j[None, :], b_yr + (o_j == i_l)[None, :].to(tl.float32), mask=m_row)
+            tl.store(Aqk + p_row * BT + (i_s % BT + o_j)[None, :], b_aqk.to(Aqk.dtype.element_ty), mask=m_row)
+            tl.store(Akd + p_row * BC + o_j[None, :], b_akk, mask=m_row)
 
 
 @triton.jit
@@ -121,27 +117,41 @@ def _store_row(Aqk, Ai, o_c, m_c, o_i, HBT, b_q0, b_q1, b_q2, b_i0, b_i1, b_i2, 
     intra_token's); Ainv's R + 1 blocks up to the diagonal and zeros right of it."""
     m = m_c[:, None] & (o_i[None, :] >= 0)
     p = o_c[:, None] * HBT + o_i[None, :]
-    tl.store(Ai + p, b_i0, mask=m)
+    tl.store(Ai + p, b_i0.to(Ai.dtype.element_ty), mask=m)
     if R >= 1:
-        tl.store(Aqk + p, b_q0, mask=m)
-        tl.store(Ai + p + BC, b_i1, mask=m)
+        tl.store(Aqk + p, b_q0.to(Aqk.dtype.element_ty), mask=m)
+        tl.store(Ai + p + BC, b_i1.to(Ai.dtype.element_ty), mask=m)
     if R >= 2:
-        tl.store(Aqk + p + BC, b_q1, mask=m)
-        tl.store(Ai + p + 2 * BC, b_i2, mask=m)
+        tl.store(Aqk + p + BC, b_q1.to(Aqk.dtype.element_ty), mask=m)
+        tl.store(Ai + p + 2 * BC, b_i2.to(Ai.dtype.element_ty), mask=m)
     if R >= 3:
-        tl.store(Aqk + p + 2 * BC, b_q2, mask=m)
-        tl.store(Ai + p + 3 * BC, b_i3, mask=m)
+        tl.store(Aqk + p + 2 * BC, b_q2.to(Aqk.dtype.element_ty), mask=m)
+        tl.store(Ai + p + 3 * BC, b_i3.to(Ai.dtype.element_ty), mask=m)
     b_z = tl.zeros([BC, BC], dtype=tl.float32)
     for c in tl.static_range(R + 1, 4):
-        tl.store(Aqk + p + c * BC, b_z, mask=m)
-        tl.store(Ai + p + c * BC, b_z, mask=m)
+        tl.store(Aqk + p + c * BC, b_z.to(Aqk.dtype.element_ty), mask=m)
+        tl.store(Ai + p + c * BC, b_z.to(Ai.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _inv_diag(Akd, o_c, m_c, o_i, HBC, INV_PREC: tl.constexpr):
+    """(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8) for a strictly lower 16x16 diagonal block N of Akk: six
+    small dots and no serial chain (a row-by-row substitution is 15 dependent steps)."""
+    b_m = -tl.load(Akd + o_c[:, None] * HBC + o_i[None, :], mask=m_c[:, None] & (o_i[None, :] >= 0), other=0.0)
+    b_p = (o_i[:, None] == o_i[None, :]).to(tl.float32) + b_m
+    b_m = tl.dot(b_m, b_m, input_precision=INV_PREC)
+    b_p += tl.dot(b_p, b_m, input_precision=INV_PREC)
+    b_m = tl.dot(b_m, b_m, input_precision=INV_PREC)
+    b_p += tl.dot(b_p, b_m, input_precision=INV_PREC)
+    b_m = tl.dot(b_m, b_m, input_precision=INV_PREC)
+    return b_p + tl.dot(b_p, b_m, input_precision=INV_PREC)
 
 
 @triton.autotune(configs=SOLVE_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
 @triton.jit
-def kda_inter_solve_kernel(q, k, G, beta, q_rstd, k_rstd, Aid, Aqk, Ai, cu_seqlens, chunk_indices, scale,
+def kda_inter_solve_kernel(q, k, G, beta, q_rstd, k_rstd, Akd, Aqk, Ai, cu_seqlens, chunk_indices, scale,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                           NORM_QK: tl.constexpr):
+                           NORM_QK: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr):
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_t, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     base = (bos * H + i_h)
@@ -149,7 +159,7 @@ def kda_inter_solve_kernel(q, k, G, beta, q_rstd, k_rstd, Aid, Aqk, Ai, cu_seqle
     k += base * K
     G += base * K
     beta += base
-    Aid += base * BC
+    Akd += base * BC
     Aqk += base * BT
     Ai += base * BT
     HK = H * K
@@ -239,22 +249,22 @@ def kda_inter_solve_kernel(q, k, G, beta, q_rstd, k_rstd, Aid, Aqk, Ai, cu_seqle
     b_k31 *= b_b3[:, None]
     b_k32 *= b_b3[:, None]
 
-    m_d = o_i[None, :] >= 0
-    b_i00 = tl.load(Aid + o_c0[:, None] * (H * BC) + o_i[None, :], mask=m_c0[:, None] & m_d, other=0.0)
-    b_i11 = tl.load(Aid + o_c1[:, None] * (H * BC) + o_i[None, :], mask=m_c1[:, None] & m_d, other=0.0)
-    b_i22 = tl.load(Aid + o_c2[:, None] * (H * BC) + o_i[None, :], mask=m_c2[:, None] & m_d, other=0.0)
-    b_i33 = tl.load(Aid + o_c3[:, None] * (H * BC) + o_i[None, :], mask=m_c3[:, None] & m_d, other=0.0)
+    HBC = H * BC
+    b_i00 = _inv_diag(Akd, o_c0, m_c0, o_i, HBC, INV_PREC)
+    b_i11 = _inv_diag(Akd, o_c1, m_c1, o_i, HBC, INV_PREC)
+    b_i22 = _inv_diag(Akd, o_c2, m_c2, o_i, HBC, INV_PREC)
+    b_i33 = _inv_diag(Akd, o_c3, m_c3, o_i, HBC, INV_PREC)
     # X_ij = -X_ii * sum_{j <= m < i} A_im X_mj
-    b_i10 = -tl.dot(b_i11, tl.dot(b_k10, b_i00, input_precision="ieee"), input_precision="ieee")
-    b_i21 = -tl.dot(b_i22, tl.dot(b_k21, b_i11, input_precision="ieee"), input_precision="ieee")
-    b_i20 = -tl.dot(b_i22, tl.dot(b_k20, b_i00, input_precision="ieee")
-                    + tl.dot(b_k21, b_i10, input_precision="ieee"), input_precision="ieee")
-    b_i32 = -tl.dot(b_i33, tl.dot(b_k32, b_i22, input_precision="ieee"), input_precision="ieee")
-    b_i31 = -tl.dot(b_i33, tl.dot(b_k31, b_i11, input_precision="ieee")
-                    + tl.dot(b_k32, b_i21, input_precision="ieee"), input_precision="ieee")
-    b_i30 = -tl.dot(b_i33, tl.dot(b_k30, b_i00, input_precision="ieee")
-                    + tl.dot(b_k31, b_i10, input_precision="ieee")
-                    + tl.dot(b_k32, b_i20, input_precision="ieee"), input_precision="ieee")
+    b_i10 = -tl.dot(b_i11, tl.dot(b_k10, b_i00, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    b_i21 = -tl.dot(b_i22, tl.dot(b_k21, b_i11, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    b_i20 = -tl.dot(b_i22, tl.dot(b_k20, b_i00, input_precision=DOT_PREC)
+                    + tl.dot(b_k21, b_i10, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    b_i32 = -tl.dot(b_i33, tl.dot(b_k32, b_i22, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    b_i31 = -tl.dot(b_i33, tl.dot(b_k31, b_i11, input_precision=DOT_PREC)
+                    + tl.dot(b_k32, b_i21, input_precision=DOT_PREC), input_precision=DOT_PREC)
+    b_i30 = -tl.dot(b_i33, tl.dot(b_k30, b_i00, input_precision=DOT_PREC)
+                    + tl.dot(b_k31, b_i10, input_precision=DOT_PREC)
+                    + tl.dot(b_k32, b_i20, input_precision=DOT_PREC), input_precision=DOT_PREC)
 
     HBT = H * BT
     b_z = tl.zeros([BC, BC], dtype=tl.float32)
@@ -272,7 +282,7 @@ register("inter_solve", Entry(kda_inter_solve_kernel, SOLVE_PINNED))
 def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, scale: float,
                 cu_seqlens: torch.Tensor | None = None, q_rstd: torch.Tensor | None = None,
                 k_rstd: torch.Tensor | None = None, *, _layout=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Ainv, Aqk), each [B, T, H, 64] fp32, from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H] (any float
+    """(Ainv, Aqk), each [B, T, H, 64] in k's dtype (like fla: half the bytes for the two kernels that read them), from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H] (any float
     dtype: read as fp32). With ``q_rstd``/``k_rstd`` (fp32 [B, T, H], from :func:`l2norm_rstd`) q and k count as
     L2-normalised."""
     L = _layout or layout(k, None, cu_seqlens)
@@ -281,13 +291,13 @@ def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.T
     G = canonical("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
     beta = as_fp32("beta", beta, (L.B, L.T, L.H))
     q_rstd, k_rstd = check_rstd(q_rstd, k_rstd, L)
-    Aid = torch.empty(L.B, L.T, L.H, BC, dtype=torch.float32, device=k.device)
-    Aqk = torch.empty(L.B, L.T, L.H, BT, dtype=torch.float32, device=k.device)
+    Akd = torch.empty(L.B, L.T, L.H, BC, dtype=torch.float32, device=k.device)
+    Aqk = torch.empty(L.B, L.T, L.H, BT, dtype=k.dtype, device=k.device)
     Ai = torch.empty_like(Aqk)
     kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, NORM_QK=q_rstd is not None)
     dispatch("intra_token", lambda meta: (L.NT * (BT // meta["TB"]), cdiv(L.H, meta["BH"])),
-             q, k, G, beta, q_rstd, k_rstd, Aqk, Aid, L.cu_seqlens, L.chunk_indices, float(scale),
+             q, k, G, beta, q_rstd, k_rstd, Aqk, Akd, L.cu_seqlens, L.chunk_indices, float(scale),
              BK=next_pow2(L.K), **kw)
-    dispatch("inter_solve", lambda meta: (L.NT, L.H), q, k, G, beta, q_rstd, k_rstd, Aid, Aqk, Ai, L.cu_seqlens,
+    dispatch("inter_solve", lambda meta: (L.NT, L.H), q, k, G, beta, q_rstd, k_rstd, Akd, Aqk, Ai, L.cu_seqlens,
              L.chunk_indices, float(scale), **kw)
     return Ai, Aqk

@@ -48,7 +48,7 @@ def kda_output_kernel(q, G, h, Aqk, v_new, q_rstd, o, cu_seqlens, chunk_indices,
     p_v = base * V + o_t[:, None] * (H * V) + o_v[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0)
-    b_o = b_o * scale + tl.dot(b_A, b_vn.to(tl.float32))  # fp32 (tf32) operands: Aqk in bf16 costs accuracy
+    b_o = b_o * scale + tl.dot(b_A, b_vn.to(b_A.dtype))  # in Aqk's dtype: bf16 in serving, like fla
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -62,7 +62,7 @@ def chunk_output(q: torch.Tensor, G: torch.Tensor, h: torch.Tensor, Aqk: torch.T
     L = _layout or layout(q, v_new, cu_seqlens)
     q = canonical("q", q, (L.B, L.T, L.H, L.K))
     G = canonical("G", G, (L.B, L.T, L.H, L.K), (torch.float32,))
-    Aqk = canonical("Aqk", Aqk, (L.B, L.T, L.H, BT), (torch.float32,))
+    Aqk = canonical("Aqk", Aqk, (L.B, L.T, L.H, BT))
     h = canonical("h", h, (L.NT, L.H, L.K, L.V))
     v_new = canonical("v_new", v_new, (L.B, L.T, L.H, L.V))
     if q_rstd is not None:
