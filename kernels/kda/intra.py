@@ -282,9 +282,9 @@ register("inter_solve", Entry(kda_inter_solve_kernel, SOLVE_PINNED))
 def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.Tensor, scale: float,
                 cu_seqlens: torch.Tensor | None = None, q_rstd: torch.Tensor | None = None,
                 k_rstd: torch.Tensor | None = None, *, _layout=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Ainv, Aqk), each [B, T, H, 64] in k's dtype (like fla: half the bytes for the two kernels that read them), from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H] (any float
-    dtype: read as fp32). With ``q_rstd``/``k_rstd`` (fp32 [B, T, H], from :func:`l2norm_rstd`) q and k count as
-    L2-normalised."""
+    """(Ainv, Aqk), each [B, T, H, 64] in k's dtype (like fla: half the bytes for the two kernels that read them),
+    from q, k [B, T, H, K], fp32 cumsum G and beta [B, T, H] (any float dtype: read as fp32). With
+    ``q_rstd``/``k_rstd`` (fp32 [B, T, H], from :func:`l2norm_rstd`) q and k count as L2-normalised."""
     L = _layout or layout(k, None, cu_seqlens)
     q = canonical("q", q, (L.B, L.T, L.H, L.K))
     k = canonical("k", k, (L.B, L.T, L.H, L.K))
