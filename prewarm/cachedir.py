@@ -6,14 +6,20 @@ is written whole.
     <cache>/.prewarm/build.lock                     one build into the dir at a time
     <cache>/.prewarm/install.lock                   one install at a time (every rank of a node may start one)
     <cache>/.prewarm/staging-<pid>-<rand>/<KEY>/    an install's staged entries: same filesystem, one rename into place
-    <cache>/.prewarm/receipts/<index sha256>.json   what each install put here (verify and `prewarm ls` read them)
+    <cache>/.prewarm/receipts/<index sha256>.json   what each install put here (verify and `prewarm ls` read them):
+                                                    its entries with their object and stamp, what it kept
+    <cache>/.prewarm/receipts/<index sha256>.index  the installed bundle's index, verbatim (its sha256 is its name)
+    <cache>/.prewarm/node.json                      this node's fingerprint and the stamp of what it was computed from
     <cache>/.prewarm/toolchain.json                 the Ascend toolchain the dir is claimed for (Triton's key misses it)
 
 Nothing under ``.prewarm`` is ever packed or judged as a cache entry (no key dir name starts with a dot).
 """
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
+import itertools
 import json
 import os
 import stat
@@ -21,29 +27,31 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bundle import (CHUNK, KEY_RE, MAX_GROUP_BYTES, MAX_INDEX_BYTES, FileRecord, Index, is_group, open_regular,
-                     parse_index, read_bounded, relative_group)
+from .bundle import (CHUNK, KEY_RE, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index, is_group,
+                     open_regular, parse_index, read_bounded, relative_group)
 from .errors import FingerprintMismatch, IntegrityError, PrewarmError
-from .fingerprint import Mismatch, compare, toolchain_factors
 
 META = ".prewarm"
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 IN_FLIGHT = "tmp.pid_"  # Triton's FileCacheManager writes into such a dir, then renames the files into the entry
 
 
 # --- writing a file whole ---------------------------------------------------------------------------------------------
 
 
-def write_atomic(path: str | os.PathLike, data: bytes, *, durable: bool = True, mode: int = 0o666) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | list[bytes], *, durable: bool = True,
+                 mode: int = 0o666) -> None:
     """Write ``path`` whole or not at all: a temp file in the same dir, renamed over ``path``. A reader sees the old
     file or the new one; a failed write (full or read-only disk) leaves no temp file and the old file as it was.
     ``durable``: the data and the rename are on disk when this returns (fsync of the file, then of the dir); a caller
-    writing many files passes False and flushes them all at once. ``mode`` as for os.open (the umask applies)."""
+    writing many files passes False and flushes them all at once. ``mode`` as for os.open (the umask applies).
+    ``data``: bytes, or a list of pieces written in turn."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.writelines([data] if isinstance(data, bytes) else data)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -62,6 +70,27 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def syncfs(path: str | os.PathLike) -> None:
+    """Flush the filesystem holding ``path``: one call for every file written there, however many (Linux syncfs;
+    not every filesystem of the node as sync does, which a busy node's other tenants would make slow)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if (call := _libc_syncfs()) is None or call(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_syncfs():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
 
 
 # --- the state of one entry -----------------------------------------------------------------------------------------
@@ -85,72 +114,165 @@ class EntryState:
         return not (self.modified or self.missing or self.unexpected or self.outside)
 
 
-def stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What changes whenever a file's bytes do (any write moves ctime, which no tool can set back)."""
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+def _hash_fd(fd: int, size: int) -> tuple[str, int]:
+    """(sha256, bytes) of an open file: read whole when at most CHUNK (most of a cache: one read), else in CHUNKs."""
+    if size < CHUNK:
+        data = os.read(fd, size + 1)  # one more: a file that grew since fstat shows as its real size
+        return hashlib.sha256(data).hexdigest(), len(data)
+    sha, n = hashlib.sha256(), 0
+    while data := os.read(fd, CHUNK):
+        sha.update(data)  # hashlib releases the GIL: threads hash in parallel
+        n += len(data)
+    return sha.hexdigest(), n
+
+
+# --- stamps: has an entry changed? ----------------------------------------------------------------------------------
+
+
+def stamp(path: str | os.PathLike) -> str:
+    """An entry dir's stamp: its inode, mtime and ctime (and those of each dir below it), no content, no file read.
+    The same stamp means no file or dir was added, removed, renamed or replaced in it since: each of those moves the
+    dir's mtime and ctime, and ctime cannot be set back (Triton and most tools write a file whole and rename it in).
+    A file rewritten in place (same inode) does not show: ``prewarm verify`` hashes every file, ``install(recheck=
+    True)`` too; and a change within the same clock tick as the stamp was taken may not show either (as git's "racy"
+    files). One lstat per entry: a dir's link count is 2 + its subdirs on ext4, xfs and tmpfs, so only a dir with
+    subdirs (or on a filesystem that counts otherwise) is listed. '' where the path is not a directory."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""
+    if not stat.S_ISDIR(st.st_mode):
+        return ""
+    own = f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    if st.st_nlink == 2:
+        return own
+    try:
+        subdirs = sorted(d.name for d in os.scandir(path) if d.is_dir(follow_symlinks=False))
+    except OSError:
+        return ""
+    return "|".join([own] + [f"{name}/{stamp(os.path.join(path, name))}" for name in subdirs])
 
 
 # --- receipts -------------------------------------------------------------------------------------------------------
 
+RECEIPT_FORMAT = 2
+MAX_RECEIPT_BYTES = MAX_INDEX_BYTES  # ~200 bytes per entry
+
 
 @dataclass
 class Receipt:
-    """What one install left: the bundle's index, a sequence number (later installs win where bundles share a
-    key) and the entries it found on disk and kept with other bytes than the bundle's (runtime-built C modules)."""
+    """What one install left: a sequence number (later installs win where bundles share a key), each entry's object
+    and stamp as the install left it, the entries it found on disk and kept with other bytes than the bundle's
+    (runtime-built C modules), and the bundle's index beside it (``index``: read when needed)."""
 
     path: Path
     seq: int
-    index: Index
+    digest: str  # the index's sha256
+    entries: dict[str, tuple[str, str]]  # key -> (object name, stamp or "" where not taken)
     kept: dict[str, tuple[FileRecord, ...]]
+    fingerprint: dict[str, str]
+    manifest: dict | None
+    size: int  # the listed files' bytes
     doc: dict  # the whole receipt (source, signed_by, installed_at: for people)
 
-    def files(self) -> dict[str, tuple[FileRecord, ...]]:
-        return {e.key: self.kept.get(e.key, e.files) for e in self.index.entries}
-
-    def unchanged(self) -> dict[str, dict[str, tuple[FileRecord, tuple]]]:
-        """{key: {path: (record, stat key)}} as this install left them (install's fast path; verify always hashes).
-        A malformed or partial stat table only costs hashing."""
+    @functools.cached_property
+    def index(self) -> Index:
+        """The installed index, read from beside the receipt (its sha256 must be the receipt's name)."""
+        if (embedded := self.doc.get("index")) is not None:  # receipts of prewarm 0.1 held it inline
+            return parse_index(embedded.encode(), f"install receipt {self.path}", check_files=False)
+        where = f"install receipt {self.path}: its index {self.path.with_suffix('.index')}"
         try:
-            table = self.doc.get("stat") or {}
-            return {key: {f.path: (f, tuple(table[key][f.path])) for f in files if f.path in table.get(key, ())}
-                    for key, files in self.files().items()}
-        except (AttributeError, TypeError):
-            return {}
+            data = read_bounded(open_regular(self.path.with_suffix(".index"), where), MAX_INDEX_BYTES, where)
+        except OSError as e:
+            raise IntegrityError(f"{where} is unreadable ({e.strerror}): re-install its bundle, or delete the "
+                                 "receipt if that bundle is gone") from None
+        if hashlib.sha256(data).hexdigest() != self.digest:
+            raise IntegrityError(f"{where} does not hold index {self.digest}: corrupted; re-install its bundle")
+        return parse_index(data, where, check_files=False)  # checked whole when it was installed
+
+    @functools.cached_property
+    def _by_key(self) -> dict[str, Entry]:
+        return {e.key: e for e in self.index.entries}
+
+    def read_index(self) -> None:
+        """Read the index now (a caller about to fork workers that will all need it)."""
+        self._by_key  # noqa: B018
+
+    def files(self, key: str) -> tuple[FileRecord, ...]:
+        """The files this install recorded for ``key``: as kept on disk, else the bundle's."""
+        return self.kept[key] if key in self.kept else self._by_key[key].files
+
+    def identity(self, key: str) -> tuple:
+        """What this install recorded for ``key``, comparable across receipts without reading an index."""
+        return self.entries[key][0], self.kept.get(key)
 
 
-def installed_files(receipts: list[Receipt]) -> dict[str, tuple[FileRecord, ...]]:
-    """Each installed key's files as the latest receipt naming it recorded them."""
-    out: dict[str, tuple[FileRecord, ...]] = {}
+def latest_owners(receipts: list[Receipt]) -> dict[str, Receipt]:
+    """Each installed key -> the latest receipt naming it (what is on disk is that install's)."""
+    out: dict[str, Receipt] = {}
     for r in receipts:  # in sequence order: later installs win
-        out.update(r.files())
+        out.update(dict.fromkeys(r.entries, r))
     return out
+
+
+def _records(files, what: str) -> tuple[FileRecord, ...]:
+    if type(files) is not list or not all(type(f) is dict and type(f.get("path")) is str and type(f.get("sha256"))
+                                         is str and type(f.get("size")) is int for f in files):
+        raise TypeError(f"{what} is not a list of file records")
+    return tuple(FileRecord(f["path"], f["sha256"], f["size"]) for f in files)
+
+
+# A receipt carries the sha256 of its own bytes with that field zeroed: its first field, so no re-encoding is needed
+# to check it, and any flipped byte shows.
+_SUM_AT, _UNSUMMED = b'{"checksum":"', "0" * 64
+
+
+def _receipt_sum(data: bytes) -> str:
+    h = hashlib.sha256(_SUM_AT + _UNSUMMED.encode())
+    h.update(memoryview(data)[len(_SUM_AT) + 64:])
+    return h.hexdigest()
 
 
 def _load_receipt(path: Path) -> Receipt:
     where = f"install receipt {path}"
     try:
-        doc = json.loads(read_bounded(open_regular(path, where), 2 * MAX_INDEX_BYTES, where))
-        index = parse_index(doc["index"].encode(), where)
-        if index.digest != path.stem:
-            raise ValueError(f"it holds index {index.digest}")
+        data = read_bounded(open_regular(path, where), MAX_RECEIPT_BYTES, where)
+        if data.startswith(_SUM_AT) and data[len(_SUM_AT):len(_SUM_AT) + 64] != _receipt_sum(data).encode():
+            raise ValueError("its checksum does not match its content: corrupted or edited")
+        doc = json.loads(data)
         seq = doc.get("seq", 0)  # receipts written before sequence numbers: oldest
         if type(seq) is not int:
             raise TypeError(f"seq {seq!r}")
-        keys = {e.key for e in index.entries}
-        kept = {}
+        r = Receipt(path, seq, path.stem, {}, {}, {}, None, 0, doc)
+        if "index" in doc:  # prewarm 0.1: the index inline, no stamps
+            index = r.index
+            if index.digest != path.stem:
+                raise ValueError(f"it holds index {index.digest}")
+            r.entries = {e.key: (e.object, "") for e in index.entries}
+            r.fingerprint, r.manifest, r.size = index.fingerprint, index.manifest, index.total_size
+        else:
+            if doc.get("format") != RECEIPT_FORMAT or doc.get("index_digest") != path.stem or "checksum" not in doc:
+                raise ValueError(f"format {doc.get('format')!r} for index {doc.get('index_digest')!r}")
+            entries, fp, manifest, size = doc["entries"], doc["fingerprint"], doc["manifest"], doc["bytes"]
+            if type(entries) is not dict or type(fp) is not dict or type(size) is not int or not (
+                    manifest is None or type(manifest) is dict):
+                raise TypeError("entries, fingerprint, manifest or bytes")
+            for key, v in entries.items():
+                if not (KEY_RE.fullmatch(key) and type(v) is list and len(v) == 2 and type(v[0]) is str
+                        and type(v[1]) is str):
+                    raise ValueError(f"entry {key!r}: {v!r}")
+            r.entries = {k: tuple(v) for k, v in entries.items()}
+            r.fingerprint, r.manifest, r.size = fp, manifest, size
         for k, files in doc.get("kept", {}).items():
-            if k not in keys:
+            if k not in r.entries:
                 raise ValueError(f"kept entry {k!r} is not in its index")
-            kept[k] = tuple(FileRecord(f["path"], f["sha256"], f["size"]) for f in files)
-        if any(type(f.path) is not str or type(f.sha256) is not str or type(f.size) is not int
-               for files in kept.values() for f in files):
-            raise TypeError("kept file records")
+            r.kept[k] = _records(files, f"kept entry {k!r}")
     except PrewarmError as e:
         raise IntegrityError(f"{e}: re-install its bundle, or delete the receipt if that bundle is gone") from None
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
         raise IntegrityError(f"{where} is unreadable ({type(e).__name__}: {e}): re-install its bundle, or delete "
                              "the receipt if that bundle is gone") from None
-    return Receipt(path, seq, index, kept, doc)
+    return r
 
 
 # --- the dir ----------------------------------------------------------------------------------------------------------
@@ -167,6 +289,7 @@ class CacheDir:
         self.install_lock = self.meta / "install.lock"
         self.receipts_dir = self.meta / "receipts"
         self.toolchain = self.meta / "toolchain.json"
+        self._loaded: dict[Path, tuple[tuple, Receipt]] = {}
 
     def __repr__(self) -> str:
         return f"CacheDir({str(self.root)!r})"
@@ -180,7 +303,7 @@ class CacheDir:
         for d in sorted(os.scandir(self.root), key=lambda d: d.name):
             if d.name == META:
                 continue
-            (keys if d.is_dir(follow_symlinks=False) and KEY_RE.match(d.name) else skipped).append(d.name)
+            (keys if d.is_dir(follow_symlinks=False) and KEY_RE.fullmatch(d.name) else skipped).append(d.name)
         return keys, skipped
 
     def files(self, key: str, *, in_flight: bool = True) -> list[str]:
@@ -190,14 +313,15 @@ class CacheDir:
         names = sorted(_listing(str(self.root / key)))
         return names if in_flight else [n for n in names if not (n.startswith(IN_FLIGHT) and "/" in n)]
 
-    def entry_state(self, key: str, files: tuple[FileRecord, ...] | None = None,
-                    unchanged: dict[str, tuple[FileRecord, tuple]] | None = None) -> EntryState:
+    def stamp(self, key: str) -> str:
+        """The entry's stamp (``stamp``): '' where it is not a directory."""
+        return stamp(self.root / key)
+
+    def entry_state(self, key: str, files: tuple[FileRecord, ...] | None = None) -> EntryState:
         """The one "is this entry intact". With ``files`` (a bundle's or a receipt's listing): every listed file
         hashed (group files in their relative form: install wrote them absolute), what is not listed is unexpected.
         Without: the entry as Triton's runtime would find it, through its group files (each child present in this
-        entry dir); nothing is hashed. Never follows a link or opens anything but a regular file.
-        ``unchanged`` (install's fast path): {path: (record, stat key)} of files hashed or written by the last
-        install of this bundle; a file whose stat key is still that one holds that record's bytes and is not read."""
+        entry dir); nothing is hashed. Never follows a link or opens anything but a regular file."""
         if files is None:
             return self._group_state(key)
         base = f"{self.root}/{key}"
@@ -206,39 +330,34 @@ class CacheDir:
         for f in files:
             rel, path = f"{key}/{f.path}", f"{base}/{f.path}"
             try:
-                st = os.lstat(path)
+                fd = os.open(path, _READ_FLAGS)  # never a link, never blocking on a FIFO
             except (FileNotFoundError, NotADirectoryError):
                 c.missing.append(rel)
                 continue
-            if not stat.S_ISREG(st.st_mode):
-                c.modified.append(f"{rel} ({'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a regular file'})")
-                continue
-            known = (unchanged or {}).get(f.path)
-            if known is not None and known[1] == stat_key(st):
-                c.on_disk.append(known[0])
-                if (known[0].sha256, known[0].size) != (f.sha256, f.size):
-                    c.modified.append(rel)
+            except OSError as e:
+                c.modified.append(f"{rel} (a symlink)" if e.errno == errno.ELOOP else rel)
                 continue
             try:
-                with open_regular(path) as fh:
-                    if is_group(f.path):
-                        data = fh.read(MAX_GROUP_BYTES + 1)
-                        data, out = relative_group(data, key, names, path, base)
-                        if out:  # reported as pointing outside, not also as modified
-                            c.outside += [f"{rel} -> {p}" for p in out]
-                            continue
-                        sha, size = hashlib.sha256(data), len(data)
-                    else:
-                        sha, size = hashlib.sha256(), 0
-                        for chunk in iter(lambda: fh.read(CHUNK), b""):  # hashlib releases the GIL: parallel
-                            sha.update(chunk)
-                            size += len(chunk)
-            except (OSError, IntegrityError):  # replaced under us, unreadable, or not a group file any more
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    c.modified.append(f"{rel} (not a regular file)")
+                    continue
+                if is_group(f.path):
+                    data, out = relative_group(os.read(fd, MAX_GROUP_BYTES + 1), key, names, path, base)
+                    if out:  # reported as pointing outside, not also as modified
+                        c.outside += [f"{rel} -> {p}" for p in out]
+                        continue
+                    digest, size = hashlib.sha256(data).hexdigest(), len(data)
+                else:
+                    digest, size = _hash_fd(fd, st.st_size)
+            except (OSError, IntegrityError):  # unreadable, or not a group file any more
                 c.modified.append(rel)
                 continue
+            finally:
+                os.close(fd)
             c.hashed += size
-            c.on_disk.append(FileRecord(f.path, sha.hexdigest(), size))
-            if (sha.hexdigest(), size) != (f.sha256, f.size):
+            c.on_disk.append(FileRecord(f.path, digest, size))
+            if (digest, size) != (f.sha256, f.size):
                 c.modified.append(rel)
         listed = {f.path for f in files}
         c.unexpected = [f"{key}/{n}" for n in self.files(key) if n not in listed]
@@ -289,21 +408,58 @@ class CacheDir:
     def receipt(self, index_digest: str) -> Path:
         return self.receipts_dir / f"{index_digest}.json"
 
+    def receipt_of(self, index_digest: str) -> Receipt | None:
+        """The receipt an install of this very index left, where there is a readable one."""
+        try:
+            return self._receipt(self.receipt(index_digest)) if self.receipt(index_digest).is_file() else None
+        except IntegrityError:
+            return None
+
+    def _receipt(self, path: Path) -> Receipt:
+        """A receipt, read and checked once by this CacheDir while its file stays the one that was read (a receipt
+        is replaced whole: another inode)."""
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise IntegrityError(f"install receipt {path} is unreadable ({e.strerror})") from None
+        key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if (known := self._loaded.get(path)) is None or known[0] != key:
+            known = self._loaded[path] = key, _load_receipt(path)
+        return known[1]
+
     def receipts(self, *, strict: bool = True) -> list[Receipt]:
         """The install receipts in install order. An unreadable one is an IntegrityError naming it (``strict``) or
         skipped (install: it rewrites its own, and checks content, not receipts)."""
         out = []
         for p in sorted(self.receipts_dir.glob("*.json")):
             try:
-                out.append(_load_receipt(p))
+                out.append(self._receipt(p))
             except IntegrityError:
                 if strict:
                     raise
         return sorted(out, key=lambda r: (r.seq, r.path.name))
 
-    def write_receipt(self, index_digest: str, doc: dict) -> None:
+    def write_receipt_index(self, index_digest: str, index_bytes: bytes, *, durable: bool = True) -> None:
+        """The installed index, beside where its receipt will be (written first: a receipt never names an index that
+        is not there; an index without its receipt is only a leftover, replaced by the next install of it)."""
         self.receipts_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.receipt(index_digest), json.dumps(doc, sort_keys=True).encode())
+        write_atomic(self.receipt(index_digest).with_suffix(".index"), index_bytes, durable=durable)
+
+    def write_receipt(self, index_digest: str, doc: dict, rows, *, durable: bool = True) -> None:
+        """The receipt: ``doc`` and each entry's (key, object, stamp) from ``rows``, written in pieces (keys, object
+        names and stamps are plain ASCII: no JSON object per entry is built, nor the whole text at once)."""
+        head, _, tail = json.dumps({**doc, "format": RECEIPT_FORMAT, "index_digest": index_digest, "entries": None},
+                                   sort_keys=True, separators=(",", ":")).partition('"entries":null')
+        rows = iter(rows)
+        pieces = [_SUM_AT + _UNSUMMED.encode() + b'",' + head[1:].encode() + b'"entries":{']
+        while chunk := [f'"{key}":["{obj}","{st}"]' for key, obj, st in itertools.islice(rows, 4096)]:
+            pieces.append(("," * (len(pieces) > 1) + ",".join(chunk)).encode())
+        pieces.append(b"}" + tail.encode())
+        checksum = hashlib.sha256()
+        for piece in pieces:
+            checksum.update(piece)
+        pieces[0] = _SUM_AT + checksum.hexdigest().encode() + pieces[0][len(_SUM_AT) + 64:]
+        write_atomic(self.receipt(index_digest), pieces, durable=durable)
 
     # One cache dir, one Ascend toolchain: Triton's key cannot tell two CANN / bishengir-compile toolchains apart, so
     # the runtime would reuse the old binaries silently. The first install (or NPU build) into a dir claims it for its
@@ -322,6 +478,8 @@ class CacheDir:
 
     def toolchain_conflicts(self, node_fp: dict[str, str]) -> list[Mismatch]:
         """Why filling this dir on a node of fingerprint ``node_fp`` would mix toolchains; [] when it is safe."""
+        from .fingerprint import Mismatch, compare, toolchain_factors  # only where a toolchain is to be judged
+
         ours = toolchain_factors(node_fp)
         if not ours:
             return []
@@ -342,6 +500,8 @@ class CacheDir:
     def claim_toolchain(self, node_fp: dict[str, str]) -> None:
         """Refuse a dir filled under another Ascend toolchain (FingerprintMismatch), else claim it for ours (a no-op
         where Triton's key covers the toolchain: CUDA)."""
+        if not any(f.startswith("ascend.") for f in node_fp):  # fingerprint.toolchain_factors: none, nothing to claim
+            return
         if conflicts := self.toolchain_conflicts(node_fp):
             lines = "; ".join(f"{m.factor}: the cache dir has {m.built!r}, this node has {m.node!r} ({m.why})"
                               for m in conflicts)
@@ -350,6 +510,8 @@ class CacheDir:
                 f"apart (they would be reused silently): {lines}. Use a fresh cache dir for this toolchain, or empty "
                 f"this one."
             )
+        from .fingerprint import toolchain_factors
+
         if ours := toolchain_factors(node_fp):
             self.meta.mkdir(parents=True, exist_ok=True)
             write_atomic(self.toolchain, json.dumps({"factors": ours}, indent=2, sort_keys=True).encode())

@@ -1,38 +1,55 @@
 """Install a bundle into a node's Triton cache dir: verified, atomic, locked, idempotent, merging.
 
-Order of work (the paths are ``CacheDir``'s, prewarm.cachedir): read the index (and check its signature when keys
-are given or one is required) -> check the bundle's fingerprint against this node (the one place that judges the
-node: ``check_node``) -> take the dir's ``install_lock`` -> skip entries already present (by content: every file's
-sha256 as the bundle lists it; for a C module the runtime builds non-reproducibly, a complete entry for the same
-key, unless a receipt recorded other bytes for it; a file whose size, mtime, ctime and inode are still those this
-bundle's last install recorded is not re-read, so a repeated install is a stat per file) -> stream the other objects
-in parallel through one check-as-you-write pass (object sha256 and size, bounded decompression, tar members, every
-file's sha256 and size) into ``new_staging()/<KEY>`` (inside the cache dir: the same filesystem) with group files
-pointing at the final location, fsync, rename the key dir into place (a modified entry is replaced the same way) ->
-write the ``receipt(<index sha256>)`` last, atomically, with the next sequence number and what is on disk where it
-differs from the bundle. A key dir is therefore either absent or complete: a crash leaves every previous entry
-intact and a re-run finishes the job. Entries from other sources are never touched. Nothing from the bundle is
-executed.
+Order of work (the paths are ``CacheDir``'s, prewarm.cachedir): read the index bytes (and check their signature when
+keys are given or one is required) -> check the bundle's fingerprint against this node (the one place that judges
+the node: ``check_node``; the node's own factors are reused while nothing they are computed from changed:
+prewarm.nodestamp) -> take the dir's ``install_lock`` -> decide what is to do:
+
+- an install of this very index left a receipt, no later install claimed one of its keys with other files, and
+  every entry's stamp (its dir's inode, mtime and ctime: ``cachedir.stamp``) is the recorded one: nothing to do,
+  decided from the receipt and an lstat per entry (spread over the cores), without parsing the index or reading a
+  file. A stamp sees files added, removed, renamed or replaced (Triton writes whole files and renames them in); not
+  a file rewritten in place (``recheck`` reads every file; ``prewarm verify`` hashes every file);
+- otherwise, entry by entry and in parallel: an entry whose stamp is as recorded is as that install left it; any
+  other is checked by content, every file's sha256 as the bundle lists it (for a C module the runtime builds
+  non-reproducibly, a complete entry for the same key, unless a receipt recorded other bytes for it); what is not
+  there intact is fetched and checked as it is written, in one streaming pass per object (object sha256 and size,
+  bounded decompression, tar members, every file's sha256 and size) into ``new_staging()/<KEY>`` (inside the cache
+  dir: the same filesystem), group files pointing at the final location.
+
+Every entry's file records are checked before or as it is staged, so a malformed index or object adds nothing to
+the cache. Durability (``durable``), each flush where the order after a crash depends on it: the cache's filesystem
+is flushed once (``syncfs``) after staging and before the first rename, so that a key dir never becomes visible
+with data not on disk (a flusher writes back every second while staging goes on, so that this flush finds little
+left); the cache dir is fsynced after the renames, so that they are on disk before the receipt that describes them;
+the receipt (the index beside it first, then the receipt itself, with the next sequence number, each entry's stamp
+and what is on disk where it differs from the bundle) is written atomically and fsynced. No fsync per file: one
+flush of the filesystem covers them all. A key dir is therefore either absent or complete: a crash (SIGKILL
+anywhere) leaves every previous entry intact and a re-run finishes the job. Entries from other sources are never
+touched. Nothing from the bundle is executed.
+
+Work is spread over the cores (prewarm.workers): a local bundle's entries by forked processes (tar parsing and file
+creation are Python), a remote store's by threads (its latency dominates). Memory is O(1) per entry: the index
+bytes, a few hundred bytes per entry, O(CHUNK) per worker; the parent lets the index go once its workers have it.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import errno
+import hashlib
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import filelock
-
-from . import fingerprint, signing
+from . import nodestamp
+from . import workers as workers_
 from .bundle import (INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, Entry, FileRecord, Index, is_runtime_module,
                      parse_index, read_bounded, unpack_object)
-from .cachedir import CacheDir, EntryState, fsync_dir, installed_files, stat_key
+from .cachedir import CacheDir, EntryState, Receipt, fsync_dir, latest_owners, stamp, syncfs
 from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, StoreError
-from .stores import default_store_root, open_store
 from .stores.base import Store, join, retry
 
 MAX_SIGNATURE_BYTES = 64 << 10
@@ -47,17 +64,32 @@ def resolve_source(source: str) -> str:
     """A URL, a local bundle dir, or a bare bundle name in the default store."""
     if "://" in source or Path(source).exists() or "/" in source:
         return source
+    from .stores import default_store_root
+
     return join(default_store_root(), source)
 
 
 @dataclass
 class StoredBundle:
-    """A bundle in a store, as install opens it: its index read and its signature checked (objects stay in the store)."""
+    """A bundle in a store, as install opens it: its index bytes read and their signature checked (objects stay in
+    the store). The index is parsed when first needed: a repeated install decides from its receipt."""
 
     store: Store
-    index: Index
     index_bytes: bytes
+    digest: str
     signed_by: str | None
+    where: str
+
+    @property
+    def index(self) -> Index:
+        if (index := self.__dict__.get("_index")) is None:
+            index = self.__dict__["_index"] = parse_index(self.index_bytes, self.where, check_files=False)
+        return index
+
+    def release(self) -> None:
+        """Let the index and its bytes go (an install past its last use of them)."""
+        self.__dict__.pop("_index", None)
+        self.index_bytes = b""
 
 
 def read_bundle(
@@ -68,7 +100,7 @@ def read_bundle(
     storage_options: dict | None = None,
 ) -> StoredBundle:
     url = resolve_source(source)
-    store = open_store(url, storage_options)
+    store = _open_store(url, storage_options)
     where = join(url, INDEX)
     try:
         data = _read_blob(store, INDEX, MAX_INDEX_BYTES)
@@ -76,12 +108,24 @@ def read_bundle(
         raise StoreError(f"{where}: no bundle index here (push one with `prewarm push`)") from None
     signed_by = None
     if trusted_keys or require_signature:
+        from . import signing
+
         try:
             sig = _read_blob(store, SIGNATURE, MAX_SIGNATURE_BYTES)
         except FileNotFoundError:
             sig = None
         signed_by = signing.verify(data, sig, list(trusted_keys), where)
-    return StoredBundle(store, parse_index(data, where), data, signed_by)
+    return StoredBundle(store, data, hashlib.sha256(data).hexdigest(), signed_by, where)
+
+
+def _open_store(url: str, storage_options: dict | None) -> Store:
+    if "://" not in url:  # a local dir: the stores package (and fsspec) only where a URL needs it
+        from .stores.fs import LocalStore
+
+        return LocalStore(url)
+    from .stores import open_store
+
+    return open_store(url, storage_options)
 
 
 def _read_blob(store: Store, name: str, limit: int) -> bytes:
@@ -117,6 +161,9 @@ class _StoreStream:
         except Exception as e:
             raise _StoreRead(f"reading failed: {type(e).__name__}: {e}") from e
 
+    def fileno(self) -> int:  # a local file: read_bounded reads it in one piece of its size
+        return self.f.fileno()
+
     def __enter__(self):
         return self
 
@@ -124,19 +171,21 @@ class _StoreStream:
         self.f.close()
 
 
-def node_fingerprint() -> dict[str, str]:
+def node_fingerprint(cache_dir: Path | None = None) -> dict[str, str]:
     """This node's own factors: backend and arch detected here, never taken from a bundle (a CUDA node without a
     visible device reports its arch unknown: not compared; an Ascend node that cannot tell its SoC is refused; a node
-    with another GPU or SoC is a mismatch)."""
-    return fingerprint.current()
+    with another GPU or SoC is a mismatch). With ``cache_dir``: reused from its record while still true."""
+    return nodestamp.current(CacheDir(cache_dir).meta if cache_dir else None)[0]
 
 
-def check_node(index: Index, node: dict[str, str], cache_dir: Path, allow_mismatch: bool,
-               allow_missing: bool = False) -> list[fingerprint.Mismatch]:
-    """Compare the bundle's fingerprint with this node's; refuse on blocking factors unless allowed: values that
-    differ (``allow_mismatch``), factors the bundle lacks, carries unknown or this node cannot know
+def check_node(built: dict[str, str], node: dict[str, str], cache_dir: Path, allow_mismatch: bool,
+               allow_missing: bool = False):
+    """Compare the bundle's fingerprint (``built``) with this node's; refuse on blocking factors unless allowed:
+    values that differ (``allow_mismatch``), factors the bundle lacks, carries unknown or this node cannot know
     (``allow_missing``)."""
-    mismatches = fingerprint.compare(index.fingerprint, node)
+    from . import fingerprint
+
+    mismatches = fingerprint.compare(built, node)
     refused = [m for m in mismatches if m.blocking and not (allow_missing if m.gap else allow_mismatch)]
     if refused:
         lines = "\n  ".join(str(m) for m in refused)
@@ -154,13 +203,13 @@ class InstallResult:
     index_digest: str
     entries: int
     installed: int = 0  # unpacked by this run
-    present: int = 0  # already there and intact (by content)
+    present: int = 0  # already there and intact (by stamp or by content)
     replaced: int = 0  # there but incomplete, modified or different: replaced by the bundle's
     kept: int = 0  # of present: runtime-built C modules found complete with other bytes than the bundle's
     bytes_fetched: int = 0
     noop: bool = False
     signed_by: str | None = None
-    mismatches: list[fingerprint.Mismatch] = field(default_factory=list)  # overridden or informational
+    mismatches: list = field(default_factory=list)  # fingerprint.Mismatch: overridden or informational
     seconds: float = 0.0
 
 
@@ -174,51 +223,79 @@ def kept_as_built(files: tuple[FileRecord, ...], c: EntryState, recorded: tuple[
     return complete and is_runtime_module(files) and set(recorded or c.on_disk) == set(c.on_disk)
 
 
-def _write_receipt(cache: CacheDir, bundle: StoredBundle, source: str, seq: int,
-                   kept: dict[str, tuple[FileRecord, ...]]) -> None:
-    cache_dir = cache.root
-    cache.write_receipt(bundle.index.digest, {
-        "index_digest": bundle.index.digest,
-        "seq": seq,
-        "source": source,
-        "signed_by": bundle.signed_by,
-        "cache_dir": str(cache_dir),
-        "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # for people; order is seq's
-        "kept": {k: [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files]
-                 for k, files in sorted(kept.items())},
-        "stat": _stat_table(cache_dir, bundle.index, kept),
-        "index": bundle.index_bytes.decode(),  # verbatim: its checksum and digest still hold
-    })
+# What settling one entry found (a worker's answer, a few hundred bytes): (outcome, stamp, kept files, bytes fetched,
+# bytes of its files). A staged entry's stamp is taken once it is in place (a rename moves its dir's ctime).
+PRESENT, KEPT, STAGED = 0, 1, 2
 
 
-def _stat_table(cache_dir: Path, index: Index, kept: dict[str, tuple[FileRecord, ...]]) -> dict:
-    """{key: {path: stat key}} of every file as this install leaves it: the next install of the bundle re-reads only
-    files whose stat key moved since (a same-size flip moves ctime)."""
-    table: dict[str, dict[str, list[int]]] = {}
-    for e in index.entries:
-        for f in kept.get(e.key, e.files):
-            try:
-                table.setdefault(e.key, {})[f.path] = list(stat_key(os.lstat(cache_dir / e.key / f.path)))
-            except OSError:
-                continue  # gone already: hashed (and found missing) next time
-    return table
+@dataclass
+class _Job:
+    """What every worker reads (``workers.shared()``: inherited through fork, never pickled)."""
+
+    bundle: StoredBundle
+    cache: CacheDir
+    entries: tuple[Entry, ...]
+    recorded: dict[str, list[str]]  # own receipt: key -> [object, stamp]; empty to check every entry by content
+    own_kept: dict[str, tuple[FileRecord, ...]]
+    owners: dict[str, Receipt]  # key -> latest receipt naming it
+    staging: Path | None
+
+
+def _stale(keys: list[str]) -> list[str]:
+    """The keys whose entry is no longer as its receipt stamped it (a no-op's check: an lstat per entry)."""
+    job: _Job = workers_.shared()
+    root = str(job.cache.root)
+    return [key for key in keys if stamp(f"{root}/{key}") != job.recorded[key][1] or not job.recorded[key][1]]
+
+
+def _settle_range(start: int, stop: int) -> list[tuple]:
+    job = workers_.shared()
+    return [_settle(job, job.entries[i]) for i in range(start, stop)]
+
+
+def _settle(job: _Job, e: Entry) -> tuple:
+    """One entry: as its own receipt left it (by stamp), present by content, kept as built, or staged."""
+    cache = job.cache
+    recorded = job.recorded.get(e.key)
+    before = stamp(f"{cache.root}/{e.key}")
+    if recorded and recorded[1] and before == recorded[1] and recorded[0] == e.object:
+        return (KEPT, before, job.own_kept[e.key], 0, 0) if e.key in job.own_kept else (PRESENT, before, None, 0, 0)
+    files = e.files  # decoded and checked here: a malformed record stops the install before anything is placed
+    size = sum(f.size for f in files)
+    if before:  # there: by content (an absent entry is simply staged)
+        c = cache.entry_state(e.key, files)
+        if c.intact or is_runtime_module(files) and kept_as_built(files, c, _recorded(job, e.key)):
+            after = cache.stamp(e.key)  # changed while it was read: not vouched for by this stamp
+            return (PRESENT if c.intact else KEPT, before if before == after else "",
+                    None if c.intact else tuple(c.on_disk), 0, size)
+    return STAGED, "", None, _stage_entry(job.bundle, e, files, cache.root, job.staging), size
+
+
+def _recorded(job: _Job, key: str) -> tuple[FileRecord, ...] | None:
+    """What the latest install naming ``key`` recorded for it (its receipt's index is read here, where needed)."""
+    owner = job.owners.get(key)
+    return owner.files(key) if owner is not None else None
 
 
 # --- install --------------------------------------------------------------------------------------------------
 
 
-def _stage_entry(bundle: StoredBundle, entry: Entry, cache_dir: Path, staging: Path) -> int:
+def _stage_entry(bundle: StoredBundle, entry: Entry, files: tuple[FileRecord, ...], cache_dir: Path,
+                 staging: Path) -> int:
     """Stream one object through its checks into ``staging/<key>``; returns the object's size. A store error
     mid-stream retries the entry from the start; a local write error is an EnvironmentProblem at once."""
     name = f"{OBJECTS}/{entry.object}"
     where = join(bundle.store.url, name)
-    dest = staging / entry.key
+    dest = f"{staging}/{entry.key}"
+    attempts = []
 
     def once() -> int:
-        shutil.rmtree(dest, ignore_errors=True)
+        if attempts:  # a retry: what the failed attempt staged goes first
+            shutil.rmtree(dest, ignore_errors=True)
+        attempts.append(1)
         with _StoreStream(_open_blob(bundle.store, name, where)) as stream:
             try:
-                return unpack_object(stream, entry, str(dest), str(cache_dir / entry.key), where)
+                return unpack_object(stream, entry, dest, f"{cache_dir}/{entry.key}", where, files)
             except OSError as e:  # store errors arrive as _StoreRead: this is the local filesystem
                 raise EnvironmentProblem(f"{e.filename or dest}: {e.strerror} (staging entry {entry.key} of "
                                          f"{cache_dir})") from None
@@ -255,10 +332,12 @@ def install(
     workers: int | None = None,
     lock_timeout: float = 600,
     durable: bool = True,
+    recheck: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> InstallResult:
     """Install ``source`` (a bundle dir or store URL) into ``cache_dir``: every entry checked and staged first, then
-    one rename per entry, then the receipt. ``progress(entries staged, entries to stage)`` as staging goes."""
+    one rename per entry, then the receipt. ``recheck``: every entry checked by content, stamps or not (what a file
+    rewritten in place needs). ``progress(entries settled, entries to settle)`` as the work goes."""
     t0 = time.monotonic()
     cache_dir = Path(os.path.abspath(cache_dir or default_cache_dir()))
     cache = CacheDir(cache_dir)
@@ -268,12 +347,18 @@ def install(
     bundle = read_bundle(
         source, trusted_keys=trusted_keys, require_signature=require_signature, storage_options=storage_options
     )
-    index = bundle.index
-    res = InstallResult(cache_dir, index.digest, len(index.entries), signed_by=bundle.signed_by)
-    node = node_fingerprint()
-    res.mismatches = check_node(index, node, cache_dir, allow_fingerprint_mismatch, allow_missing_factors)
+    own = cache.receipt_of(bundle.digest)  # the index it names is this one, checked whole when installed
+    built = own.fingerprint if own else bundle.index.fingerprint
+    res = InstallResult(cache_dir, bundle.digest, len(own.entries) if own else len(bundle.index.entries),
+                        signed_by=bundle.signed_by)
+    node, record = nodestamp.current(cache.meta if cache.meta.is_dir() else None)
+    res.mismatches = check_node(built, node, cache_dir, allow_fingerprint_mismatch, allow_missing_factors)
     try:
         cache.meta.mkdir(parents=True, exist_ok=True)
+        if record is not None:
+            nodestamp.remember(cache.meta, record)
+        import filelock
+
         lock = filelock.FileLock(str(cache.install_lock), timeout=lock_timeout)
         try:
             lock.acquire()
@@ -282,11 +367,9 @@ def install(
                 f"{cache.install_lock}: another install held the lock for over {lock_timeout:.0f} s"
             ) from None
         try:
-            # more threads than cores only thrash the GIL (tar parsing is Python); 8 hide a remote store's latency
-            workers = workers or min(8, max(2, os.cpu_count() or 2))
             # One cache dir, one Ascend toolchain: Triton's key cannot tell them apart (no-op on CUDA).
             cache.claim_toolchain(node)
-            _install_locked(bundle, source, cache, res, workers, durable, progress)
+            _install_locked(bundle, source, cache, res, workers, durable, recheck, progress)
         finally:
             lock.release()
     except OSError as e:  # store errors are StoreError / IntegrityError by now: this is the local machine
@@ -295,56 +378,142 @@ def install(
     return res
 
 
-def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: InstallResult, workers: int, durable: bool,
-                    progress: Callable[[int, int], None] | None):
+def _workers(workers: int | None, processes: bool) -> int:
+    return workers or (workers_.cores() if processes else min(8, max(2, workers_.cores())))  # threads: a store's latency
+
+
+def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: InstallResult, workers: int | None,
+                    durable: bool, recheck: bool, progress: Callable[[int, int], None] | None):
     cache_dir = cache.root
     for old in cache.staging_dirs():  # left by a killed install; only the lock holder stages
         shutil.rmtree(old, ignore_errors=True)
-    entries = bundle.index.entries
     receipts = cache.receipts(strict=False)
-    recorded = installed_files(receipts)
-    own = next((r for r in receipts if r.index.digest == res.index_digest), None)
-    unchanged = own.unchanged() if own else {}
-    with cf.ThreadPoolExecutor(workers) as pool:
-        states = list(pool.map(lambda e: cache.entry_state(e.key, e.files, unchanged.get(e.key)), entries))
-    todo, kept = [], {}
-    for e, c in zip(entries, states):
-        if c.intact:
-            continue
-        if kept_as_built(e.files, c, recorded.get(e.key)):
-            kept[e.key] = tuple(c.on_disk)
-            continue
-        todo.append(e)
-    res.present, res.kept = len(entries) - len(todo), len(kept)
-    agrees = all(set(recorded.get(e.key, ())) == set(kept.get(e.key, e.files)) for e in entries)
-    if not todo and own is not None and own.kept == kept and agrees:
-        res.noop = True
-        return
-    seq = max((r.seq for r in receipts), default=0) + 1
+    own = next((r for r in receipts if r.digest == res.index_digest), None)
+    later = [r for r in receipts if own is not None and r.seq > own.seq]
+    local = type(bundle.store).__name__ == "LocalStore"
+    recorded = own.entries if own is not None and not recheck else {}
+    if recorded and _latest_for_its_keys(own, later):
+        # nothing to do if every entry is as stamped: an lstat per entry, no file read, no index parsed
+        keys = list(recorded)
+        processes = local and len(keys) >= workers_.PROCESSES_FROM
+        job = _Job(bundle, cache, (), recorded, own.kept, {}, None)
+        if not any(workers_.run(_stale, [(keys[a:b],) for a, b in workers_.ranges(len(keys), 4096)], job,
+                                processes=processes, workers=_workers(workers, processes))):
+            res.present, res.kept, res.noop = len(keys), len(own.kept), True
+            return
+    entries = bundle.index.entries
     staging = cache.new_staging()
     try:
-        # phase 1: every object fetched and checked, every entry staged; a bad bundle adds nothing to the cache
-        with cf.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(_stage_entry, bundle, e, cache_dir, staging) for e in todo]
-            try:
-                if progress:
-                    progress(0, len(todo))
-                for done, f in enumerate(cf.as_completed(futures), 1):
-                    res.bytes_fetched += f.result()
-                    if progress:
-                        progress(done, len(todo))
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        # phase 1: every entry settled (its records checked, present by stamp or content, else fetched, checked and
+        # staged); a bad bundle adds nothing to the cache
+        job = _Job(bundle, cache, entries, recorded, own.kept if own else {}, latest_owners(receipts), staging)
+        processes = local and len(entries) >= workers_.PROCESSES_FROM
+        n = _workers(workers, processes)
+        tasks = workers_.ranges(len(entries), max(1, min(64, len(entries) // (n * 16))) if processes else 1)
+        done = [0]
+
+        def count(chunk: list) -> None:
+            done[0] += len(chunk)
+            if progress:
+                progress(done[0], len(keys))
+
+        keys = [e.key for e in entries]
+        objects = [e.object for e in entries]
+        head = {"fingerprint": bundle.index.fingerprint, "manifest": bundle.index.manifest}
+        cache.write_receipt_index(bundle.digest, bundle.index_bytes, durable=durable)
+        del entries
+
+        def started() -> None:
+            flusher.start()
+            if processes:  # the workers have their own copies: this process needs only keys and objects now
+                job.entries = ()
+                bundle.release()
+
+        if progress:
+            progress(0, len(keys))
+        with _Flusher(staging if durable else None) as flusher:
+            settled = [s for chunk in workers_.run(_settle_range, tasks, job, processes=processes, workers=n,
+                                                   done=count, started=started) for s in chunk]
+        kept = {key: s[2] for key, s in zip(keys, settled) if s[0] == KEPT}
+        res.present, res.kept = sum(s[0] != STAGED for s in settled), len(kept)
+        res.bytes_fetched = sum(s[3] for s in settled)
+        size = own.size if own is not None else sum(s[4] for s in settled)  # the same index: the same bytes
+        stamps = [s[1] for s in settled]
+        todo = [i for i, s in enumerate(settled) if s[0] == STAGED]
+        agrees = own is not None and own.kept == kept and _latest_for_its_keys(own, later)
+        if not todo and agrees and all(own.entries[k][1] == st for k, st in zip(keys, stamps)):
+            res.noop = True
+            return
+        # from here on a key, an object name and a stamp per entry: the index is written beside the receipt
+        head["bytes"] = size
+        del settled, job
+        bundle.release()
         if durable:
-            os.sync()  # one flush of every staged file: far cheaper than an fsync per file, same guarantee
+            syncfs(staging)  # every staged file on disk before a rename makes it visible
         # phase 2: one rename per entry (a key dir is either absent or complete), then the receipt
-        for e in todo:
-            res.replaced += _place_entry(e.key, cache_dir, staging)
+        for i in todo:
+            res.replaced += _place_entry(keys[i], cache_dir, staging)
             res.installed += 1
+            stamps[i] = stamp(cache_dir / keys[i])  # once in place: the rename moved its dir's ctime
         if durable:
-            fsync_dir(cache_dir)
-        _write_receipt(cache, bundle, source, seq, kept)
+            fsync_dir(cache_dir)  # the renames on disk before the receipt that describes them
+        seq = own.seq if agrees else max((r.seq for r in receipts), default=0) + 1  # a refresh keeps its place
+        _write_receipt(cache, bundle, source, seq, head, zip(keys, objects, stamps), kept, durable)
+    except BaseException:
+        if own is None:  # the index written beside a receipt that will not be
+            cache.receipt(res.index_digest).with_suffix(".index").unlink(missing_ok=True)
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _latest_for_its_keys(own: Receipt, later: list[Receipt]) -> bool:
+    """No install after ``own`` recorded other files under one of its keys (else re-installing it must win them
+    back, and its receipt become the latest). Compared by object first; the files only where those differ."""
+    return all(r.identity(k) == own.identity(k) or set(r.files(k)) == set(own.files(k))
+               for r in later for k in r.entries.keys() & own.entries.keys())
+
+
+def _write_receipt(cache: CacheDir, bundle: StoredBundle, source: str, seq: int, head: dict, rows,
+                   kept: dict[str, tuple[FileRecord, ...]], durable: bool) -> None:
+    cache.write_receipt(bundle.digest, {
+        **head,
+        "seq": seq,
+        "source": source,
+        "signed_by": bundle.signed_by,
+        "cache_dir": str(cache.root),
+        "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # for people; order is seq's
+        "kept": {k: [{"path": f.path, "sha256": f.sha256, "size": f.size} for f in files]
+                 for k, files in sorted(kept.items())},
+    }, rows, durable=durable)
+
+
+# --- durability -------------------------------------------------------------------------------------------------
+
+
+class _Flusher:
+    """While staging goes on, write what it staged back to disk every second, so that the flush before the renames
+    finds little left: the data goes out while the cores parse and hash. Started once the workers are forked."""
+
+    def __init__(self, path: Path | None, every: float = 1.0):
+        self.path, self.every, self.stop, self.thread = path, every, threading.Event(), None
+
+    def start(self) -> None:
+        if self.path is not None:
+            self.thread = threading.Thread(target=self._run, name="prewarm-flush", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            try:
+                syncfs(self.path)
+            except OSError:
+                return
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()

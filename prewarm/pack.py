@@ -1,18 +1,21 @@
 """Pack a Triton cache dir into a bundle dir (the format is bundle.py's): every entry's object written in parallel
-and flushed, then the signature, then ``index.json`` last, so a reader never sees an index whose objects or
-signature are missing. The cache dir is read through its owner (cachedir.py): its entries, the files of each
-without Triton's in-flight ``tmp.pid_*`` dirs, and the fingerprint and manifest its build recorded.
+(forked processes for a large cache: tar and zstd work is per entry) and flushed, then the signature, then
+``index.json`` last, so a reader never sees an index whose objects or signature are missing. The cache dir is read
+through its owner (cachedir.py): its entries, the files of each without Triton's in-flight ``tmp.pid_*`` dirs, and
+the fingerprint and manifest its build recorded. A dir whose name is not a cache key of the Triton the bundle names
+(``tritoncompat.key_dir_form``) is left out and reported: no node would accept it, nor would Triton look it up.
+The index is assembled from each entry's canonical JSON: memory is O(1) per entry, not per file.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import fingerprint, signing
-from .bundle import INDEX, OBJECTS, SIGNATURE, Entry, Index, pack_entry
-from .cachedir import CacheDir, write_atomic
+from . import fingerprint, signing, tritoncompat
+from . import workers as workers_
+from .bundle import INDEX, OBJECTS, SIGNATURE, Index, index_bytes, pack_entry, parse_index
+from .cachedir import CacheDir, syncfs, write_atomic
 from .errors import EnvironmentProblem, IntegrityError
 
 
@@ -45,6 +48,28 @@ def pack(
                                  ) from None
 
 
+@dataclass
+class _Job:
+    cache: CacheDir
+    keys: list[str]
+    objects: Path
+
+
+def _pack_range(start: int, stop: int) -> list[tuple[bytes, bool, int, int]]:
+    job: _Job = workers_.shared()
+    return [_pack_one(job, job.keys[i]) for i in range(start, stop)]
+
+
+def _pack_one(job: _Job, key: str) -> tuple[bytes, bool, int, int]:
+    """(the entry's canonical JSON, whether its object was written, its files' bytes, its object's bytes)."""
+    entry, obj = pack_entry(job.cache.root / key, job.cache.files(key, in_flight=False))
+    dest = job.objects / entry.object
+    written = not (dest.is_file() and dest.stat().st_size == len(obj) and dest.read_bytes() == obj)
+    if written:  # an existing object is trusted only after comparing its bytes
+        write_atomic(dest, obj, durable=False)  # flushed all at once, before the index
+    return entry.to_json(), written, sum(f.size for f in entry.files), len(obj)
+
+
 def _pack(cache_dir: Path, bundle_dir: Path, signing_key: str | os.PathLike | None, workers: int | None) -> PackResult:
     cache = CacheDir(cache_dir)
     record = cache.read_build_info()
@@ -53,33 +78,26 @@ def _pack(cache_dir: Path, bundle_dir: Path, signing_key: str | os.PathLike | No
     manifest = record.get("manifest") if isinstance(record.get("manifest"), dict) else None
     if manifest is not None:
         manifest = {"name": str(manifest.get("name", "")), "digest": str(manifest.get("digest", ""))}
-    keys, skipped = cache.entries()
+    entries, skipped = cache.entries()
+    form, _ = tritoncompat.key_dir_form(fp.get("triton.distribution"), fp.get("triton.version"))
+    keys = [k for k in entries if form.fullmatch(k)]
+    skipped = sorted(skipped + [k for k in entries if not form.fullmatch(k)])
     (bundle_dir / OBJECTS).mkdir(parents=True, exist_ok=True)
-
-    def one(key: str) -> tuple[Entry, bool]:
-        entry, obj = pack_entry(cache.root / key, cache.files(key, in_flight=False))
-        dest = bundle_dir / OBJECTS / entry.object
-        if dest.is_file() and dest.stat().st_size == len(obj) and dest.read_bytes() == obj:
-            return entry, False  # an existing object is trusted only after comparing its bytes
-        write_atomic(dest, obj, durable=False)  # flushed all at once below, before the index
-        return entry, True
-
-    with cf.ThreadPoolExecutor(workers or min(8, (os.cpu_count() or 1) + 1)) as pool:
-        results = list(pool.map(one, keys))
-    os.sync()  # every object on disk before the index that names them: one flush, not an fsync per object
-    index = Index(fp, manifest, tuple(e for e, _ in results))
-    data = index.to_bytes()
+    processes = len(keys) >= workers_.PROCESSES_FROM
+    n = workers or (workers_.cores() if processes else min(8, workers_.cores() + 1))
+    step = max(1, min(64, len(keys) // (n * 16))) if processes else 1
+    results = [r for chunk in workers_.run(_pack_range, workers_.ranges(len(keys), step),
+                                           _Job(cache, keys, bundle_dir / OBJECTS), processes=processes, workers=n)
+               for r in chunk]
+    syncfs(bundle_dir)  # every object on disk before the index that names them: one flush, not an fsync per object
+    data = index_bytes([r[0] for r in results], fp, manifest)
+    written, bytes_in, bytes_out = (sum(r[i] for r in results) for i in (1, 2, 3))
+    del results  # the entries' JSON now lives in the index bytes only
     sig = bundle_dir / SIGNATURE
     if signing_key:
         write_atomic(sig, signing.sign(data, signing_key))
     elif sig.exists():
         sig.unlink()  # a stale signature over another index would only ever fail
     write_atomic(bundle_dir / INDEX, data)
-    return PackResult(
-        bundle_dir,
-        index,
-        sum(w for _, w in results),
-        index.total_size,
-        sum(e.object_size for e in index.entries),
-        skipped,
-    )
+    index = parse_index(data, str(bundle_dir / INDEX), check_files=False)  # what a reader will see
+    return PackResult(bundle_dir, index, written, bytes_in, bytes_out, skipped)

@@ -62,13 +62,12 @@ def scan(cache_dir: str | os.PathLike) -> CacheScan:
     present = set(cache.entries()[0])
     bundles, named = [], set()
     for r in cache.receipts():
-        index, receipt = r.index, r.doc
-        keys = {e.key for e in index.entries}
+        receipt, keys = r.doc, r.entries.keys()
         named |= keys
-        manifest = index.manifest or {}
+        manifest = r.manifest or {}
         bundles.append(InstalledBundle(
-            manifest.get("name", ""), manifest.get("digest", ""), index.digest, str(receipt.get("installed_at", "")),
+            manifest.get("name", ""), manifest.get("digest", ""), r.digest, str(receipt.get("installed_at", "")),
             str(receipt.get("source", "")), receipt.get("signed_by"), len(keys), len(keys & present),
-            index.total_size))  # fmt: skip
+            r.size))  # fmt: skip
     others = tuple(_other_entry(cache, key) for key in sorted(present - named))
     return CacheScan(str(cache.root), tuple(bundles), others, cache.read_toolchain())

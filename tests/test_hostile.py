@@ -250,7 +250,7 @@ HOSTILE_BUNDLES = {
     "declared size 2^40": (lambda b: forge(b, [_ok_member()], files=[FileRecord("k.cubin", "0" * 64, 2**40)],
                                            tar_size=2**40), 6, "is 4 bytes, the index lists 1099511627776"),
     "deeply nested JSON": (lambda b: (b.mkdir(), (b / INDEX).write_bytes(b"[" * 200_000 + b"]" * 200_000)), 6,
-                           "index is not a JSON object \\(RecursionError"),
+                           "not a prewarm index"),
     "entries not a list": (lambda b: _forged_index(b, {**_fp_doc(), "entries": 5}), 9, "entries is not a list"),
     "files not a list": (lambda b: _forged_index(b, {**_fp_doc(), "entries": [
         {"key": KEY, "object": "0" * 64 + ".tar.zst", "object_size": 1, "tar_size": 1, "files": 7}]}), 9,
@@ -318,3 +318,118 @@ def test_a_cache_dir_or_its_prewarm_dir_being_a_file(triton_cache, tmp_path, whe
 def test_negative_or_absurd_numbers_are_refused_by_the_command_line(args):
     p = run_cli(*args, check=2)
     assert "out of range" in p.stderr and "Traceback" not in p.stderr
+
+
+# --- issue 28: an index as strict as Triton's own keys ----------------------------------------------------------
+
+def _entry_doc(key: str = KEY, **changes) -> dict:
+    doc = {"key": key, "object": "0" * 64 + ".tar.zst", "object_size": 1, "tar_size": 1024,
+           "files": [{"path": "k.cubin", "sha256": "0" * 64, "size": 4}]}
+    return {**doc, **changes}
+
+
+def _index_doc(*entries: dict, **top) -> dict:
+    return {**_fp_doc(), "entries": list(entries), **top}
+
+
+def test_a_key_ending_in_a_newline_is_refused_naming_the_entry_and_field(tmp_path, node):
+    """Before: accepted, and the cache got a dir whose name ends in a newline (no Triton key looks like that)."""
+    _forged_index(tmp_path / "b", _index_doc(_entry_doc("ESCAPEKEYNL\n")))
+    hostile_cli(tmp_path, node, ["install", tmp_path / "b", "--cache-dir", node], 9,
+                r"entries\[0\]\.key 'ESCAPEKEYNL\\n' is not a cache key of triton 3\.\d+\.\d+ \(base32 of a sha256")
+    assert not [p for p in node.iterdir() if p.name.endswith("\n")]
+
+
+def test_format_true_is_not_format_1(tmp_path, node):
+    """Before: a JSON bool was taken for the integer 1."""
+    _forged_index(tmp_path / "b", _index_doc(_entry_doc(), format=True))
+    hostile_cli(tmp_path, node, ["install", tmp_path / "b", "--cache-dir", node], 9,
+                r"malformed index: format True: this prewarm reads format 1 \(an integer\)")
+
+
+B32 = "A" * 51 + "Q"  # base32 of a sha256: 52 characters, the last one holding one bit
+B64 = "A" * 42 + "w"  # urlsafe base64 of a sha256 (triton 3.2): 43 characters
+B64_MD5 = "fMYIAddf6WjySrKWEsFWzg"  # triton-ascend 3.2's npu_utils dir: urlsafe base64 of an md5
+
+
+@pytest.mark.parametrize("doc, what", [
+    (_index_doc(_entry_doc(object_size=True)), r"entries\[0\]\.object_size True is not an integer >= 0"),
+    (_index_doc(_entry_doc(tar_size=1024.0)), r"entries\[0\]\.tar_size 1024\.0 is not an integer >= 0"),
+    (_index_doc(_entry_doc(tar_size=-1)), r"entries\[0\]\.tar_size -1 is not an integer >= 0"),
+    (_index_doc(_entry_doc(object=5)), r"entries\[0\]\.object 5 is not <sha256>\.tar\.zst"),
+    (_index_doc(_entry_doc(files={"k.cubin": 4})), r"entries\[0\]\.files is not a list"),
+    (_index_doc(_entry_doc(extra=1)), r"entries\[0\] has fields \[.*'extra'.*\]"),
+    (_index_doc(_entry_doc(), _entry_doc(key=KEY)), r"entries\[1\]\.key 'A{52}' repeated"),
+    (_index_doc(_entry_doc(files=[{"path": "k.cubin", "sha256": "0" * 64, "size": True}])),
+     r"entries\[0\]\.files\[0\]: file record .* is not"),
+    (_index_doc(_entry_doc(files=[{"path": "k.cubin", "sha256": "0" * 64, "size": "4"}])),
+     r"entries\[0\]\.files\[0\]: file record"),
+    (_index_doc(_entry_doc(files=[{"path": "k.cubin", "sha256": "A" * 64, "size": 4}])),
+     r"entries\[0\]\.files\[0\]\.sha256 'A{64}' is not a sha256"),
+    (_index_doc(_entry_doc(files=[{"path": "k.cubin", "sha256": "0" * 64, "size": 4, "mode": 493}])),
+     r"entries\[0\]\.files\[0\]: file record"),
+    (_index_doc(tool=5), r"tool 5 is not a string"),
+    (_index_doc(fingerprint={"triton.version": 3.6}), r"fingerprint is not an object of strings"),
+    (_index_doc(manifest={"name": "kda", "digest": 1}), r"manifest .* is neither null nor"),
+    (_index_doc(manifest={"name": "kda"}), r"manifest .* is neither null nor"),
+    (_index_doc(zzz=1), r"top-level fields \[.*'zzz'\]; format 1 has checksum, entries, fingerprint"),
+    (_index_doc(extra=1), r"no fingerprint right after the entries; format 1 has checksum, entries, fingerprint"),
+    ({"checksum": "", **_index_doc(), "entries": 5}, r"entries is not a list"),
+    # keys: the form of the cache keys of the Triton the bundle names (this node's: triton 3.6, base32 of a sha256)
+    (_index_doc(_entry_doc(B64)), r"entries\[0\]\.key '.*' is not a cache key of triton 3\.\d+\.\d+"),
+    (_index_doc(_entry_doc("A" * 51)), r"is not a cache key"),  # one character short
+    (_index_doc(_entry_doc("A" * 51 + "B")), r"is not a cache key"),  # no sha256 encodes to that last character
+    (_index_doc(_entry_doc("a" * 52)), r"is not a cache key"),  # base32 is upper case
+    (_index_doc(_entry_doc("A" * 25 + "Q")), r"is not a cache key"),  # an md5's form: npu_utils, Ascend only
+    (_index_doc(_entry_doc("A" * 51 + "Q/")), r"is not a cache key"),
+    (_index_doc(_entry_doc(7)), r"entries\[0\]\.key 7 is not a cache key"),
+])
+def test_every_field_has_exactly_its_type_and_every_key_the_form_of_a_triton_key(doc, what):
+    with pytest.raises(UnsafeBundleError, match=what):
+        parse_index(_with_checksum(doc), "index.json")
+
+
+def test_a_file_list_in_another_spelling_than_the_canonical_one_is_refused():
+    data = _with_checksum(_index_doc(_entry_doc()))
+    spaced = data.replace(b'"sha256":"', b'"sha256": "')
+    body = spaced[len(b'{"checksum":"') + 64 + 2:]
+    resummed = b'{"checksum":"' + hashlib.sha256(b"{" + body).hexdigest().encode() + b'",' + body
+    with pytest.raises(UnsafeBundleError, match=r"entries\[0\]\.files is not in canonical form"):
+        parse_index(resummed, "index.json")
+
+
+@pytest.mark.parametrize("dist, version, keys", [
+    ("triton", "3.6.0", [B32, "7" * 51 + "A"]),  # kernels, launchers, cuda_utils, autotune results: all sha256
+    ("triton-ascend", "3.2.0", [B64, B64_MD5]),  # 3.2: urlsafe base64; npu_utils: an md5
+    ("triton-ascend", "3.5.0", [B32, "A" * 25 + "Y"]),  # 3.5: base32, an md5 too for npu_utils
+])
+def test_the_key_forms_each_triton_writes_are_accepted(dist, version, keys):
+    fp = {"triton.distribution": dist, "triton.version": version}
+    index = parse_index(_with_checksum(_index_doc(*map(_entry_doc, keys), fingerprint=fp)), "index.json")
+    assert [e.key for e in index.entries] == keys
+
+
+def test_the_key_form_follows_the_bundle_s_triton():
+    fp = {"triton.distribution": "triton-ascend", "triton.version": "3.2.0"}
+    with pytest.raises(UnsafeBundleError, match=r"not a cache key of triton-ascend 3\.2\.0 \(urlsafe base64"):
+        parse_index(_with_checksum(_index_doc(_entry_doc(B32), fingerprint=fp)), "index.json")
+    fp = {"triton.distribution": "triton", "triton.version": "3.6.0"}
+    with pytest.raises(UnsafeBundleError, match="base32 of a sha256"):  # upstream: no md5 dirs (no npu_utils)
+        parse_index(_with_checksum(_index_doc(_entry_doc("A" * 25 + "Y"), fingerprint=fp)), "index.json")
+
+
+def test_a_triton_autotune_result_dir_packs_and_installs(tmp_path, node):
+    """Triton keeps autotune results in key dirs of their own (<fn>.autotune.json under base32 of a sha256)."""
+    entry = tmp_path / "cache" / B32
+    entry.mkdir(parents=True)
+    (entry / "chunk_kda_fwd.autotune.json").write_text('{"key": [4096], "configs_timings": [], "cache": {}}')
+    pack(tmp_path / "cache", tmp_path / "b")
+    assert install(str(tmp_path / "b"), node).installed == 1 and verify(node).ok
+
+
+def test_pack_leaves_out_dirs_no_triton_would_look_up(tmp_path):
+    """Packing what install would refuse would make a bundle no node can take: such dirs are reported skipped."""
+    cache = synthetic_cache(tmp_path / "cache", 2, seed=4, scale=0.01)
+    shutil.copytree(next(p for p in cache.iterdir() if p.is_dir()), cache / ("B" * 52))
+    r = pack(cache, tmp_path / "b")
+    assert len(r.index.entries) == 2 and "B" * 52 in r.skipped

@@ -7,7 +7,6 @@ dir's name).
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import io
 import os
 import threading
@@ -16,12 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import fsspec
-
 from ..bundle import INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, check_object, open_regular, parse_index, read_bounded
 from ..errors import IntegrityError, PrewarmError, StoreError
 from .base import Store, join, retry
 from .fs import OBJECT_PROTOCOLS, FsspecStore, LocalStore, ObjectStore
+
+
+def _threads(n: int):
+    import concurrent.futures  # here, not at import: a local install never pays for it
+
+    return concurrent.futures.ThreadPoolExecutor(n)
 
 
 def default_store_root() -> str:
@@ -40,6 +43,8 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
     if not rest:
         return LocalStore(url)
     if protocol == "file":
+        import fsspec  # here, not at import: a local install never pays for it
+
         return LocalStore(fsspec.core.strip_protocol(url))
     if protocol == "oci":
         from .oci import open_oci  # oras is imported only where a registry is used
@@ -102,7 +107,7 @@ def _push_one(bundle_dir: Path, url: str, storage_options: dict | None, attempts
                 except (IntegrityError, FileNotFoundError):
                     return False
 
-            with cf.ThreadPoolExecutor(workers) as pool:
+            with _threads(workers) as pool:
                 bad = {n for n, ok in zip(sorted(have), pool.map(intact, sorted(have))) if not ok}
             res.repaired = len(bad)
             have -= bad
@@ -123,7 +128,7 @@ def _push_one(bundle_dir: Path, url: str, storage_options: dict | None, attempts
             if progress:
                 progress(url, done, len(todo))
 
-        with cf.ThreadPoolExecutor(workers) as pool:
+        with _threads(workers) as pool:
             for f in [pool.submit(send, n) for n in todo]:
                 f.result()
         sig = bundle_dir / SIGNATURE
@@ -161,7 +166,7 @@ def push(
         raise StoreError(f"{bundle_dir}: not a bundle dir (no {INDEX}; make one with `prewarm pack`)")
     if not urls:
         urls = [join(default_store_root(), bundle_name(bundle_dir))]
-    with cf.ThreadPoolExecutor(len(urls)) as pool:
+    with _threads(len(urls)) as pool:
         futures = [
             pool.submit(_push_one, bundle_dir, u, storage_options, attempts, backoff, progress, workers, verify_remote)
             for u in urls

@@ -13,8 +13,6 @@ import os
 import uuid
 from pathlib import Path
 
-import fsspec
-
 from ..bundle import OBJECTS, open_regular
 from ..cachedir import write_atomic
 from ..errors import IntegrityError
@@ -59,10 +57,14 @@ class FsspecStore(Store):
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = url
         self._options = storage_options or {}
+        import fsspec  # here, not at import: a local install never pays for it
+
         self.fs, self.path = fsspec.core.url_to_fs(url, **self._options)
 
     def reconnect(self) -> None:
         """A fresh filesystem instance: after a dropped connection the cached one stays broken (sftp)."""
+        import fsspec
+
         self.fs, self.path = fsspec.core.url_to_fs(url=self.url, skip_instance_cache=True, **self._options)
 
     def read(self, name: str) -> bytes:

@@ -1,0 +1,158 @@
+"""This node's fingerprint (``fingerprint.current()``), remembered in the cache dir and reused while nothing it is
+computed from has changed: a `prewarm install` with nothing to do must not pay ~1 s at every pod start for importing
+Triton and hashing its sources (triton.key), running ptxas and nvidia-smi.
+
+What ``current()`` reads, and how the stamp sees each of them without importing Triton (~20 ms):
+- the interpreter: sys.executable, sys.version, the machine (verbatim);
+- code: every file and dir under the triton package it imports, wherever sys.path finds it (its sources and
+  libtriton: triton.key; the wheel's ptxas; triton-ascend's backend), prewarm's own fingerprint code, torch's and
+  torch_npu's version modules, and the metadata of each *triton* / torch / torch_npu distribution on sys.path (the
+  versions importlib.metadata reads). How the process was started (python -m, a console script) does not matter
+  unless it changes what is found;
+- tools and the files it reads: every PATH dir (a tool added, removed or renamed there: nvidia-smi,
+  bishengir-compile, g++), the file behind TRITON_PTXAS_PATH, each bishengir-compile on PATH and
+  $TRITON_NPU_COMPILER_PATH/npuc, CANN's version files under each place the toolkit is looked for;
+- devices: the /dev/nvidia* and /dev/davinci* nodes with their device numbers, each GPU's model and bus as
+  /proc/driver/nvidia lists it (what nvidia-smi reports the architecture of);
+- the environment: every variable's value, except variables learnt, when the fingerprint was computed, to be read
+  neither by prewarm (not TRITON_*, ASCEND_*, CUDA_*, PATH...) nor by Triton's key (libtriton's list of
+  cache-invalidating variables cannot be enumerated, but Triton reports which of the set variables it holds): such
+  variables (HOSTNAME...) may change from pod to pod. A variable not set then is not known: a new one recomputes.
+Files are compared by inode, size, mtime and ctime: any write, replace or chmod moves ctime, which no tool sets back.
+Every input as it was => ``current()`` computes the same factors, so they are reused; anything else (no record, an
+unreadable one, another prewarm version) computes them afresh. A monkeypatched Python function is not an input.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from . import __version__
+
+RECORD = "node.json"
+# Variables prewarm's fingerprint code (or a tool it runs) may read: never learnt as ignorable.
+_READ_PREFIXES = ("TRITON_", "ASCEND_", "CUDA_", "NVIDIA_", "NPU_", "CANN_", "TORCH_", "PYTORCH_", "PYTHON", "LD_",
+                  "ENABLE_")
+_READ = {"PATH", "HOME", "CC", "CXX", "VIRTUAL_ENV", "CONDA_PREFIX"}
+_DISTS = re.compile(r"(\w*triton\w*|torch|torch_npu)-[^-]+\.(?:dist|egg)-info", re.IGNORECASE)
+_DEVICES = re.compile(r"nvidia(?:\d+|ctl|-uvm)|davinci(?:\d+|_manager)")
+_FINGERPRINT_CODE = ("fingerprint.py", "tritoncompat.py", "nodestamp.py")
+_ASCEND_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
+
+
+def current(meta_dir: Path | None) -> tuple[dict[str, str], dict | None]:
+    """(this node's factors, a record to ``remember`` them by, or None where the one in ``meta_dir`` was reused)."""
+    snapshot = _snapshot()
+    record = _read(meta_dir / RECORD) if meta_dir is not None else None
+    if record is not None and record["inputs"] == _digest(snapshot, set(record["ignored"])):
+        return dict(record["factors"]), None
+    from . import fingerprint, tritoncompat
+
+    factors = fingerprint.current()
+    triton_reads = tritoncompat.cache_invalidating_env_vars()  # the set ones Triton folds into its key
+    ignored = sorted(n for n, v in snapshot["env"].items()
+                     if v and n not in triton_reads and n not in _READ and not n.startswith(_READ_PREFIXES))
+    return factors, {"prewarm": __version__, "ignored": ignored, "inputs": _digest(snapshot, set(ignored)),
+                     "factors": factors}
+
+
+def remember(meta_dir: Path, record: dict) -> None:
+    """Keep ``record`` for the next process (best effort: a dir it cannot write only costs recomputing)."""
+    from .cachedir import write_atomic
+
+    try:
+        write_atomic(meta_dir / RECORD, json.dumps(record, sort_keys=True).encode(), durable=False)
+    except OSError:
+        pass
+
+
+def _read(path: Path) -> dict | None:
+    from .bundle import open_regular, read_bounded
+    from .errors import IntegrityError
+
+    try:
+        record = json.loads(read_bounded(open_regular(path), 1 << 20, str(path)))  # no link, FIFO or device read
+        ok = (record.get("prewarm") == __version__ and type(record.get("inputs")) is str
+              and type(record.get("ignored")) is list and type(record.get("factors")) is dict
+              and all(type(v) is str for v in record["factors"].values()))
+        return record if ok else None
+    except (OSError, ValueError, AttributeError, RecursionError, IntegrityError):
+        return None
+
+
+def _digest(snapshot: dict, ignored: set[str]) -> str:
+    env = {n: v for n, v in snapshot["env"].items() if n not in ignored}
+    return hashlib.sha256(repr({**snapshot, "env": sorted(env.items())}).encode()).hexdigest()
+
+
+def _stat(path: str | os.PathLike) -> tuple:
+    try:
+        st = os.stat(path)
+        return str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode
+    except OSError:
+        return str(path), None
+
+
+def _tree(root: str, out: list) -> None:
+    try:
+        with os.scandir(root) as it:
+            for d in it:
+                st = d.stat(follow_symlinks=False)
+                out.append((d.path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
+                if d.is_dir(follow_symlinks=False) and d.name != "__pycache__":
+                    _tree(d.path, out)
+    except OSError:
+        out.append((root, None))
+
+
+def _package_dir(name: str) -> str | None:
+    """Where ``import name`` would load a package from, found without importing it."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return next(iter(spec.submodule_search_locations), None) if spec and spec.submodule_search_locations else None
+
+
+def _snapshot() -> dict:
+    env = dict(os.environ)
+    stats: list = [_stat(Path(__file__).with_name(n)) for n in _FINGERPRINT_CODE]
+    if triton := _package_dir("triton"):
+        _tree(triton, stats)
+    for name in ("torch", "torch_npu"):
+        if found := _package_dir(name):
+            stats.append(_stat(os.path.join(found, "version.py")))
+    for entry in sys.path:  # the distributions importlib.metadata would find, wherever the process started
+        try:
+            dists = sorted(n for n in os.listdir(entry or ".") if _DISTS.fullmatch(n))
+        except OSError:
+            continue
+        stats += [_stat(os.path.join(entry, d, meta)) for d in dists for meta in ("METADATA", "PKG-INFO")]
+    path_dirs = [d for d in env.get("PATH", "").split(os.pathsep) if d]
+    stats += [_stat(d) for d in path_dirs]
+    tools = [os.path.join(d, "bishengir-compile") for d in path_dirs]
+    tools += [p for p in (env.get("TRITON_PTXAS_PATH"), os.path.join(env.get("TRITON_NPU_COMPILER_PATH", ""), "npuc"))
+              if p]
+    stats += [_stat(t) for t in tools]
+    for home in (env.get("ASCEND_HOME_PATH"), env.get("ASCEND_TOOLKIT_HOME"), *_ASCEND_HOMES):
+        if home:
+            stats.append(_stat(home))
+            stats += [_stat(p) for p in sorted(Path(home).glob("*-linux/ascend_toolkit_install.info"))]
+    try:
+        devices = sorted((n, os.stat(f"/dev/{n}").st_rdev) for n in os.listdir("/dev") if _DEVICES.fullmatch(n))
+    except OSError:
+        devices = []
+    gpus = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            gpus.append((info.parent.name, info.read_text(errors="replace")))
+        except OSError:
+            gpus.append((info.parent.name, None))
+    return {"python": (sys.executable, sys.version, os.uname().machine), "env": env, "stats": stats,
+            "devices": devices, "gpus": gpus}
