@@ -18,8 +18,12 @@
 #                          node with an NPU). The result is packed into PREWARM_SOURCE and, if PREWARM_PUSH
 #                          names store URLs, pushed there so the other nodes install it. Run it once per node
 #                          (an init container or a systemd unit), not once per rank.
-#   PREWARM_REQUIRE_AUTOTUNE  1 = also refuse to start when a kept autotune result is absent (for bundles from a
-#                          `--mode device` build; an offline bundle never has them)   (default 0)
+#   PREWARM_REQUIRE_AUTOTUNE  1 = also refuse to start when a kept autotune result is absent (for bundles built
+#                          with the manifest's autotune table, or by a `--mode device` build)   (default 0)
+#   TRITON_CACHE_AUTOTUNING  exported to verify and the server alike: 1 = every Triton Autotuner reads the results
+#                          the bundle ships (Triton keeps none for an autotuner without cache_results otherwise); verify
+#                          refuses to start the server when results are shipped that this environment would not
+#                          read                                                   (default 1)
 #   PREWARM_REQUIRE_LAUNCHERS  1 = also refuse to start when a launcher / helper module the runtime would build
 #                          at first launch is absent (Ascend: g++ and torch_npu headers at first launch, or a crash
 #                          where the image has none; the npu image sets it)      (default 0)
@@ -30,12 +34,16 @@
 #                          (`[[kernels]] record = "..."`) and the next build covers them
 #                          (default $TRITON_CACHE_DIR/.prewarm/guard.jsonl: every rank of the node, one file)
 #   PREWARM_GUARD_ARM      import (default) | manual: the server calls prewarm.guard.arm() after its own warmup
+#   PREWARM_METRICS_TEXTFILE  a .prom file in node-exporter's --collector.textfile.directory: the guard's
+#                          Prometheus metrics (compiles and autotune benchmarks after arming, per kernel; the
+#                          installed bundles), merged there by every guarded process of the node  (default: off)
 set -eu
 
 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/var/cache/triton}"
 PREWARM_MANIFEST="${PREWARM_MANIFEST:-/opt/prewarm/src/manifests/kimi-linear-h200.toml}"
 PREWARM_SOURCE="${PREWARM_SOURCE:-/opt/prewarm/bundle}"
-export TRITON_CACHE_DIR
+TRITON_CACHE_AUTOTUNING="${TRITON_CACHE_AUTOTUNING:-1}"  # read at each kernel module's import: set before both
+export TRITON_CACHE_DIR TRITON_CACHE_AUTOTUNING
 AUTOTUNE=""
 if [ "${PREWARM_REQUIRE_AUTOTUNE:-0}" = 1 ]; then
     AUTOTUNE="--require-autotune"

@@ -10,13 +10,45 @@ and what was expected; the planner adds the manifest's path (kernels/ never impo
     [spec.parallel]  tensor_parallel = 1, attention_dp = 1 (attention-TP = tensor_parallel / attention_dp)
     [spec.dtypes]    activation = "bfloat16" (q, k, v), gate = the activation dtype(s) (g): a name or a list
     [spec.serving]   prefill = true, decode_batch_buckets = [], draft_widths = [], fused_gate = true,
-                     qk_l2norm = true, max_prefill_tokens (a prefill batch's token budget; providers default it)
+                     qk_l2norm = true, max_prefill_tokens (a prefill batch's token budget; providers default it),
+                     max_running_requests (a server's cap on concurrent requests: eager decode batches up to it)
+
+fla-core's call options (read for ``prewarm.providers.fla_kda`` and ``fla_traffic``; this project's own kernels have
+no such switches, their wrappers canonicalize, and their provider refuses them: :func:`fla_only_key`): each ``[spec.serving]`` key of :data:`FLA_CALL_OPTIONS` is a list of
+the values to plan (default: see the table), ``[spec.dtypes]`` beta, gate_params (A_log and dt_bias), state (a
+recurrent call's initial state or pool) and index (cu_seqlens, state indices, accepted-token counts), and
+``[spec.model]`` scale (a number or a list; fla's default head_k_dim ** -0.5) and allow_neg_eigval = false.
 """
 from __future__ import annotations
 
 from typing import Any
 
 DTYPES = ("bfloat16", "float16", "float32")
+INDEX_DTYPES = ("int32", "int64")
+# spec.serving key -> (every value fla-core 0.6.0's KDA accepts, the values planned when the manifest does not say):
+# every value, except the switches of fla's schedule and state layout (chunk size, CUDA-graph mode, recompute, state
+# layout), planned at fla's own default unless listed. What each changes in fla: prewarm.providers.fla_kda.
+FLA_CALL_OPTIONS = {
+    "initial_state": ((False, True), (False, True)),
+    "final_state": ((False, True), (False, True)),
+    "varlen": ((False, True), (False, True)),
+    "recurrent_state": (("returned", "in_place", "indexed", "indexed_spec"),) * 2,
+    "gate_in_kernel": ((True, False),) * 2,
+    "qk_l2norm_in_kernel": ((True, False),) * 2,
+    "beta_sigmoid_in_kernel": ((False, True),) * 2,
+    "safe_gate": ((False, True),) * 2,
+    "disable_recompute": ((False, True), (False,)),
+    "state_v_first": ((False, True), (False,)),
+    "chunk_size": ((64, 32), (64,)),
+    "use_graph": ((False, True), (False,)),
+}
+FLA_ONLY = {"serving": tuple(FLA_CALL_OPTIONS), "dtypes": ("beta", "gate_params", "state", "index"),
+            "model": ("scale", "allow_neg_eigval")}  # the keys only fla's calls have
+FLA_RULED_OUT = {  # the options a model rules out (only false remains), and why
+    "gate_in_kernel": "spec.serving.fused_gate = false (g is already the decay)",
+    "qk_l2norm_in_kernel": "spec.serving.qk_l2norm = false (the model does not normalize q, k)",
+    "safe_gate": "fla's safe gate needs spec.model.gate_lower_bound in [-5, 0)",
+}
 TARGET_KEYS = ("backend", "arch", "device")  # what the planner adds to the manifest's [spec] table
 
 
@@ -64,13 +96,22 @@ class _Table:
             raise SpecError(self.prefix + key, values, expected)
         return values
 
-    def dtypes(self, key: str, default: list[str]) -> list[str]:
-        expected = f"one of {', '.join(DTYPES)}, or a non-empty list of distinct ones"
+    def dtypes(self, key: str, default: list[str], names: tuple = DTYPES) -> list[str]:
+        expected = f"one of {', '.join(names)}, or a non-empty list of distinct ones"
         value = self.get(key, (str, list), expected, default)
         values = [value] if isinstance(value, str) else value
-        if not values or len(set(map(str, values))) != len(values) or any(v not in DTYPES for v in values):
+        if not values or len(set(map(str, values))) != len(values) or any(v not in names for v in values):
             raise SpecError(self.prefix + key, value, expected)
         return list(values)
+
+    def choices(self, key: str, accepted: tuple, default: tuple) -> list:
+        """A non-empty list of distinct values out of ``accepted`` (``default`` when absent), in accepted's order."""
+        expected = f"a non-empty list of distinct values out of {_toml(accepted)}"
+        values = self.get(key, list, expected, list(default))
+        if not values or any(type(v) is not type(accepted[0]) or v not in accepted for v in values) or \
+                len(set(values)) != len(values):
+            raise SpecError(self.prefix + key, values, expected)
+        return [v for v in accepted if v in values]
 
     def sub(self, key: str) -> "_Table":
         self.used.add(key)
@@ -81,6 +122,10 @@ class _Table:
         if extra:
             raise SpecError(self.prefix + extra[0], self.table[extra[0]],
                             f"no such key here (known: {', '.join(sorted(self.used))})")
+
+
+def _toml(values: tuple) -> str:
+    return "[" + ", ".join(str(v).lower() if isinstance(v, bool) else repr(v).replace("'", '"') for v in values) + "]"
 
 
 def read_kda(spec: dict) -> dict:
@@ -95,6 +140,9 @@ def read_kda(spec: dict) -> dict:
     layers = m.positive("layers", 1)
     lower_bound = m.get("gate_lower_bound", (int, float), "a number in [-20, 0) or absent", None,
                         check=lambda v: -20 <= v < 0)
+    scale = m.get("scale", (int, float, list), "a positive number or a non-empty list of distinct ones",
+                  [head_k_dim ** -0.5], check=lambda v: _positive_numbers([v] if not isinstance(v, list) else v))
+    allow_neg_eigval = m.switch("allow_neg_eigval", False)
     m.done()
 
     p = top.sub("parallel")
@@ -110,7 +158,10 @@ def read_kda(spec: dict) -> dict:
 
     d = top.sub("dtypes")
     activation = d.dtypes("activation", ["bfloat16"])
-    dtypes = {"activation": activation, "gate": d.dtypes("gate", activation)}
+    with_fp32 = list(dict.fromkeys([*activation, "float32"]))
+    dtypes = {"activation": activation, "gate": d.dtypes("gate", activation), "beta": d.dtypes("beta", with_fp32),
+              "gate_params": d.dtypes("gate_params", with_fp32), "state": d.dtypes("state", ["float32"]),
+              "index": d.dtypes("index", list(INDEX_DTYPES), INDEX_DTYPES)}
     d.done()
 
     s = top.sub("serving")
@@ -121,13 +172,47 @@ def read_kda(spec: dict) -> dict:
         "fused_gate": s.switch("fused_gate", True),
         "qk_l2norm": s.switch("qk_l2norm", True),
         "max_prefill_tokens": s.positive("max_prefill_tokens", None),
+        "max_running_requests": s.positive("max_running_requests", None),
     }
     if lower_bound is not None and not serving["fused_gate"]:
         raise SpecError("serving.fused_gate", False, "true when spec.model.gate_lower_bound is set (the bound "
                         "applies to the gate activated in-kernel)")
+    accepted = fla_accepted(serving["fused_gate"], serving["qk_l2norm"], lower_bound)
+    calls = {}
+    for key, (values, default) in FLA_CALL_OPTIONS.items():
+        if accepted[key] != values and key in s.table and s.table[key] != [False]:  # the model rules true out
+            raise SpecError(f"serving.{key}", s.table[key], f"[false]: {FLA_RULED_OUT[key]}")
+        calls[key] = s.choices(key, accepted[key], tuple(v for v in default if v in accepted[key]))
     s.done()
     top.done()
     return {**target, "heads": heads // attention_tp, "attention_tp": attention_tp, "head_k_dim": head_k_dim,
             "head_v_dim": head_v_dim, "layers": layers,
             "gate_lower_bound": None if lower_bound is None else float(lower_bound),
-            "dtype": activation[0], "dtypes": dtypes, **serving}  # fmt: skip
+            "dtype": activation[0], "dtypes": dtypes, **serving, "calls": calls,
+            "scale": [float(v) for v in (scale if isinstance(scale, list) else [scale])],
+            "allow_neg_eigval": allow_neg_eigval}  # fmt: skip
+
+
+def _positive_numbers(values: list) -> bool:
+    return bool(values) and len(set(values)) == len(values) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+def fla_only_key(spec: dict) -> tuple[str, Any] | None:
+    """The first of fla-core's call options ``spec`` sets, as (``"serving.final_state"``, its value), or None: a
+    provider of other kernels refuses it rather than ignore it."""
+    for table, keys in FLA_ONLY.items():
+        given = spec.get(table)
+        for key in keys:
+            if isinstance(given, dict) and key in given:
+                return f"{table}.{key}", given[key]
+    return None
+
+
+def fla_accepted(fused_gate: bool, qk_l2norm: bool, lower_bound) -> dict[str, tuple]:
+    """Each fla call option's values fla accepts for this model: in-kernel gate activation only for a raw (fused)
+    gate, in-kernel q/k L2 norm only for a model that normalizes them, safe gate only with a bound in [-5, 0)."""
+    out = {key: values for key, (values, _) in FLA_CALL_OPTIONS.items()}
+    ruled_out = {"gate_in_kernel": not fused_gate, "qk_l2norm_in_kernel": not qk_l2norm,
+                 "safe_gate": lower_bound is None or not -5 <= lower_bound < 0}
+    return {**out, **{key: (False,) for key, no in ruled_out.items() if no}}

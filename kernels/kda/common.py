@@ -20,12 +20,30 @@ from ..index import ChunkIndex, prepare_chunk_index
 # triton 3.2 (triton-ascend) has no such option; on Ascend the kernels run with pinned configs anyway.
 AUTOTUNE_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
+# Prefill kernels' autotune keys carry the batch's token bucket: the best tiling depends on how many programs a
+# grid has, which grows with the tokens (without it, a process's first prefill decided the configs of every later one,
+# and a history of small batches left long prefills at 1.45-1.61x fla on the H200). The buckets are fixed, so the
+# runtime, the plan (one call per bucket up to the manifest's max_prefill_tokens) and any traffic agree without the
+# runtime knowing the manifest; the last one holds every larger batch. A bucket is a runtime int the kernels do not
+# specialize on (``do_not_specialize``) and do not read: it changes the tuning key, never a compiled variant.
+TOKEN_BUCKETS = (256, 1024, 4096, 16384, 65536)
+
 BT = 64  # chunk size
 BC = 16  # sub-chunk size of the intra-chunk kernels
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 ALIGN = 16  # bytes: Triton specializes every pointer on data_ptr() % 16
 GATE_NONE, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
+
+
+def token_bucket(tokens: int) -> int:
+    """The autotune bucket of a prefill of ``tokens`` tokens: the least of TOKEN_BUCKETS holding it, else the last."""
+    return next((b for b in TOKEN_BUCKETS if tokens <= b), TOKEN_BUCKETS[-1])
+
+
+def token_buckets(max_tokens: int | None) -> list[int]:
+    """Every bucket a prefill of at most ``max_tokens`` tokens falls in (None: no budget, every bucket)."""
+    return list(TOKEN_BUCKETS) if max_tokens is None else [b for b in TOKEN_BUCKETS if b <= token_bucket(max_tokens)]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -69,6 +87,11 @@ class Layout:
     @property
     def num_seqs(self) -> int:
         return len(self.index.offsets) - 1
+
+    @property
+    def bucket(self) -> int:
+        """The autotune token bucket of this call (:func:`token_bucket` of its B * T tokens)."""
+        return token_bucket(self.B * self.T)
 
 
 def layout(k: torch.Tensor, v: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> Layout:

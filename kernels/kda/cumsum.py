@@ -21,9 +21,9 @@ CONFIGS = [
 PINNED = {"BS": 64, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "K", "GATE"], **AUTOTUNE_CACHE)
-@triton.jit
-def kda_cumsum_kernel(g, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, H: tl.constexpr,
+@triton.autotune(configs=CONFIGS, key=["H", "K", "GATE", "t_bucket"], **AUTOTUNE_CACHE)
+@triton.jit(do_not_specialize=["t_bucket"])
+def kda_cumsum_kernel(g, A_log, dt_bias, G, cu_seqlens, chunk_indices, lower_bound, t_bucket, H: tl.constexpr,
                       K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr):
     i_s, i_th = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_t, bos, T = chunk_bounds(i_th // H, cu_seqlens, chunk_indices)
@@ -59,6 +59,6 @@ def chunk_cumsum(g: torch.Tensor, cu_seqlens: torch.Tensor | None = None, A_log:
     gt = gate(A_log, dt_bias, lower_bound, L.H, L.K)
     G = torch.empty(g.shape, dtype=torch.float32, device=g.device)
     dispatch("cumsum", lambda meta: (cdiv(L.K, meta["BS"]), L.NT * L.H),
-             g, gt.A_log, gt.dt_bias, G, L.cu_seqlens, L.chunk_indices, gt.lower_bound,
+             g, gt.A_log, gt.dt_bias, G, L.cu_seqlens, L.chunk_indices, gt.lower_bound, L.bucket,
              H=L.H, K=L.K, BT=BT, GATE=gt.kind)
     return G

@@ -42,9 +42,9 @@ SOLVE_CONFIGS = [
 SOLVE_PINNED = {"BK": 64, "DOT_PREC": "ieee", "INV_PREC": "ieee", "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=TOKEN_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
-@triton.jit
-def kda_intra_token_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akd, cu_seqlens, chunk_indices, scale,
+@triton.autotune(configs=TOKEN_CONFIGS, key=["H", "K", "t_bucket"], **AUTOTUNE_CACHE)
+@triton.jit(do_not_specialize=["t_bucket"])
+def kda_intra_token_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akd, cu_seqlens, chunk_indices, scale, t_bucket,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                            TB: tl.constexpr, BH: tl.constexpr, NORM_QK: tl.constexpr):
     i_tb, i_hb = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -147,9 +147,9 @@ def _inv_diag(Akd, o_c, m_c, o_i, HBC, INV_PREC: tl.constexpr):
     return b_p + tl.dot(b_p, b_m, input_precision=INV_PREC)
 
 
-@triton.autotune(configs=SOLVE_CONFIGS, key=["H", "K"], **AUTOTUNE_CACHE)
-@triton.jit
-def kda_inter_solve_kernel(q, k, G, beta, q_rstd, k_rstd, Akd, Aqk, Ai, cu_seqlens, chunk_indices, scale,
+@triton.autotune(configs=SOLVE_CONFIGS, key=["H", "K", "t_bucket"], **AUTOTUNE_CACHE)
+@triton.jit(do_not_specialize=["t_bucket"])
+def kda_inter_solve_kernel(q, k, G, beta, q_rstd, k_rstd, Akd, Aqk, Ai, cu_seqlens, chunk_indices, scale, t_bucket,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                            NORM_QK: tl.constexpr, DOT_PREC: tl.constexpr, INV_PREC: tl.constexpr):
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -296,8 +296,8 @@ def chunk_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, beta: torch.T
     Ai = torch.empty_like(Aqk)
     kw = dict(H=L.H, K=L.K, BT=BT, BC=BC, NORM_QK=q_rstd is not None)
     dispatch("intra_token", lambda meta: (L.NT * (BT // meta["TB"]), cdiv(L.H, meta["BH"])),
-             q, k, G, beta, q_rstd, k_rstd, Aqk, Akd, L.cu_seqlens, L.chunk_indices, float(scale),
+             q, k, G, beta, q_rstd, k_rstd, Aqk, Akd, L.cu_seqlens, L.chunk_indices, float(scale), L.bucket,
              BK=next_pow2(L.K), **kw)
     dispatch("inter_solve", lambda meta: (L.NT, L.H), q, k, G, beta, q_rstd, k_rstd, Akd, Aqk, Ai, L.cu_seqlens,
-             L.chunk_indices, float(scale), **kw)
+             L.chunk_indices, float(scale), L.bucket, **kw)
     return Ai, Aqk

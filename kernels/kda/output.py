@@ -16,9 +16,9 @@ CONFIGS = [
 PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], **AUTOTUNE_CACHE)
-@triton.jit
-def kda_output_kernel(q, G, h, Aqk, v_new, q_rstd, o, cu_seqlens, chunk_indices, scale,
+@triton.autotune(configs=CONFIGS, key=["H", "K", "V", "t_bucket"], **AUTOTUNE_CACHE)
+@triton.jit(do_not_specialize=["t_bucket"])
+def kda_output_kernel(q, G, h, Aqk, v_new, q_rstd, o, cu_seqlens, chunk_indices, scale, t_bucket,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, NORM_Q: tl.constexpr):
     i_v, i_ch, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
@@ -69,5 +69,6 @@ def chunk_output(q: torch.Tensor, G: torch.Tensor, h: torch.Tensor, Aqk: torch.T
         q_rstd = canonical("q_rstd", q_rstd, (L.B, L.T, L.H), (torch.float32,))
     o = torch.empty_like(v_new)
     dispatch("output", lambda meta: (cdiv(L.V, meta["BV"]), L.NT, L.H), q, G, h, Aqk, v_new, q_rstd,
-             o, L.cu_seqlens, L.chunk_indices, float(scale), H=L.H, K=L.K, V=L.V, BT=BT, NORM_Q=q_rstd is not None)
+             o, L.cu_seqlens, L.chunk_indices, float(scale), L.bucket, H=L.H, K=L.K, V=L.V, BT=BT,
+             NORM_Q=q_rstd is not None)
     return o

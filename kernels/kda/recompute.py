@@ -20,9 +20,9 @@ CONFIGS = [
 PINNED = {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], **AUTOTUNE_CACHE)
-@triton.jit
-def kda_recompute_kernel(k, v, beta, G, Ai, k_rstd, w, u, kg, cu_seqlens, chunk_indices, H: tl.constexpr,
+@triton.autotune(configs=CONFIGS, key=["H", "K", "V", "t_bucket"], **AUTOTUNE_CACHE)
+@triton.jit(do_not_specialize=["t_bucket"])
+def kda_recompute_kernel(k, v, beta, G, Ai, k_rstd, w, u, kg, cu_seqlens, chunk_indices, t_bucket, H: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          NORM_K: tl.constexpr):
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -73,5 +73,5 @@ def chunk_recompute(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: tor
         k_rstd = canonical("k_rstd", k_rstd, (L.B, L.T, L.H), (torch.float32,))
     w, kg, u = torch.empty_like(k), torch.empty_like(k), torch.empty_like(v)
     dispatch("recompute", lambda meta: (L.NT, L.H), k, v, beta, G, Ai, k_rstd, w, u, kg, L.cu_seqlens,
-             L.chunk_indices, H=L.H, K=L.K, V=L.V, BT=BT, NORM_K=k_rstd is not None)
+             L.chunk_indices, L.bucket, H=L.H, K=L.K, V=L.V, BT=BT, NORM_K=k_rstd is not None)
     return w, u, kg

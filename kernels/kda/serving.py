@@ -7,8 +7,10 @@ draft width > 1, decode and verify once with beta in the activation dtype and on
 reads either as given: ``common.as_read``); the fused gate and the in-kernel q/k L2 norm as the spec declares.
 Nothing else varies a compiled variant: the wrappers canonicalize every other argument (see ``common``), and batch
 sizes, sequence counts and lengths are never specialized, so one call of each kind stands for all of them. ``run``
-makes the same calls on a device, so a device build autotunes every planned autotune key (Triton's key includes the
-argument dtypes).
+makes the same calls on a device, so a device build (and ``prewarm tune``) autotunes every planned autotune key
+(Triton's key includes the argument dtypes). The prefill kernels' keys also carry the batch's token bucket
+(``common.TOKEN_BUCKETS``): where configs are autotuned, prefill is planned once per bucket up to
+``[spec.serving] max_prefill_tokens`` (every bucket without one), at the bucket's size.
 """
 from __future__ import annotations
 
@@ -16,15 +18,18 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..backend import REGISTRY, use
+from ..backend import REGISTRY, select, use
 from ..launch import Launch, capture
-from ..spec import SpecError, read_kda
+from ..spec import SpecError, fla_only_key, read_kda
 from .chunk import chunk_kda_fwd
+from .common import TOKEN_BUCKETS, token_buckets
 from .recurrent import recurrent_kda
 
-# Representative packed prefill: lengths 1, 63, 64, 65 and a longer one. Lengths are runtime values (read from
-# cu_seqlens in-kernel), so they do not change what compiles; they only have to be valid.
-PREFILL_CU_SEQLENS = (0, 1, 64, 128, 193, 449)
+# A packed prefill: lengths 1, 63, 64, 65 (the chunk boundary cases), the rest of its tokens in sequences of at most
+# PREFILL_SEQ_LEN, as a server batches several requests. Lengths are runtime values (read from cu_seqlens in-kernel):
+# they change no compiled variant, only the token bucket of the tuning key (and, on a device, what is timed).
+PREFILL_HEAD = (1, 63, 64, 65)
+PREFILL_SEQ_LEN = 4096
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -33,11 +38,28 @@ def dtype_pairs(spec: dict) -> list[tuple[str, str]]:
     return [(a, g) for a in spec["dtypes"]["activation"] for g in spec["dtypes"]["gate"]]
 
 
+def prefill_lengths(tokens: int) -> list[int]:
+    """The sequence lengths of the planned prefill of ``tokens`` tokens (at least the boundary cases' 193)."""
+    rest = max(tokens - sum(PREFILL_HEAD), 1)
+    n = -(-rest // PREFILL_SEQ_LEN)
+    return [*PREFILL_HEAD, *(rest // n + (i < rest % n) for i in range(n))]
+
+
+def prefill_buckets(spec: dict) -> list[int]:
+    """The token buckets prefill is planned at: every one up to the token budget where the prefill kernels are
+    autotuned, one where their configs are pinned (the bucket then changes nothing)."""
+    if not select("cumsum", spec["backend"]).autotuned:
+        return [TOKEN_BUCKETS[0]]
+    return token_buckets(spec["max_prefill_tokens"])
+
+
 def _check(spec: dict) -> dict:
     """The manifest's spec read (``prewarm_kernels.spec``), and what these kernels support on top of it."""
     read = read_kda(spec)
     if read["backend"] is None:
         raise SpecError("backend", ..., "the target's backend (cuda or npu)")
+    if fla_only_key(spec):  # these wrappers canonicalize what fla-core's calls vary: the key would change nothing
+        raise SpecError(*fla_only_key(spec), "absent: an option of fla-core's KDA (prewarm.providers.fla_kda)")
     if read["head_k_dim"] > 256:
         raise SpecError("model.head_k_dim", read["head_k_dim"], "at most 256 (the kernels' head dim limit)")
     return read
@@ -50,22 +72,30 @@ def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]
     fused, l2norm = spec.get("fused_gate", True), spec.get("qk_l2norm", True)
     buckets = sorted(set(spec["decode_batch_buckets"]))
     drafts = sorted(set(d for d in spec["draft_widths"] if d > 1))
-    pool_size = max(buckets + [len(PREFILL_CU_SEQLENS) - 1])
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    t_buckets = prefill_buckets(spec) if spec["prefill"] else []
+    pool_size = max(buckets + [len(prefill_lengths(t)) for t in t_buckets])
+    # values made on the device itself (a 65536-token prefill's inputs are GBs); on meta only shapes matter
+    gen = None if torch.device(device).type == "meta" else torch.Generator(device=device).manual_seed(0)
 
-    def randn(*shape, dtype):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device, dtype)
+    def random(*shape, dtype, normal=True, scale=1.0):
+        if gen is None:
+            return torch.empty(*shape, dtype=dtype, device=device)
+        x = torch.randn(*shape, generator=gen, device=device) if normal else \
+            torch.rand(*shape, generator=gen, device=device)
+        return (x * scale).to(dtype)
 
-    gate = {"A_log": randn(H, dtype=torch.float32) * 0.5, "dt_bias": randn(H * K, dtype=torch.float32) * 0.5,
+    gate = {"A_log": random(H, dtype=torch.float32, scale=0.5),
+            "dt_bias": random(H * K, dtype=torch.float32, scale=0.5),
             "lower_bound": None if lb is None else float(lb)} if fused else {}
     pool = torch.zeros(pool_size, H, K, V, dtype=torch.float32, device=device)
     pairs = dtype_pairs(spec)
 
     def layer_inputs(T: int, act: torch.dtype, gdt: torch.dtype):
         """q, k, v, g, beta: beta in the activation dtype, as many models produce it (chunk_kda_fwd makes it fp32)."""
-        g = randn(1, T, H, K, dtype=gdt) if fused else -torch.rand(1, T, H, K, generator=gen).to(device, gdt)
-        beta = torch.rand(1, T, H, generator=gen).to(device, act)
-        return randn(1, T, H, K, dtype=act), randn(1, T, H, K, dtype=act), randn(1, T, H, V, dtype=act), g, beta
+        g = random(1, T, H, K, dtype=gdt) if fused else random(1, T, H, K, dtype=gdt, normal=False, scale=-1.0)
+        beta = random(1, T, H, dtype=act, normal=False)
+        return (random(1, T, H, K, dtype=act), random(1, T, H, K, dtype=act), random(1, T, H, V, dtype=act), g,
+                beta)
 
     for act_name, gate_name in pairs:
         act, gdt = _DTYPES[act_name], _DTYPES[gate_name]
@@ -75,14 +105,14 @@ def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]
             inside = ",".join([*extra, tag] if tag else extra)
             return f"{kind}[{inside}]" if inside else kind
 
-        if spec["prefill"]:
-            def prefill(act=act, gdt=gdt):
-                cu = torch.tensor(PREFILL_CU_SEQLENS, dtype=torch.int32)  # small index tensor: real, on the CPU
-                q, k, v, g, beta = layer_inputs(PREFILL_CU_SEQLENS[-1], act, gdt)
-                idx = torch.arange(len(PREFILL_CU_SEQLENS) - 1, dtype=torch.int32).to(device)
+        for tokens in t_buckets:
+            def prefill(act=act, gdt=gdt, lengths=prefill_lengths(tokens)):
+                cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)  # small index tensor: real, on the CPU
+                q, k, v, g, beta = layer_inputs(sum(lengths), act, gdt)
+                idx = torch.arange(len(lengths), dtype=torch.int32).to(device)
                 return chunk_kda_fwd(q, k, v, g, beta, initial_state=pool, initial_state_indices=idx,
                                      output_final_state=True, cu_seqlens=cu, use_qk_l2norm=l2norm, **gate)
-            yield label("prefill"), prefill
+            yield label("prefill", f"tokens={tokens}"), prefill
         if not buckets:
             continue
 

@@ -23,9 +23,9 @@ CONFIGS = [
 PINNED = {"BV": 32, "num_warps": 4, "num_stages": 3}
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "K", "V"], **AUTOTUNE_CACHE)
-@triton.jit
-def kda_state_kernel(kg, w, u, G, h, v_new, h0, h0_indices, ht, cu_seqlens, chunk_offsets, H: tl.constexpr,
+@triton.autotune(configs=CONFIGS, key=["H", "K", "V", "t_bucket"], **AUTOTUNE_CACHE)
+@triton.jit(do_not_specialize=["t_bucket"])
+def kda_state_kernel(kg, w, u, G, h, v_new, h0, h0_indices, ht, cu_seqlens, chunk_offsets, t_bucket, H: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_v, i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -99,5 +99,5 @@ def chunk_state(kg: torch.Tensor, w: torch.Tensor, u: torch.Tensor, G: torch.Ten
     if pool is None:  # every index -1: zero states, never read (ht stands in for the pool pointer)
         pool, indices = ht, torch.full((N,), -1, dtype=torch.int32, device=kg.device)
     dispatch("state", lambda meta: (cdiv(L.V, meta["BV"]), N, L.H), kg, w, u, G, h, v_new, pool, indices,
-             ht, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=next_pow2(L.K))
+             ht, L.cu_seqlens, L.chunk_offsets, L.bucket, H=L.H, K=L.K, V=L.V, BT=BT, BK=next_pow2(L.K))
     return h, v_new, (ht if output_final_state else None)

@@ -4,7 +4,8 @@ A plan is only as good as its closure over what callers really pass. This genera
 within a deployment's declared envelope (heads per rank, head dims, activation dtype(s), decode buckets, draft
 widths, gate lower bound, backend) the way a server makes them, and varies everything the envelope does not fix:
 
-- packed varlen prefills (1..16 sequences of 1..``max_seq_len`` tokens, now and then a long one), fixed-length
+- packed varlen prefills (1..16 sequences of 1..``max_seq_len`` tokens, now and then a long one; a batch within the
+  envelope's ``max_prefill_tokens`` where it declares one, as a server's chunked prefill keeps it), fixed-length
   batched prefills, initial states from the pool by index (-1: a new sequence), none, or exactly one per
   sequence; decode batches of 1 up to twice the largest bucket (padded to a bucket with -1 slots, as a CUDA-graph
   replay does, or not), verify with every draft width, mixed batches (prefill and decode tokens in one buffer:
@@ -62,6 +63,7 @@ class Envelope:
     qk_l2norm: bool | None = None  # does it ask for the in-kernel L2 norm of q and k?
     max_seq_len: int = 3000  # a prefill sequence's usual length bound
     long_seq_len: int = 16384  # the occasional long prefill sequence
+    max_prefill_tokens: int | None = None  # a prefill batch's token budget (the server's chunked-prefill size)
 
     @classmethod
     def from_spec(cls, spec: dict) -> "Envelope":
@@ -72,7 +74,8 @@ class Envelope:
                    activation=_dtypes(spec["dtypes"]["activation"]), gate=_dtypes(spec["dtypes"]["gate"]),
                    decode_batch_buckets=tuple(spec["decode_batch_buckets"]), draft_widths=tuple(spec["draft_widths"]),
                    gate_lower_bound=spec["gate_lower_bound"], backend=spec["backend"] or "cuda",
-                   prefill=spec["prefill"], fused_gate=spec["fused_gate"], qk_l2norm=spec["qk_l2norm"])
+                   prefill=spec["prefill"], fused_gate=spec["fused_gate"], qk_l2norm=spec["qk_l2norm"],
+                   max_prefill_tokens=spec["max_prefill_tokens"])
 
     @property
     def max_batch(self) -> int:
@@ -201,6 +204,10 @@ class _Draw:
         lens = [self.rng.randint(1, self.env.max_seq_len) for _ in range(n)]
         if self.rng.random() < 0.1:
             lens[self.rng.randrange(n)] = self.rng.randint(self.env.max_seq_len + 1, self.env.long_seq_len)
+        budget = self.env.max_prefill_tokens
+        while budget is not None and sum(lens) > budget:  # a chunked-prefill server splits what exceeds its budget
+            over = sum(lens) - budget
+            lens = lens[:-1] if lens[-1] <= over else lens[:-1] + [lens[-1] - over]
         return lens
 
     def prefill(self, lens: list[int], fixed: bool = False, tensors: tuple[dict, str] | None = None,
@@ -289,7 +296,8 @@ class _Draw:
             return [self.prefill(self.seq_lens())]
         if kind == "fixed":
             B = self.rng.randint(2, 8)
-            return [self.prefill([self.rng.randint(1, self.env.max_seq_len // 4 + 1)] * B, fixed=True)]
+            longest = min(self.env.max_seq_len // 4 + 1, (self.env.max_prefill_tokens or 1 << 30) // B or 1)
+            return [self.prefill([self.rng.randint(1, longest)] * B, fixed=True)]
         if kind == "mixed":
             return self.mixed()
         draft = 1 if kind == "decode" else self.pick(self.env.draft_widths)

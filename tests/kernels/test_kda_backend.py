@@ -11,6 +11,7 @@ SPEC = {"backend": "cuda", "arch": "sm_90",  # a manifest's [spec] as the provid
         "model": {"kda_heads": 6, "head_k_dim": 128, "head_v_dim": 128, "gate_lower_bound": -5.0, "layers": 69},
         "serving": {"decode_batch_buckets": [1, 16], "draft_widths": [4]}}
 PREFILL = ["l2norm", "l2norm", "cumsum", "intra_token", "inter_solve", "recompute", "state", "output"]
+BUCKETS = {"cuda": [256, 1024, 4096, 16384, 65536], "npu": [256]}  # autotuned: every token bucket; pinned: one call
 
 
 @pytest.fixture(autouse=True)
@@ -70,9 +71,9 @@ def test_select_default_keeps_autotune_lists(pk):
 def test_serving_launches_follow_selection(pk, backend):
     launches = pk.serving.launches({**SPEC, "backend": backend})
     labels = [rec.label for rec in launches]
-    assert labels == [f"prefill/{n}" for n in PREFILL] + ["decode/recurrent", "verify[draft=4]/recurrent",
-                                                          "decode[beta=float32]/recurrent",
-                                                          "verify[draft=4,beta=float32]/recurrent"]
+    assert labels == [f"prefill[tokens={t}]/{n}" for t in BUCKETS[backend] for n in PREFILL] + [
+        "decode/recurrent", "verify[draft=4]/recurrent", "decode[beta=float32]/recurrent",
+        "verify[draft=4,beta=float32]/recurrent"]
     for rec in launches:
         name = rec.label.split("/")[1]
         sel = pk.backend.select(name, backend)
@@ -135,8 +136,9 @@ def test_serving_plans_the_cross_product_of_declared_dtypes(pk):
     spec = {**SPEC, "dtypes": {"activation": ["bfloat16", "float16"], "gate": ["bfloat16", "float32"]}}
     launches = pk.serving.launches(spec)
     pairs = [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "bfloat16"), ("float16", "float32")]
+    prefills = [("prefill", f"tokens={t},", PREFILL) for t in BUCKETS["cuda"]]
     expected = [f"{kind}[{extra}act={a},gate={g}]/{name}" for a, g in pairs
-                for kind, extra, names in [("prefill", "", PREFILL), ("decode", "", ["recurrent"]),
+                for kind, extra, names in [*prefills, ("decode", "", ["recurrent"]),
                                            ("verify", "draft=4,", ["recurrent"]),
                                            ("decode", "beta=float32,", ["recurrent"]),
                                            ("verify", "draft=4,beta=float32,", ["recurrent"])] for name in names]
@@ -166,6 +168,21 @@ def test_serving_declared_switches(pk):
     """fused_gate / qk_l2norm from the spec decide GATE and the L2-norm launches (defaults: both on)."""
     plain = pk.serving.launches({**SPEC, "model": {k: v for k, v in SPEC["model"].items() if k != "gate_lower_bound"},
                                  "serving": {**SPEC["serving"], "fused_gate": False, "qk_l2norm": False}})
-    assert [r.label for r in plain][:3] == ["prefill/cumsum", "prefill/intra_token", "prefill/inter_solve"]
+    assert [r.label for r in plain][:3] == ["prefill[tokens=256]/cumsum", "prefill[tokens=256]/intra_token",
+                                            "prefill[tokens=256]/inter_solve"]
     assert {r.kwargs["GATE"] for r in plain if "GATE" in r.kwargs} == {0}
     assert not any(r.kwargs.get("USE_QK_L2NORM") or r.kwargs.get("NORM_QK") for r in plain)
+
+
+def test_prefill_is_planned_at_every_token_bucket_of_the_budget(pk):
+    """The prefill kernels' tuning keys carry the batch's token bucket (a runtime int they do not specialize on):
+    with a 8192-token budget, prefill is planned at 256, 1024, 4096 and 16384 tokens (the bucket 8192 falls in), each
+    call passing its bucket; every bucket's launch makes the same compile requests (the closure test's business)."""
+    common = sys.modules["prewarm_kernels.kda.common"]
+    assert [common.token_bucket(n) for n in (1, 256, 257, 16384, 16385, 10**6)] == [256, 256, 1024, 16384, 65536,
+                                                                                    65536]
+    spec = {**SPEC, "serving": {**SPEC["serving"], "max_prefill_tokens": 8192}}
+    cumsum = [r for r in pk.serving.launches(spec) if r.label.endswith("/cumsum")]
+    assert [r.label for r in cumsum] == [f"prefill[tokens={t}]/cumsum" for t in (256, 1024, 4096, 16384)]
+    assert [(r.args[0].shape[1], r.args[7]) for r in cumsum] == [(t, t) for t in (256, 1024, 4096, 16384)]
+    assert {r.kernel.keys[-1] for r in cumsum} == {"t_bucket"}

@@ -38,6 +38,16 @@ def test_envelope_is_what_the_manifest_declares():
     assert (ASCEND.heads, ASCEND.gate_lower_bound, ASCEND.backend) == (6, -5.0, "npu")  # 96 heads / attention-TP 16
 
 
+def test_prefill_batches_stay_within_a_declared_token_budget():
+    """A server's chunked prefill never hands the kernels more than its budget (the manifest's max_prefill_tokens,
+    which also bounds the token buckets the plan tunes): neither does the traffic; without a budget it goes past it."""
+    def longest(env):
+        return max(c.kwargs["q"].shape[0] * c.kwargs["q"].shape[1] for c in calls(env, 0, 400, "meta")
+                   if c.api == "chunk_kda_fwd")
+
+    assert longest(dataclasses.replace(H200, max_prefill_tokens=2000)) <= 2000 < longest(H200)
+
+
 def test_same_seed_same_calls_other_seed_other_calls():
     first = [describe(c) for c in calls(H200, 7, 300, "meta")]
     assert len(first) == 300
