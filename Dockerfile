@@ -38,8 +38,11 @@ ENV PREWARM_EXTRA=npu \
     PREWARM_MANIFEST=/opt/prewarm/src/manifests/${NPU_MANIFEST}
 
 FROM os-${TARGET} AS tool
+# TRITON_CACHE_AUTOTUNING=1: every Triton Autotuner in the image (the server's included) reads the autotune results
+# the bundle ships, also those without cache_results; verify refuses shipped results this environment would not read.
 ENV PREWARM_CACHE=/opt/prewarm/cache \
     PREWARM_BUNDLE=/opt/prewarm/bundle \
+    TRITON_CACHE_AUTOTUNING=1 \
     PATH=/opt/prewarm/venv/bin:${PATH}
 COPY . /opt/prewarm/src
 # --system-site-packages: on the CANN image the toolkit's own Python packages stay visible (nothing is there on
@@ -50,8 +53,8 @@ RUN python3 -m venv --system-site-packages /opt/prewarm/venv \
 # --- NVIDIA: build + pack at image build time -----------------------------------------------------------------
 FROM tool AS bake-cuda
 # `docker build` has no GPU: the offline target compiles every planned kernel (every autotune config) to cubin
-# through Triton's real JIT path, plus their launcher .so files. Autotune timings need a GPU; for those, run
-# `prewarm build --mode device` on one GPU node, pack, push, and point the nodes' PREWARM_SOURCE at that store.
+# through Triton's real JIT path, plus their launcher .so files, and writes the autotune result of every planned
+# tuning key the manifest's table covers (`[target] tuned`, measured once by `prewarm tune` on one GPU node).
 RUN prewarm build "${PREWARM_MANIFEST}" --cache-dir "${PREWARM_CACHE}" --mode offline
 RUN --mount=type=secret,id=prewarm_key \
     if [ -s /run/secrets/prewarm_key ]; then sign="--sign /run/secrets/prewarm_key"; else sign=""; fi \

@@ -3,7 +3,9 @@
     python3 bench/fla_traffic.py [--bundle BUNDLE] --seeds 1,2,3 [--device-runs N] [--expect-zero] [--out JSON]
 
 The traffic is ``prewarm.providers.fla_traffic.calls``: written from fla's public API and the manifest's envelope
-only, independently of the provider's call builder (``prewarm.providers.fla_kda``); ``tests/test_fla.py`` runs the
+only, independently of the provider's call builder (``prewarm.providers.fla_kda``); every call draws every option of
+its entry point (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd, fused_kda_gate) on its own, and each run's
+JSON row says which values it drew (``options_drawn``: option -> value -> calls). ``tests/test_fla.py`` runs the
 same generator on ``meta`` tensors against the plan.
 
 For each seed: ``prewarm install BUNDLE`` into a fresh node dir, then a fresh process with ``TRITON_CACHE_DIR`` =
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,15 +42,24 @@ def child(args) -> dict:
     torch = init_device()
     probes = Probes()
     spec = load_spec(Path(args.manifest))
+    drawn: dict[str, Counter] = defaultdict(Counter)
+
+    def tallied(traffic):
+        for call in traffic:
+            for option, value in call.options.items():
+                drawn[option][str(value)] += 1
+            yield call
+
     t0 = time.perf_counter()
-    traffic = calls(spec, args.seed, args.calls * args.steps, "cuda")  # imports fla: part of the first step
+    traffic = tallied(calls(spec, args.seed, args.calls * args.steps, "cuda"))  # imports fla: part of the first step
     first = run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
     first_step_s = time.perf_counter() - t0
     after_first = probes.snapshot()
     for _ in range(args.steps - 1):
         run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
     return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
-            "first_step_calls": first, **probes.snapshot(), **probes.details()}
+            "first_step_calls": first, **probes.snapshot(), **probes.details(),
+            "options_drawn": {option: dict(sorted(values.items())) for option, values in sorted(drawn.items())}}
 
 
 def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, out: dict) -> None:
@@ -70,7 +82,8 @@ def drive(label: str, bundle: Path, seeds: list[int], args, work: Path, out: dic
 
 def main() -> int:
     p = bench_parser(__doc__, "fla_traffic", manifest=DEFAULT_FLA_MANIFEST)
-    add_seed_options(p, seeds="1,2,3", calls=8)
+    add_seed_options(p, seeds="1,2,3", calls=30)
+    p.set_defaults(steps=2)
     args = parse_seed_options(p)
     if args.child:
         return child_main(child, args)

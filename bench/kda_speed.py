@@ -21,7 +21,7 @@ both the eager and the graph ratio). Per-kernel device times come from torch.pro
 
 Compiles come from the library: ``kda_accuracy.prebuild`` runs ``prewarm build --mode offline`` for one manifest
 per head count into this process's fresh TRITON_CACHE_DIR (a cache filled by another bench holds autotune results
-tuned at other shapes; the tuning keys hold no token count).
+tuned at other shapes; a token bucket's first call tunes it for every later one).
 
     PYTHONPATH=/tmp/site python bench/kda_speed.py [--out bench/results/kda_speed.json] [--reps 7] [--only ...]
 """

@@ -21,12 +21,13 @@ from typing import Callable
 from filelock import FileLock
 from triton.runtime.cache import FileCacheManager
 
-from . import __version__, backends, devices, tritoncompat
+from . import __version__, autotune, backends, keys, tritoncompat
+from .autotune import TableReport
 from .backends import Target, npu
 from .cachedir import CacheDir
-from .errors import EnvironmentProblem
+from .errors import EnvironmentProblem, FingerprintMismatch, ManifestError
 from .manifest import Manifest, load
-from .plan import Compile, plan_for, resolve
+from .plan import Compile, manifest_device, plan_for, resolve
 from .probe import probe_all
 
 
@@ -52,6 +53,8 @@ class BuildReport:
     results: list[CompileResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    autotune: TableReport | None = None  # the plan's tuning keys against the autotune table, results written
+    key_drift: list[keys.KeyDrift] = field(default_factory=list)  # recorded requests keyed otherwise here (allowed)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -79,6 +82,8 @@ class BuildReport:
             "seconds": round(self.seconds, 3),
             "notes": self.notes,
             "results": [asdict(r) for r in self.results],
+            "autotune": self.autotune.to_json() if self.autotune is not None else None,
+            "key_drift": [d.to_json() for d in self.key_drift],
         }
 
 
@@ -113,12 +118,22 @@ def _init(cache_dir: str, target: Target, env: dict[str, str]) -> None:
     target.activate()
 
 
+NO_DEVICE_HINT = (" (the kernel's module failed to import with no device profile active: where it asks the device at "
+                  "import, name the node's with [target] device = \"H200\" (prewarm.devices), or record with this "
+                  "prewarm, whose recordings name their device)")
+
+
 def _compile(target: Target, kernel: str, specialization: str) -> tuple[str, str | None, float, str]:
     """(status, key, seconds, message) for one compile in this worker."""
     CountingCacheManager.lookups.clear()
     start = time.perf_counter()
     try:
-        target.compile(resolve(kernel), specialization)
+        fn = resolve(kernel)
+    except Exception as e:  # its module failed to import: fla, sglang ask the device at import
+        hint = "" if target.device_profile else NO_DEVICE_HINT
+        return "failed", None, time.perf_counter() - start, f"{type(e).__name__}: {e}"[-4000:] + hint
+    try:
+        target.compile(fn, specialization)
     except Exception as e:
         key = CountingCacheManager.lookups[0][0] if CountingCacheManager.lookups else None
         return "failed", key, time.perf_counter() - start, f"{type(e).__name__}: {e}"[-4000:]
@@ -145,12 +160,23 @@ def build(
     workers: int | None = None,
     mode: str = "auto",
     progress: Progress | None = None,
+    tuned: str | os.PathLike | None = None,
+    use_table: bool = True,
+    *,
+    max_compiles: int | None = None,
+    allow_key_drift: bool = False,
 ) -> BuildReport:
-    """Compile every planned request that ``cache_dir`` lacks; ``progress(result, done, total)`` after each."""
+    """Compile every planned request that ``cache_dir`` lacks; ``progress(result, done, total)`` after each. Then
+    the autotune table (``tuned``, else the manifest's ``[target] tuned``; none with ``use_table=False``) gives every
+    planned tuning key it covers its result file, before a device build runs the providers (which then benchmark
+    only what the table lacks). Refused before compiling: a plan of more than ``max_compiles`` compiles
+    (:func:`check_plan`), and a recorded request whose recorded key this host does not reproduce (the recording's
+    node would not find what this build makes: :mod:`prewarm.keys`), unless ``allow_key_drift``."""
     start = time.perf_counter()
     m = manifest if isinstance(manifest, Manifest) else load(manifest)
     if m.backend == "npu" and len(npu.socs(m)) > 1:
-        return _build_socs(m, cache_dir, workers, mode, progress)
+        return _build_socs(m, cache_dir, workers, mode, progress, tuned, use_table, max_compiles=max_compiles,
+                           allow_key_drift=allow_key_drift)
     cache = os.path.abspath(cache_dir)
     layout = CacheDir(cache)
     try:
@@ -158,7 +184,7 @@ def build(
     except OSError as e:
         raise EnvironmentProblem(f"--cache-dir {cache}: cannot create it: {e.strerror}") from e
     workers = max(1, workers or os.cpu_count() or 1)
-    target = backends.get_target(m.backend, m.arch, mode, devices.manifest_device(m))
+    target = backends.get_target(m.backend, m.arch, mode, manifest_device(m))
     with FileLock(str(layout.build_lock)):
         target.prepare_build()
         start_workers()
@@ -176,8 +202,16 @@ def build(
             if progress:
                 progress(result, done, len(compiles))
 
+        check_plan(planned, max_compiles)
+        probes = probe_all(compiles, cache)
+        report.key_drift = keys.check(planned.requests, compiles, [p.key for p in probes])
+        if report.key_drift and not allow_key_drift:
+            raise FingerprintMismatch(keys.refusal(report.key_drift, planned.requests))
+        if keys.unchecked(planned.requests):
+            report.notes.append(f"{keys.unchecked(planned.requests)} recorded requests carry no key (recorded by an "
+                                f"older prewarm): not checked against what this host computes")
         missing = []
-        for i, (c, probe) in enumerate(zip(compiles, probe_all(compiles, cache))):
+        for i, (c, probe) in enumerate(zip(compiles, probes)):
             if probe.hit:
                 finish(i, CompileResult(c.label, c.kernel, c.request, probe.key, "present"))
             else:
@@ -187,6 +221,12 @@ def build(
                          lambda j, result: finish(missing[j], result))
         report.results = [r for r in results if r is not None]
         providers = [importlib.import_module(k.ref) for k in m.kernels if k.kind == "provider"]
+        table = autotune.table_path(m, tuned) if use_table else None
+        if report.ok and table is not None:
+            device = autotune.manifest_device_name(m, "--tuned" if tuned is not None else "target.tuned")
+            report.autotune = autotune.apply_table(table, device, autotune.planned_tunings(planned.requests), cache,
+                                                   str(m.path))
+            report.notes.append(report.autotune.summary())
         if report.ok:
             report.notes += target.after_build(providers, m.spec(), cache)
         report.seconds = time.perf_counter() - start
@@ -195,20 +235,36 @@ def build(
 
 
 def _build_socs(m: Manifest, cache_dir: str | os.PathLike, workers: int | None, mode: str,
-                progress: Progress | None) -> BuildReport:
+                progress: Progress | None, tuned: str | os.PathLike | None, use_table: bool, **refusals) -> BuildReport:
     """An npu manifest listing several SoCs: every key contains the SoC, so the sets share nothing but the source.
     Offline, one complete cache dir per SoC, ``<cache_dir>/<SoC>`` (each packed and shipped as its own bundle,
     named ``<name>-<SoC>``); on a node (device mode), only the node's SoC, into ``cache_dir`` itself."""
     if backends.get_target(m.backend, m.arch, mode).mode == "device":
-        return build(npu.for_soc(m, npu.node_soc(m)), cache_dir, workers, mode, progress)
-    reports = [build(npu.for_soc(m, soc), Path(cache_dir, soc), workers, mode, progress) for soc in npu.socs(m)]
+        return build(npu.for_soc(m, npu.node_soc(m)), cache_dir, workers, mode, progress, tuned, use_table,
+                     **refusals)
+    reports = [build(npu.for_soc(m, soc), Path(cache_dir, soc), workers, mode, progress, tuned, use_table, **refusals)
+               for soc in npu.socs(m)]
     out = BuildReport(m.name, m.digest, os.path.abspath(cache_dir), "; ".join(r.target for r in reports),
                       reports[0].workers, sum(r.requests for r in reports))
     for soc, r in zip(npu.socs(m), reports):
         out.results += [replace(x, label=f"{soc}: {x.label}") for x in r.results]
+        out.key_drift += r.key_drift
         out.notes += [n for n in r.notes if n not in out.notes]
         out.seconds += r.seconds
     return out
+
+
+def check_plan(planned, max_compiles: int | None) -> None:
+    """Refuse, before anything is probed or compiled, a plan of more than ``max_compiles`` compiles, naming the
+    count and the manifest entries and kernels it comes from (ManifestError: the manifest asks for too much)."""
+    n = len(planned.compiles)
+    if max_compiles is None or n <= max_compiles:
+        return
+    top = "; ".join(f"{c.source}: {c.kernel.rsplit(':', 1)[-1]} {c.compiles} compiles from {c.requests} requests"
+                    + (f" ({c.closing} added by closing)" if c.closing else "") for c in planned.counts()[:3])
+    raise ManifestError(f"{planned.manifest.path}: the plan has {n} compiles from {len(planned.requests)} requests, "
+                        f"more than --max-compiles {max_compiles}; most from {top}: expected a narrower manifest "
+                        f"(close = [names] instead of true, fewer dtypes), or a higher --max-compiles")
 
 
 _PRELOAD = ["torch", "triton", "triton.compiler", __name__]  # the forkserver's imports (a missing one is skipped)

@@ -64,47 +64,158 @@ def progress_bar(args):
 def cmd_plan(args) -> int:
     from rich.table import Table
 
-    from . import backends
+    from .backends import npu
     from .manifest import load
-    from .plan import plan, plan_for
-
-    m = load(args.manifest)
-    if args.compiles:
-        return _print_compiles(plan_for(*backends.select(m, args.mode)), args)
-    backends.activate_for_planning(m)
-    p = plan(m)
-    if args.json:
-        emit_json(p.to_json())
-        return 0
-    m = p.manifest
-    t = Table(title=f"{m.name}: {len(p.requests)} requests for {m.backend} {m.arch}")
-    for c in ("#", "id", "label", "kernel", "arguments"):
-        t.add_column(c, overflow="fold")
-    for i, r in enumerate(p.requests, 1):
-        t.add_row(str(i), r.ident, escape(r.label), r.kernel, escape(r.describe()))
-    out.print(t)
-    out.print("autotuned kernels compile once per config: `prewarm plan --compiles` lists Triton's own requests")
-    return 0
-
-
-def _print_compiles(planned, args) -> int:
-    """The plan expanded into Triton's own compile requests for the manifest's target (one per autotune config)."""
-    from rich.table import Table
-
     from .plan import Plan
 
-    m, target, compiles = planned.manifest, planned.target, planned.compiles
-    p = Plan(m, planned.requests)
+    m = load(args.manifest)
+    with npu.prints_to_stderr():  # triton-ascend prints advice to stdout at every bind
+        plans = _plans(m, args)
+    if args.compiles:
+        return _print_compiles(plans, args)
+    docs = []
+    for planned, why in plans:  # one per SoC of a multi-SoC npu manifest
+        p = Plan(planned.manifest, planned.requests)
+        coverage = _table_coverage(planned.manifest, p.requests, args) if why is None else None
+        if args.json:
+            docs.append({**p.to_json(), "counts": _counts_json(planned, why),
+                         "autotune": coverage.to_json() if coverage is not None else None})
+            continue
+        pm = p.manifest
+        t = Table(title=f"{pm.name}: {len(p.requests)} requests for {pm.backend} {pm.arch}")
+        for c in ("#", "id", "label", "kernel", "arguments"):
+            t.add_column(c, overflow="fold")
+        for i, r in enumerate(p.requests, 1):
+            t.add_row(str(i), r.ident, escape(r.label), r.kernel, escape(r.describe()))
+        out.print(t)
+        _print_counts(planned, why)
+        _print_options(pm)
+        _print_table_coverage(coverage)
     if args.json:
-        emit_json({**p.to_json(), "target_mode": target.mode, "compiles": [c.to_json() for c in compiles]})
-        return 0
-    t = Table(title=f"{m.name}: {len(compiles)} compiles from {len(p.requests)} requests for {target.describe()}")
-    for c in ("#", "request", "label", "kernel"):
-        t.add_column(c, overflow="fold")
-    for i, c in enumerate(compiles, 1):
-        t.add_row(str(i), c.request, escape(c.label), c.kernel)
-    out.print(t)
+        emit_json(docs[0] if len(docs) == 1 else {"manifest": str(m.path), "socs": docs})
+    else:
+        out.print("autotuned kernels compile once per config: `prewarm plan --compiles` lists Triton's own requests")
     return 0
+
+
+def _plans(m, args) -> list:
+    """(Planned, why not expanded) for each target `plan` expands the manifest under (backends.plan_targets: every
+    SoC of an npu manifest, no node needed). Without --compiles, a target that cannot be activated here (an npu
+    manifest outside triton-ascend) still lists its requests, with why its compiles are not counted."""
+    from . import backends
+    from .errors import EnvironmentProblem
+    from .plan import Planned, plan, plan_for
+
+    out = []
+    for manifest, target in backends.plan_targets(m, args.mode):
+        try:
+            target.activate()
+        except EnvironmentProblem as e:
+            if args.compiles:
+                raise
+            backends.activate_for_planning(manifest)
+            out.append((Planned(manifest, target, plan(manifest).requests, []), str(e)))
+            continue
+        out.append((plan_for(manifest, target), None))
+    return out
+
+
+def _counts_json(planned, why: str | None) -> dict:
+    if why is not None:
+        return {"requests": len(planned.requests), "compiles": None, "why_not_counted": why}
+    return {"requests": len(planned.requests), "compiles": len(planned.compiles),
+            "closing": sum(bool(c.closing) for c in planned.compiles), "target": planned.target.describe(),
+            "by_kernel": [c.to_json() for c in planned.counts()]}
+
+
+def _print_counts(planned, why: str | None) -> None:
+    """What a build of this plan compiles, before anything is built: requests, compiles, what closing added."""
+    if why is not None:
+        out.print(f"{len(planned.requests)} requests; compiles not counted here: {escape(why)}", highlight=False)
+        return
+    counts = planned.counts()
+    closing = sum(c.closing for c in counts)
+    out.print(f"{len(planned.requests)} requests -> [bold]{len(planned.compiles)} compiles[/] for "
+              f"{planned.target.describe()}" + (f" ({closing} added by closing)" if closing else ""), highlight=False)
+    for c in [c for c in counts if c.closing][:5]:
+        out.print(f"  closing: {escape(c.source)}: {escape(c.kernel.rsplit(':', 1)[-1])} {c.requests} requests -> "
+                  f"{c.compiles} compiles (+{c.closing})", highlight=False)
+
+
+def _print_options(m) -> None:
+    """Every API axis a provider plans on fewer values than its library accepts, and who narrowed it."""
+    from .plan import provider_options
+
+    for source, rows in provider_options(m).items():
+        for r in (r for r in rows if r["narrowed"]):
+            who = "set in the manifest" if r["given"] else "the provider's default"
+            out.print(f"narrowed: {escape(source)}: {r['key']} = {escape(json.dumps(r['planned']))} ({who}; the "
+                      f"library accepts {escape(json.dumps(r['accepted']))})", highlight=False)
+
+
+def _table_coverage(m, requests, args):
+    """The plan's tuning keys against the manifest's autotune table (or --tuned), nothing written; None: no table.
+    The target must be active."""
+    from . import autotune
+
+    table = autotune.table_path(m, args.tuned)
+    if table is None:
+        return None
+    device = autotune.manifest_device_name(m, "--tuned" if args.tuned else "target.tuned")
+    return autotune.apply_table(table, device, autotune.planned_tunings(requests), None, str(m.path))
+
+
+def _print_table_coverage(coverage) -> None:
+    """The autotune line of plan and build, then each planned tuning key the table does not cover."""
+    if coverage is None:
+        return
+    out.print(("[green]" if not coverage.uncovered else "[yellow]") + escape(coverage.summary()) + "[/]",
+              highlight=False)
+    rows = [] if coverage.missing_file else coverage.uncovered  # no file: the summary says it for every key
+    for r in rows[:20]:
+        out.print(f"[yellow]{r.status}[/] {escape(r.tuning.label)} ({escape(r.tuning.kernel.rsplit(':', 1)[-1])}) "
+                  f"tuning key {escape(r.tuning.tuning_key or '-')}: {escape(r.detail)}", highlight=False)
+    if len(rows) > 20:
+        out.print(f"[yellow]...[/] {len(rows) - 20} more (--json has all)")
+
+
+def _print_compiles(plans, args) -> int:
+    """The plan expanded into Triton's own compile requests for the manifest's target (one per autotune config),
+    and every recorded request whose key this host does not reproduce (prewarm.keys; exit 8)."""
+    from rich.table import Table
+
+    from . import keys
+    from .backends import npu
+    from .errors import FingerprintMismatch
+    from .plan import Plan
+
+    with npu.prints_to_stderr():
+        drifts = [keys.check(planned.requests, planned.compiles) for planned, _ in plans]
+    docs, drifted = [], sum(map(len, drifts))
+    for (planned, _), drift in zip(plans, drifts):
+        m, target, compiles = planned.manifest, planned.target, planned.compiles
+        p = Plan(m, planned.requests)
+        if args.json:
+            docs.append({**p.to_json(), "target_mode": target.mode, "compiles": [c.to_json() for c in compiles],
+                         "counts": _counts_json(planned, None), "key_drift": [d.to_json() for d in drift]})
+            continue
+        t = Table(title=f"{m.name}: {len(compiles)} compiles from {len(p.requests)} requests for {target.describe()}")
+        for c in ("#", "request", "label", "kernel"):
+            t.add_column(c, overflow="fold")
+        for i, c in enumerate(compiles, 1):
+            t.add_row(str(i), c.request, escape(c.label), c.kernel)
+        out.print(t)
+        _print_counts(planned, None)
+        for d in drift:
+            out.print(f"[red]key drift[/] {escape(d.label)}: {escape(d.summary())}", highlight=False)
+    code = FingerprintMismatch.exit_code if drifted else 0
+    if args.json:
+        emit_json(docs[0] if len(docs) == 1 else {"socs": docs})
+    elif drifted:
+        err.print(f"[bold red]error[/]: {drifted} recorded requests would not be found by the recording's node: "
+                  f"this host computes other cache keys (each part named above); a build refuses them unless "
+                  f"--allow-key-drift", highlight=False)
+    return code
 
 
 def cmd_build(args) -> int:
@@ -119,12 +230,20 @@ def cmd_build(args) -> int:
         def progress(result, done, total):
             bar.update(task, completed=done, total=total, description=f"{result.status:>8} {result.label[:60]}")
 
-        r = build(args.manifest, args.cache_dir, workers=args.workers, mode=args.mode, progress=progress)
+        r = build(args.manifest, args.cache_dir, workers=args.workers, mode=args.mode, progress=progress,
+                  tuned=args.tuned, max_compiles=args.max_compiles, allow_key_drift=args.allow_key_drift)
     if args.json:
         emit_json(r.to_json())
     else:
         for note in r.notes:
-            err.print(f"[yellow]note[/]: {note}", highlight=False)
+            err.print(f"[yellow]note[/]: {escape(note)}", highlight=False)
+        for d in r.key_drift:
+            err.print(f"[yellow]key drift (allowed)[/] {escape(d.label)}: {escape(d.summary())}", highlight=False)
+        if r.autotune is not None and not r.autotune.missing_file:
+            for x in r.autotune.uncovered[:20]:
+                err.print(f"[yellow]{x.status}[/] {escape(x.tuning.label)} "
+                          f"({escape(x.tuning.kernel.rsplit(':', 1)[-1])}) tuning key "
+                          f"{escape(x.tuning.tuning_key or '-')}: {escape(x.detail)}", highlight=False)
         for f in r.failed:
             t = Table(title=f"[red]failed[/] {escape(f.label)} ({f.kernel})", show_header=False)
             t.add_row(escape(f.message))
@@ -139,6 +258,24 @@ def cmd_build(args) -> int:
     if r.failed:
         raise BuildError(f"{len(r.failed)} of {len(r.results)} compiles failed (first: {r.failed[0].label}: "
                          f"{r.failed[0].message.splitlines()[0] if r.failed[0].message else 'no message'})")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from .tune import tune
+
+    r = tune(args.manifest, args.output, workers=args.workers, work_dir=args.work_dir)
+    if args.json:
+        emit_json(r.to_json())
+        return 0
+    for note in r.notes:
+        err.print(f"[yellow]note[/]: {escape(note)}", highlight=False)
+    for x in r.not_measured:
+        err.print(f"[yellow]not measured[/] {escape(x.tuning.label)} ({escape(x.tuning.kernel.rsplit(':', 1)[-1])}) "
+                  f"tuning key {escape(x.tuning.tuning_key or '-')}: {escape(x.detail)}", highlight=False)
+    out.print(f"{r.manifest}: {len(r.rows)} tuning keys measured on {escape(r.device)}"
+              + (f", {len(r.not_measured)} not measured" if r.not_measured else "")
+              + f" in {r.seconds:.1f} s -> {escape(r.output)}")
     return 0
 
 
@@ -210,7 +347,7 @@ def cmd_install(args) -> int:
         r = install(args.source, args.cache_dir, trusted_keys=args.trust, require_signature=args.require_signature,
                     allow_fingerprint_mismatch=args.allow_fingerprint_mismatch,
                     allow_missing_factors=args.allow_missing_factors, workers=args.workers,
-                    lock_timeout=args.lock_timeout,
+                    lock_timeout=args.lock_timeout, recheck=args.recheck,
                     progress=lambda done, total: bar.update(task, completed=done, total=total))
     if args.json:
         doc = {k: v for k, v in vars(r).items() if k != "mismatches"}
@@ -241,6 +378,7 @@ def cmd_verify(args) -> int:
 
         hit = check(args.plan, r.cache_dir)
     missed = hit is not None and (not hit.ok or (args.require_autotune and any(not a.present for a in hit.autotune))
+                                  or any(a.unread for a in hit.autotune)
                                   or (args.require_launchers and any(not m.present for m in hit.modules)))
     code = r.exit_code or (WillMissError.exit_code if missed else 0)
     if args.json:
@@ -277,10 +415,16 @@ def _print_verify_summary(r, hit, args) -> None:
         line("compatibility", bad if mismatch else ok, text)
     if hit is not None:
         line("will-hit", ok if hit.ok else bad, f"{hit.hits}/{len(hit.results)} planned compiles hit ({hit.target})")
+        if hit.key_drift:
+            line("recorded keys", info, f"{len(hit.key_drift)} recorded requests keyed otherwise here than in the "
+                                        f"process that recorded them (each part named in their rows)")
         if hit.autotune:
             kept = sum(a.present for a in hit.autotune)
+            unread = sum(a.unread for a in hit.autotune)
             status = ok if kept == len(hit.autotune) else (bad if args.require_autotune else info)
-            line("autotune", status, f"{kept} kept, {len(hit.autotune) - kept} absent"
+            line("autotune", bad if unread else status, f"{kept} kept, {len(hit.autotune) - kept} absent"
+                 + (f", {unread} kept but not read in this environment (TRITON_CACHE_AUTOTUNING unset)" if unread
+                    else "")
                  + ("" if args.require_autotune or kept == len(hit.autotune) else
                     " (absent: benchmarked on first use; --require-autotune makes it fail)"))
         if hit.modules:
@@ -304,10 +448,14 @@ def _print_verify_summary(r, hit, args) -> None:
         if not x.hit:
             out.print(f"[red]MISS[/] {escape(x.label)} ({escape(x.kernel.rsplit(':', 1)[-1])}) key {x.key or '-'}: "
                       f"{escape(x.detail)}", highlight=False)
+    for d in hit.key_drift:
+        if hit.results[d.compile_index].hit:
+            out.print(f"[yellow]hit, keyed otherwise when recorded[/] {escape(d.label)}: {escape(d.summary())}",
+                      highlight=False)
     for a in hit.autotune:
-        if not a.present and args.require_autotune:
-            out.print(f"[red]autotune absent[/] {escape(a.label)} ({escape(a.kernel.rsplit(':', 1)[-1])}) key "
-                      f"{a.key}: {escape(a.detail)}", highlight=False)
+        if (not a.present and args.require_autotune) or a.unread:
+            out.print(f"[red]autotune {'unread' if a.unread else 'absent'}[/] {escape(a.label)} "
+                      f"({escape(a.kernel.rsplit(':', 1)[-1])}) key {a.key}: {escape(a.detail)}", highlight=False)
     for m in hit.modules:
         if not m.present:
             users = f"{m.kernels} planned compiles" if m.name != "cuda_utils" else "every kernel"
@@ -436,7 +584,7 @@ def cmd_guard(args) -> int:
     """Replace this process with the command, its Python processes guarded (see prewarm.guard)."""
     import os
 
-    from . import guard
+    from . import guard, metrics
     from .errors import EnvironmentProblem, ManifestError
     from .record import hooked_pythonpath
 
@@ -445,9 +593,9 @@ def cmd_guard(args) -> int:
         raise ManifestError("guard: no command given: expected `prewarm guard [--mode warn|error] -- COMMAND ...`")
     env = dict(os.environ)
     for name, value in ((guard.MODE, args.mode), (guard.RECORD, args.record), (guard.PLAN, args.plan),
-                        (guard.ARM, args.arm)):
+                        (guard.ARM, args.arm), (metrics.TEXTFILE, args.metrics_textfile)):
         if value:
-            env[name] = os.path.abspath(value) if name in (guard.RECORD, guard.PLAN) else value
+            env[name] = os.path.abspath(value) if name in (guard.RECORD, guard.PLAN, metrics.TEXTFILE) else value
     env.setdefault(guard.MODE, "warn")
     env["PYTHONPATH"] = hooked_pythonpath()
     sys.stdout.flush()
@@ -484,6 +632,34 @@ def cmd_fingerprint(args) -> int:
     for k, v in sorted(fp.items()):
         t.add_row(k, escape(v))
     out.print(t)
+    return 0
+
+
+def cmd_manifest(args) -> int:
+    from rich.table import Table
+
+    from .manifestgen import generate, write
+
+    gen = generate(args.model, args.server, args.kernels, args.target, args.server_args, name=args.name)
+    path = write(gen, args.output) if args.output else None
+    if args.json:
+        emit_json({**gen.to_json(), "output": str(path) if path else None, "manifest": gen.toml()})
+        return 0
+    for words in gen.ignored:
+        err.print(f"[yellow]ignored[/] {escape(words)}", highlight=False)
+    if path is None:
+        sys.stdout.write(gen.toml())
+        return 0
+    t = Table(title=f"{path}: {gen.name} (a {gen.server} launch line, --kernels {gen.kernels})")
+    for c in ("key", "value", "from"):
+        t.add_column(c, overflow="fold")
+    for table, keys in gen.spec.items():
+        for key, v in keys.items():
+            t.add_row(f"spec.{table}.{key}", escape(str(v.value)), escape(v.source))
+    out.print(t)
+    for note in gen.notes:
+        out.print(f"note: {escape(note)}", highlight=False)
+    out.print(f"`prewarm plan {escape(str(path))}` lists its requests", highlight=False)
     return 0
 
 
@@ -537,6 +713,18 @@ def _number(kind: type, lo: float, hi: float):
     return parse
 
 
+class _ArgsAfterDashes(argparse.ArgumentParser):
+    """A verb whose words after ``--`` are another program's arguments (``server_args``), kept whole: argparse
+    would match them against its own positionals, and cannot after an option and a positional."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        tail = args[args.index("--") + 1:] if "--" in args else []
+        namespace, extras = super().parse_known_args(args[:len(args) - len(tail) - ("--" in args)], namespace)
+        namespace.server_args = tail
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prewarm", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"prewarm {__version__}")
@@ -553,7 +741,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--compiles", action="store_true",
                     help="expand each request into Triton's compiles for the target (one per autotune config)")
     sp.add_argument("--mode", choices=("offline", "device", "auto"), default="auto",
-                    help="with --compiles: the target driver to expand under (as for build)")
+                    help="the target driver to expand under (as for build; npu: every SoC offline unless device)")
+    sp.add_argument("--tuned", metavar="TABLE", help="the autotune table to check the plan's tuning keys against "
+                                                    "(default: the manifest's [target] tuned)")
 
     sp = verb("build", cmd_build, "compile a manifest's requests into a Triton cache dir")
     sp.add_argument("manifest")
@@ -561,6 +751,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=_number(int, 1, 1024), default=None, help="compile processes (default: CPU count)")
     sp.add_argument("--mode", choices=("offline", "device", "auto"), default="auto",
                     help="offline: no accelerator (target-only driver); device: compile and run once on it")
+    sp.add_argument("--tuned", metavar="TABLE", help="write the autotune results of this table (made by `prewarm "
+                                                    "tune`) for every planned tuning key it covers (default: the "
+                                                    "manifest's [target] tuned)")
+    sp.add_argument("--max-compiles", type=_number(int, 0, 10**9), metavar="N",
+                    help="refuse (exit 3) a plan of more than N compiles before compiling anything")
+    sp.add_argument("--allow-key-drift", action="store_true",
+                    help="build even where this host computes other cache keys than a recording's process did (the "
+                         "recording's node would not find those kernels; default: refuse, exit 8)")
+
+    sp = verb("tune", cmd_tune, "benchmark every planned autotune key once on this machine's device and write the "
+                                "winners to a table that builds ship (run on one node of the target device)")
+    sp.add_argument("manifest")
+    sp.add_argument("-o", "--output", required=True, metavar="TABLE",
+                    help="the table (TOML) to write; its rows for other devices are kept")
+    sp.add_argument("--workers", type=_number(int, 1, 1024), default=None,
+                    help="compile processes of the scratch device build (default: CPU count)")
+    sp.add_argument("--work-dir", help="where the scratch cache dir is made (default: the system's temp dir)")
 
     sp = verb("record", cmd_record, "run a command and log every Triton compile request it makes")
     sp.add_argument("-o", "--output", required=True)
@@ -587,9 +794,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-fingerprint-mismatch", action="store_true", help="install despite toolchain mismatch")
     sp.add_argument("--allow-missing-factors", action="store_true",
                     help="install a bundle whose fingerprint lacks a blocking factor or carries one this node lacks")
-    sp.add_argument("--workers", type=_number(int, 1, 1024), help="parallel object fetches (default: cores, 2 to 8)")
+    sp.add_argument("--workers", type=_number(int, 1, 1024),
+                    help="parallel workers (default: a local bundle's, one process per core; a store's, 2 to 8 threads)")
     sp.add_argument("--lock-timeout", type=_number(float, 0, 86400), default=600,
                     help="seconds to wait for another install")
+    sp.add_argument("--recheck", action="store_true",
+                    help="check every installed entry by content, not by its stamp: repairs a file rewritten in place")
     sp.add_argument("--insecure", action="store_true", help="plain HTTP to a loopback OCI registry (tests)")
 
     sp = verb("verify", cmd_verify, "check a cache dir: integrity, compatibility, will-hit")
@@ -624,6 +834,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", metavar="MANIFEST", help="explain against this plan (default: $PREWARM_GUARD_PLAN)")
     sp.add_argument("--arm", choices=("import", "manual"),
                     help="import (default): from the start; manual: from prewarm.guard.arm() in the server")
+    sp.add_argument("--metrics-textfile", metavar="FILE.prom",
+                    help="Prometheus metrics for node-exporter's textfile collector "
+                         "(default: $PREWARM_METRICS_TEXTFILE)")
     sp.add_argument("command", nargs=argparse.REMAINDER)
 
     sp = verb("keygen", cmd_keygen, "make an Ed25519 signing key pair")
@@ -636,6 +849,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = verb("lower", cmd_lower, "take every planned request through the compiler front end (no device)")
     sp.add_argument("manifest")
+
+    sp = verb("manifest", cmd_manifest, "write a KDA serving manifest from the model's config.json and the server's "
+                                        "launch arguments given after -- (each value commented with its source)")
+    sp.add_argument("model", help="the model dir, or its config.json")
+    sp.add_argument("--server", required=True, choices=("sglang", "vllm"), help="whose launch arguments follow --")
+    sp.add_argument("--kernels", required=True, choices=("own", "fla", "sglang"),
+                    help="the KDA kernels the server runs: own (prewarm_kernels), fla (fla-core), sglang (its own)")
+    sp.add_argument("--target", required=True, metavar="BACKEND:ARCH[:DEVICE]",
+                    help="e.g. cuda:sm_90:H200 or npu:Ascend910_9391 (a device lets server defaults that depend on "
+                         "its memory be taken)")
+    sp.add_argument("-o", "--output", help="write the manifest here (default: print it)")
+    sp.add_argument("--name", help="the manifest's name (default: the model dir's name and the server)")
+    sp.__class__ = _ArgsAfterDashes  # -- SERVER_ARGS: the server's launch arguments, kept whole
     return p
 
 

@@ -12,6 +12,8 @@ Every figure names its source: ``measured`` (on the device, with :data:`MEASURE_
 """
 from __future__ import annotations
 
+import sys
+import types
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -233,17 +235,73 @@ def lookup(name: str, where: str) -> DeviceProfile:
     return profile
 
 
-def manifest_device(manifest) -> str | None:
-    """The profile name a manifest's ``[target] device`` gives (None: none), checked against its backend and arch."""
-    name = manifest.device
-    if name is None:
+def arch_name(arch: str) -> str:
+    """An arch as profiles spell it ("sm_90", a SoC name), for comparing a manifest's with a profile's."""
+    return arch.lower().removesuffix("a").replace("sm", "sm_").replace("__", "_")
+
+
+# --- the device a recording ran on -------------------------------------------------------------------------------
+# `prewarm record` stores with each request the device it ran on, as torch and Triton's driver answered in that
+# process (:func:`observe`); a manifest without ``[target] device`` plans and builds as that device.
+
+# What a library chooses kernels by: a recorded device must agree with its profile on these
+LIBRARY_FIELDS = ("capability", "multi_processor_count", "shared_memory_per_block_optin",
+                  "shared_memory_per_multiprocessor", "warp_size", "num_aicore", "num_vectorcore")  # fmt: skip
+_TORCH_FIELDS = ("multi_processor_count", "shared_memory_per_block", "shared_memory_per_block_optin",
+                 "shared_memory_per_multiprocessor", "L2_cache_size", "regs_per_multiprocessor", "warp_size",
+                 "max_threads_per_multi_processor", "max_threads_per_block", "total_memory")  # fmt: skip
+
+
+def observe(device: int = 0) -> dict | None:
+    """The device this process's Triton compiles for, as the libraries see it: torch's name and properties (CUDA:
+    ``torch.cuda``; Ascend: ``torch.npu``'s name) under :class:`DeviceProfile`'s field names, and Triton's own
+    ``utils.get_device_properties`` (``"triton"``). None where neither torch nor the driver names a device (no
+    device, or torch not imported: asking would import or initialise it in the recorded process)."""
+    import sys
+
+    from triton.runtime.driver import driver
+
+    backend = driver.active.get_current_target().backend
+    torch = sys.modules.get("torch")
+    out: dict[str, Any] = {"backend": backend}
+    if backend == "cuda" and torch is not None and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        out.update(name=props.name, capability=[props.major, props.minor])
+        out.update({f: int(getattr(props, f)) for f in _TORCH_FIELDS if hasattr(props, f)})
+    elif backend == "npu" and torch is not None and hasattr(torch, "npu"):
+        out["name"] = torch.npu.get_device_name(device)
+    else:
         return None
-    profile = lookup(name, f"{manifest.path}: target")
-    arch = manifest.arch.lower().removesuffix("a").replace("sm", "sm_").replace("__", "_")
-    if profile.backend != manifest.backend or arch != profile.arch.lower():
-        raise ManifestError(f"{manifest.path}: target.device = {name!r}: that device is {profile.backend} {profile.arch}, but the manifest "
-                            f"targets {manifest.backend} {manifest.arch}: expected a device of the target's arch")
-    return ALIASES.get(name, name)
+    utils = getattr(driver.active, "utils", None)
+    triton_props = utils.get_device_properties(device) if utils is not None else {}
+    out["triton"] = {k: v for k, v in dict(triton_props).items() if isinstance(v, (int, float, str))}
+    for field_name in ("num_aicore", "num_vectorcore"):
+        if field_name in out["triton"]:
+            out[field_name] = out["triton"][field_name]
+    return out
+
+
+def matching_profile(observed: dict, where: str) -> str:
+    """The profile a recorded device is (by name, then checked on :data:`LIBRARY_FIELDS`), or a ManifestError
+    naming ``where``, the device and what to add."""
+    name = observed["name"]
+    found = next((k for k, p in PROFILES.items() if p.name == name and p.backend == observed.get("backend")), None)
+    found = found or (ALIASES.get(name, name) if ALIASES.get(name, name) in PROFILES else None)
+    seen = ", ".join(f"{f} {observed[f]}" for f in LIBRARY_FIELDS if f in observed)
+    if found is None:
+        known = ", ".join(f"{k} ({p.name})" for k, p in PROFILES.items())
+        raise ManifestError(f"{where}: recorded on device {name!r} ({seen}), which no prewarm.devices profile "
+                            f"describes (known: {known}): add a DeviceProfile for it to prewarm/devices.py PROFILES "
+                            f"(its figures from MEASURE_COMMAND on that device), or name the profile to plan for "
+                            f"with [target] device")
+    profile = asdict(PROFILES[found])
+    for f in LIBRARY_FIELDS:
+        want = list(profile[f]) if isinstance(profile[f], tuple) else profile[f]
+        if f in observed and observed[f] != want:
+            raise ManifestError(f"{where}: recorded on {name!r} with {f} = {observed[f]!r}, but profile {found} says "
+                                f"{want!r} (libraries choose kernels by it): expected a profile with the device's "
+                                f"figures; correct or add one in prewarm/devices.py (MEASURE_COMMAND)")
+    return found
 
 
 # --- answering the queries in this process -----------------------------------------------------------------------
@@ -290,8 +348,9 @@ def active() -> DeviceProfile | None:
 
 
 def activate(profile: DeviceProfile) -> None:
-    """From now on, in this process: torch.cuda's device queries (CUDA profiles) and the active target-only
-    Triton driver's ``utils.get_device_properties`` answer as ``profile``. Idempotent; :func:`deactivate` undoes.
+    """From now on, in this process: torch.cuda's device queries (CUDA profiles), torch.npu's (Ascend profiles:
+    :func:`_answer_npu`) and the active target-only Triton driver's ``utils.get_device_properties`` answer as
+    ``profile``. Idempotent; :func:`deactivate` undoes.
     Call only where a target-only driver is active (plan and build processes), never on a node."""
     from .tritoncompat import chosen_driver
 
@@ -300,6 +359,8 @@ def activate(profile: DeviceProfile) -> None:
         raise RuntimeError("a device profile answers only under a target-only driver (none is active)")
     current.utils = ProfileUtils(profile)
     _ACTIVE[:] = [profile]
+    if profile.backend == "npu":
+        _answer_npu(profile)
     if profile.backend != "cuda":
         return
     import torch
@@ -312,6 +373,10 @@ def activate(profile: DeviceProfile) -> None:
         "get_device_name": lambda device=None: profile.name,
         "get_device_capability": lambda device=None: profile.capability,
         "get_device_properties": lambda device=None: props,
+        # torch.cuda.device(i), which libraries enter around a launch (sglang's fla utils, on a tensor's device):
+        # selecting the one device there is changes nothing and needs no driver
+        "_exchange_device": lambda device: 0,
+        "_maybe_exchange_device": lambda device: 0,
     }
     for name, fn in answers.items():
         _SAVED.setdefault(name, getattr(torch.cuda, name))
@@ -326,3 +391,64 @@ def deactivate() -> None:
         setattr(torch.cuda, name, fn)
     _SAVED.clear()
     _ACTIVE.clear()
+    if _NPU_MODULE:
+        delattr(torch, "npu")
+        sys.modules.pop("torch.npu", None)
+        _NPU_MODULE.clear()
+
+
+# What torch_npu adds to torch, answering as an Ascend profile (plan and build processes only)
+_NPU_MODULE: list[types.ModuleType] = []  # the torch.npu module _answer_npu registered (none: torch_npu's, or none)
+
+
+class _NpuDeviceContext:
+    """``torch.npu.device(index)``: the context manager libraries enter around a launch (one device here)."""
+
+    def __init__(self, device=None):
+        index = getattr(device, "index", device)
+        if index not in (None, 0, -1):
+            raise RuntimeError(f"torch.npu.device({device!r}): this profile has one device, npu:0")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _answer_npu(profile: DeviceProfile) -> None:
+    """``torch.npu`` and the ``npu`` device type as torch_npu registers them (``rename_privateuse1_backend``,
+    ``_register_device_module``), answering the queries kernel modules make at import and when they choose kernels:
+    sglang's fla utils take ``getattr(torch, <triton backend>)`` and ask ``device_count()`` and
+    ``torch.npu.device(i)``, its ``is_npu()`` asks ``is_available()``, torch's FakeTensorMode ``is_initialized()`` and
+    ``current_device()`` for tensors on ``npu``. Anything that needs the device (streams, synchronize, memory) is
+    absent (AttributeError). Where torch_npu itself is loaded, its answers stand. The ``npu`` device type, its device
+    guard and hooks stay registered after :func:`deactivate` (torch cannot undo them; torch_npu never does either)."""
+    import torch
+
+    if hasattr(torch, "npu") and not _NPU_MODULE:
+        return
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        from torch.utils import backend_registration as registration
+
+        torch.utils.rename_privateuse1_backend("npu")
+        # torch's own stand-ins for what torch_npu registers in C++: a device guard (ops on an npu tensor, fake
+        # ones included, enter one) and the backend hooks; a python backend's, as torch documents it
+        torch._C._acc.register_python_privateuseone_hook(registration._DummyPrivateUse1Hook())
+        torch._C._acc.register_python_privateuseone_device_guard(registration._DummyDeviceGuard())
+    if _NPU_MODULE:
+        delattr(torch, "npu")
+    module = types.ModuleType("torch.npu", f"prewarm.devices: torch.npu answering as {profile.name} (no device)")
+    answers = {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": _NpuDeviceContext,  # checks the index; selecting npu:0 changes nothing here
+        "get_device_name": lambda device=None: profile.name,
+        "device": _NpuDeviceContext,
+    }
+    for name, fn in answers.items():
+        setattr(module, name, fn)
+    torch._register_device_module("npu", module)
+    _NPU_MODULE[:] = [module]

@@ -21,7 +21,8 @@ class BuildError(PrewarmError):
 
 
 class WillMissError(PrewarmError):
-    """A planned kernel is not in the cache (the node would compile it), or (--require-autotune) an autotune result."""
+    """A planned kernel is not in the cache (the node would compile it), or (--require-autotune) an autotune result,
+    or a shipped one this environment would not read."""
 
     exit_code = 5
 
@@ -39,7 +40,8 @@ class SignatureError(PrewarmError):
 
 
 class FingerprintMismatch(PrewarmError):
-    """The bundle was built under a toolchain that differs from this node's (each factor is named)."""
+    """The bundle was built under a toolchain that differs from this node's, or this host computes other keys than
+    a recording's node did (each factor or key part is named)."""
 
     exit_code = 8
 
@@ -66,5 +68,5 @@ EXIT_CODES = {
     0: "success",
     1: "unexpected internal error (a bug: please report the traceback)",
     2: "bad command line (argparse)",
-    **{cls.exit_code: cls.__doc__.strip() for cls in PrewarmError.__subclasses__()},
+    **{cls.exit_code: " ".join(cls.__doc__.split()) for cls in PrewarmError.__subclasses__()},
 }

@@ -32,7 +32,8 @@ NOT_RECORDED = "not in the compiled signature: a constexpr or an int specialized
 class Difference:
     """One field in which a runtime request differs from the planned one."""
 
-    kind: str  # "dtype" | "specialization" | "constexpr" | "argument" | "option" | "env" | "triton" | "key"
+    kind: str  # "dtype" | "specialization" | "constexpr" | "argument" | "option" | "env" | "triton" | "key", and
+    # for two keys' parts (prewarm.keys): "backend" | "source" | "line" | "global" | "call" | "request"
     name: str  # the argument, option or env var
     planned: str
     runtime: str
@@ -44,7 +45,9 @@ class Difference:
             return (f"cache key: {sides[0]} {self.planned}, {sides[1]} {self.runtime} (the same in every field a key "
                     f"dir records: a constexpr value, the kernel's source or line, or the triton build differs)")
         what = {"dtype": "argument", "specialization": "argument", "constexpr": "constexpr", "argument": "argument",
-                "option": "option", "env": "env var", "triton": "triton"}[self.kind]  # fmt: skip
+                "option": "option", "env": "env var", "triton": "triton", "backend": "backend",
+                "source": "kernel source", "line": "kernel line", "global": "global", "call": "called function",
+                "request": "request"}[self.kind]  # fmt: skip
         return f"{what} {self.name}: {sides[0]} {self.planned}, {sides[1]} {self.runtime}"
 
     def __str__(self) -> str:

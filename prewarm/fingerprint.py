@@ -8,7 +8,6 @@ and verify compare it with the node's and refuse where a factor that changes cod
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -76,6 +75,8 @@ def _ptxas_version() -> str:
 
 
 def _torch_version() -> str:
+    import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.nodestamp)
+
     try:  # the installed distribution's version: no 2 s `import torch` in a pre-launch job
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
@@ -291,6 +292,8 @@ def _ascend_device_soc() -> str:
 
 
 def _dist_version(name: str) -> str:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:

@@ -10,14 +10,21 @@ installs it right after ``import triton``):
     PREWARM_GUARD_PLAN=MANIFEST   explain each against this plan (nearest planned compile, what differs)
     PREWARM_GUARD_ARM=import|manual   import (default): from the start; manual: from ``prewarm.guard.arm()``,
                                   the one line a server calls after its own warmup
+    PREWARM_METRICS_TEXTFILE=FILE.prom   compiles and autotune benchmarks after arming, per kernel, and the
+                                  installed bundles, for node-exporter's textfile collector (:mod:`prewarm.metrics`)
 
 It sits on the compile path only: Triton's ``jit_cache_hook`` (called when a request misses the in-memory kernel
 cache, so the launch path of a loaded kernel is untouched) notes the request, and the cache manager's group lookup
 in ``compile()`` (Triton's own lookup: the entry with its metadata file = a disk hit) decides. A disk hit goes on
 unremarked; otherwise the request is logged on stderr with its explanation and appended to the record file, and in
-``error`` mode :class:`UncoveredCompile` is raised there, before the compiler starts. On triton-ascend, arming also
-checks the process's Ascend codegen env vars, which the key misses, against the installed bundles' build
-(:func:`prewarm.backends.npu.check_serving_env`: error mode refuses to serve).
+``error`` mode :class:`UncoveredCompile` is raised there, before the compiler starts. An autotune benchmark (an
+Autotuner about to time its configs because the cache holds no result it reads for the call's tuning key) is
+treated the same way, from Triton's own benchmarking (:func:`prewarm.tritoncompat.watch_autotune_benchmarks`): logged
+with the kernel, the tuning key, the config count and the result file it lacked, appended to the record file as an
+``"event": "autotune"`` line (no compile to replay: the build's autotune table covers it), counted
+(:func:`autotune_benchmarked`), refused in error mode (:class:`UncoveredBenchmark`) before the first config runs.
+On triton-ascend, arming also checks the process's Ascend codegen env vars, which the key misses, against the
+installed bundles' build (:func:`prewarm.backends.npu.check_serving_env`: error mode refuses to serve).
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ import os
 import subprocess
 import sys
 import threading
+
+from . import metrics
 
 MODE, RECORD, PLAN, ARM = "PREWARM_GUARD", "PREWARM_GUARD_RECORD", "PREWARM_GUARD_PLAN", "PREWARM_GUARD_ARM"
 MODES, ARMS = ("warn", "error"), ("import", "manual")
@@ -36,6 +45,15 @@ class UncoveredCompile(RuntimeError):
 
     def __init__(self, kernel: str, explanation: str):
         super().__init__(f"prewarm guard: {kernel} is not in the cache and would compile here: {explanation}")
+        self.kernel, self.explanation = kernel, explanation
+
+
+class UncoveredBenchmark(UncoveredCompile):
+    """Raised by the guard in error mode, before an Autotuner benchmarks a call the cache holds no result for."""
+
+    def __init__(self, kernel: str, explanation: str):
+        RuntimeError.__init__(self, f"prewarm guard: {kernel} has no autotune result in the cache and would "
+                                    f"benchmark here: {explanation}")
         self.kernel, self.explanation = kernel, explanation
 
 
@@ -85,8 +103,44 @@ class _Guard:
                 print(f"prewarm guard: cannot append to {self.record}: {e}", file=sys.stderr)
         doing = "refusing to compile" if self.mode == "error" else "compiling"
         print(f"prewarm guard: {doing} {kernel}: {why}; {explanation}", file=sys.stderr)
+        metrics.count(metrics.COMPILES, kernel)
         if self.mode == "error":
             raise UncoveredCompile(kernel, explanation)
+
+    def benchmark(self, tuner, args: tuple, kwargs: dict) -> None:
+        """An Autotuner of this process is about to benchmark its configs for one call (Triton's own benchmarking,
+        hooked): log it with what was missing, record it, count it, and in error mode refuse it."""
+        from . import tritoncompat
+        from .record import AUTOTUNE_EVENT, append
+
+        lookup, self.pending.autotune = getattr(self.pending, "autotune", None), None
+        if not self.armed:
+            return
+        kernel = tritoncompat.kernel_ref(tuner)
+        try:
+            tuning = tritoncompat.tuning_of(tuner, args, kwargs)
+            tuning_key, configs = str(tuning.key), len(tuning.configs)
+        except Exception as e:  # said, never in the server's way
+            tuning_key, configs = f"unknown ({type(e).__name__}: {e})", len(tuner.configs)
+        if tritoncompat.keeps_results(tuner) and lookup is not None:
+            key, filename = lookup
+            why = f"no {filename} under {key} in {tritoncompat.cache_dir()}"
+        else:
+            key, why = None, ("this Autotuner keeps no results (no cache_results, TRITON_CACHE_AUTOTUNING unset "
+                              "when its module was imported): it benchmarks in every process")
+        what = f"{why}; tuning key {tuning_key}, {configs} configs"
+        if self.record:
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(self.record)), exist_ok=True)
+                append(self.record, {"event": AUTOTUNE_EVENT, "kernel": kernel, "tuning_key": tuning_key,
+                                     "configs": configs, "key": key, "pid": os.getpid(), "guard": why})
+            except OSError as e:
+                print(f"prewarm guard: cannot append to {self.record}: {e}", file=sys.stderr)
+        doing = "refusing to benchmark" if self.mode == "error" else "benchmarking"
+        print(f"prewarm guard: {doing} {kernel}: {what}", file=sys.stderr)
+        autotune_benchmarked(kernel)
+        if self.mode == "error":
+            raise UncoveredBenchmark(kernel, what)
 
     def explain(self, kernel: str, data: str, cache_dir: str, key: str) -> str:
         """The nearest planned compile and what differs; a planned request missing from the cache is explained
@@ -141,6 +195,12 @@ def _watched(base: type) -> type:
                     _guard.uncovered(self.key, filename, request)
             return group
 
+        def get_file(self, filename):
+            path = super().get_file(filename)
+            if _guard is not None and path is None and filename.endswith(".autotune.json"):
+                _guard.pending.autotune = (self.key, filename)  # an Autotuner's lookup: it benchmarks next
+            return path
+
     GuardedCacheManager.__qualname__ = "GuardedCacheManager"
     return GuardedCacheManager
 
@@ -191,6 +251,9 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
         manager = _watched(current) if current else __getattr__("GuardedCacheManager")
         tritoncompat.set_cache_manager(manager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
+        tritoncompat.watch_autotune_benchmarks(_guard.benchmark)
+        if metrics.textfile():
+            metrics.installed_bundles(tritoncompat.cache_dir())
     if armed and not _guard.armed and tritoncompat.triton_distribution()[0] == "triton-ascend":
         from .backends.npu import check_serving_env  # codegen env vars the key misses: refused (error) or said
 
@@ -208,3 +271,10 @@ def arm() -> bool:
     mode, record, plan, _ = settings
     _install(mode, record, plan, armed=True)
     return True
+
+
+def autotune_benchmarked(kernel: str) -> None:
+    """An autotuner benchmarks ``kernel``'s ("module:qualname") configs in this process: counted in the metrics
+    once the guard is armed. The autotune-benchmark detection calls this."""
+    if _guard is not None and _guard.armed:
+        metrics.count(metrics.BENCHMARKS, kernel)

@@ -21,7 +21,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import devices, plan as planning, tritoncompat
+from . import plan as planning, tritoncompat
 from .backends import npu
 from .errors import EnvironmentProblem
 from .manifest import Manifest
@@ -134,7 +134,7 @@ def lower(m: Manifest) -> LowerReport:
     if m.backend != "npu":
         raise EnvironmentProblem(f"{m.path}: target.backend is {m.backend!r}: lower checks the Ascend (npu) "
                                  f"front end only")
-    npu.activate_offline(m.arch, devices.manifest_device(m))  # before planning: triton 3.2 binds @autotune to it
+    npu.activate_offline(m.arch, planning.manifest_device(m))  # before planning: triton 3.2 binds @autotune to it
     the_plan = planning.plan(m)
     dist, version = tritoncompat.triton_distribution()
     compiles: list[LoweredCompile] = []

@@ -39,7 +39,8 @@ class KernelSource:
     args: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     label: str = ""
-    close: bool = False  # record entries: also each recorded int argument's other specialization classes
+    close: bool | tuple[str, ...] = False  # record entries: int parameters also compiled in their other classes:
+    # True: those that took several classes in the recording; a tuple: those and the ones named (plan.closed_params)
     close_dtypes: tuple[tuple[str, tuple[str, ...]], ...] = ()  # record entries: (pointer parameter, its dtypes)
 
 
@@ -57,6 +58,7 @@ class Manifest:
     kernels: tuple[KernelSource, ...]
     spec_table: dict[str, Any] = field(default_factory=dict)  # [spec] as written: the providers validate it
     archs: tuple[str, ...] = ()  # every SoC ``[target] arch`` lists (npu); ``arch`` is the first
+    tuned: Path | None = None  # ``[target] tuned``: the autotune table (prewarm.autotune) builds write results from
 
     def spec(self) -> dict[str, Any]:
         """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives: the target's backend,
@@ -133,6 +135,10 @@ def load(path: str | Path) -> Manifest:
         arch = archs[0]
     device = t.get("device", str, "a device profile name from prewarm.devices (H200, H100, A100, B200, Ascend910B, A3)",
                    None)
+    tuned = t.get("tuned", str, "a path to an autotune table made by `prewarm tune` (relative to the manifest)", None)
+    if tuned is not None and device is None:
+        raise t.fail("tuned", tuned, "target.device too: the table's rows are keyed by the device they were "
+                                     "measured on (e.g. device = \"H200\")")
     t.done()
 
     old = [k for k in OLD_ENVELOPE if k in doc]
@@ -157,7 +163,10 @@ def load(path: str | Path) -> Manifest:
     for k in kernels:
         if k.kind == "record":
             digest.update(Path(k.ref).read_bytes())
-    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, spec_table, archs)
+    table = (path.parent / tuned).resolve() if tuned is not None else None
+    if table is not None and table.is_file():  # its results go into the build; a missing one is reported there
+        digest.update(table.read_bytes())
+    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, spec_table, archs, table)
 
 
 def _kernel(path: Path, i: int, entry: Any) -> KernelSource:
@@ -181,7 +190,11 @@ def _kernel(path: Path, i: int, entry: Any) -> KernelSource:
         rec = (path.parent / rel).resolve()
         if not rec.is_file():
             raise r.fail("record", rel, f"an existing file (looked for {rec})")
-        close = r.get("close", bool, "true or false (compile the other specialization classes of recorded ints)", False)
+        close = r.get("close", (bool, list), "true, false, or a list of int parameter names (also compile the other "
+                      "specialization classes of the recorded ints that varied, and of those named)", False,
+                      check=lambda v: isinstance(v, bool) or bool(v) and len(set(map(str, v))) == len(v)
+                      and all(isinstance(n, str) and n.isidentifier() for n in v))
+        close = close if isinstance(close, bool) else tuple(close)
         dtypes = r.table_of("close_dtypes")
         close_dtypes = tuple((param, dtypes.names(param, TENSOR_DTYPES, ())) for param in dtypes.table)
         r.done()

@@ -9,17 +9,20 @@ those with ``preload``, so plan, build and check share one definition of "the re
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import itertools
 import json
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import tritoncompat
+from . import devices, tritoncompat
 from .errors import ManifestError
 from .manifest import KernelSource, Manifest
+from .record import RecordedKey, read
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,9 @@ class Request:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     specialization: str | None = None
-    close: bool = False  # recorded: also compile its specialized ints' other classes (see other_int_classes)
+    close: tuple[str, ...] = ()  # recorded: the int parameters also compiled in their other classes (other_int_classes)
     close_dtypes: tuple = ()  # recorded: ((pointer parameter, (dtype, ...)), ...) also compiled in (see other_dtypes)
+    recorded: tuple[RecordedKey, ...] = field(default=(), compare=False)  # the keys its recording's processes saw
 
     @property
     def ident(self) -> str:
@@ -53,6 +57,8 @@ class Request:
             out.update(args=list(self.args), kwargs=self.kwargs)
         else:
             out["specialization_data"] = self.specialization
+            if self.close:
+                out["close"] = list(self.close)
         return out
 
 
@@ -64,10 +70,11 @@ class Compile:
     kernel: str
     label: str
     specialization: str
+    closing: str = ""  # what closing changed in the recorded request ("T=1 n other"); "": Triton's own compile
 
     def to_json(self) -> dict:
         return {"request": self.request, "kernel": self.kernel, "label": self.label,
-                "specialization_data": self.specialization}  # fmt: skip
+                "specialization_data": self.specialization, "closing": self.closing}  # fmt: skip
 
 
 @dataclass
@@ -81,8 +88,20 @@ class Plan:
             "manifest": {"name": m.name, "path": str(m.path), "digest": m.digest},
             "target": {"backend": m.backend, "arch": m.arch},
             "spec": m.spec(),
+            "options": provider_options(m),
             "requests": [r.to_json() for r in self.requests],
         }
+
+
+def provider_options(manifest: Manifest) -> dict[str, list[dict]]:
+    """Each provider entry's ``options(spec)``, where its module has one: per axis of its library's API, the values
+    planned against every value the library accepts, so that a narrowed axis is never silent (plan prints them)."""
+    out = {}
+    for src in manifest.kernels:
+        options = getattr(importlib.import_module(src.ref), "options", None) if src.kind == "provider" else None
+        if callable(options):
+            out[f"{src.where} {src.ref}"] = options(manifest.spec())
+    return out
 
 
 # --- building the plan -----------------------------------------------------------------------------------------
@@ -107,6 +126,7 @@ def _from_source(manifest: Manifest, src: KernelSource) -> list[Request]:
         requests = load_record(src.ref, source=f"{src.where} {src.ref}", close=src.close,
                                close_dtypes=src.close_dtypes)
         _check_close_dtypes(manifest, src, requests)
+        _check_close(manifest, src, requests)
         return requests
     return _from_function(manifest, src)
 
@@ -163,37 +183,46 @@ def _from_function(manifest: Manifest, src: KernelSource) -> list[Request]:
     return out
 
 
-def load_record(path: str, source: str | None = None, close: bool = False, close_dtypes: tuple = ()) -> list[Request]:
-    """Requests from a ``prewarm record`` file (JSON lines), deduplicated, in first-seen order; ``close``: each
-    expands to its specialized ints' other classes too (:func:`other_int_classes`); ``close_dtypes``: and to the
-    named pointer parameters' other dtypes (:func:`other_dtypes`)."""
+def load_record(path: str, source: str | None = None, close: bool | tuple[str, ...] = False,
+                close_dtypes: tuple = ()) -> list[Request]:
+    """Requests from a ``prewarm record`` file (JSON lines), deduplicated, in first-seen order, each with the keys
+    its recorded processes saw. ``close``: each request also compiles in the other classes of its kernel's int
+    parameters that took more than one class in this recording (True), and of the ones named (a tuple)
+    (:func:`closed_params`); ``close_dtypes``: and the named pointer parameters' other dtypes (:func:`other_dtypes`)."""
     out: dict[str, Request] = {}
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot read record file: {e.strerror}") from e
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-            kernel, data = entry["kernel"], entry["specialization_data"]
-            name = json.loads(data)["name"]
-        except (ValueError, KeyError, TypeError) as e:
+    for line in read(path):
+        if line.kernel.startswith("__main__:"):
             raise ManifestError(
-                f"{path}:{n}: {line[:80]!r}: expected a JSON object with 'kernel' and 'specialization_data' "
-                f"(a line written by `prewarm record`) ({e})"
-            ) from e
-        if kernel.startswith("__main__:"):
-            raise ManifestError(
-                f"{path}:{n}: kernel {kernel} was defined in a script run as __main__: expected kernels in an "
+                f"{line.where}: kernel {line.kernel} was defined in a script run as __main__: expected kernels in an "
                 f"importable module (a build process must import it by name)"
             )
-        data = _this_hosts(data, f"{path}:{n}")
-        label = entry.get("label") or f"{name.rsplit('.', 1)[-1]} [{describe_specialization(data)}]"
-        req = Request(kernel, label, source or path, specialization=data, close=close, close_dtypes=close_dtypes)
-        out.setdefault(req.ident, req)
-    return list(out.values())
+        data = _this_hosts(line.specialization, line.where)
+        name = json.loads(data)["name"]
+        label = line.label or f"{name.rsplit('.', 1)[-1]} [{describe_specialization(data)}]"
+        req = Request(line.kernel, label, source or path, specialization=data, close_dtypes=close_dtypes)
+        req = out.setdefault(req.ident, req)
+        if line.key is not None and all(k.key != line.key.key for k in req.recorded):
+            out[req.ident] = dataclasses.replace(req, recorded=(*req.recorded, line.key))
+    requests = list(out.values())
+    params = closed_params(requests, close)
+    return [dataclasses.replace(r, close=params.get(r.kernel, ())) for r in requests]
+
+
+def closed_params(requests: list[Request], close: bool | tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """kernel -> the int parameters closing expands for its recorded requests: those that took more than one
+    specialization class among them (a batch size, a token count: values the traffic moves, where a stride or a
+    flag stays in its class), plus those ``close`` names; in parameter order. Grouped by kernel, not by its other
+    constexprs: what moves an int's class is the traffic, the same for every config of the kernel, and one
+    config's few samples would under-close the others."""
+    if close is False:
+        return {}
+    named = set(close) if isinstance(close, tuple) else set()
+    seen: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))  # kernel -> param -> classes
+    for r in requests:
+        for param, cls in tritoncompat.int_args(r.specialization).items():
+            seen[r.kernel][param].add(cls)
+    return {kernel: tuple(p for p, classes in params.items() if len(classes) > 1 or p in named)
+            for kernel, params in seen.items()}  # fmt: skip
 
 
 def _this_hosts(data: str, where: str) -> str:
@@ -240,6 +269,51 @@ def _local_extern_libs(options: dict) -> dict[str, str]:
     except ImportError:
         return {}
     return dict(CUDAOptions().extern_libs)
+
+
+# --- the device a manifest plans as --------------------------------------------------------------------------
+
+
+def manifest_device(manifest) -> str | None:
+    """The profile name a manifest's ``[target] device`` gives, else the one its recordings ran on
+    (:func:`recorded_device`; None: neither names one), checked against its backend and arch."""
+    name = manifest.device
+    if name is None:
+        found = recorded_device(manifest)
+        if found is None:
+            return None
+        name, where, observed = found
+        profile = devices.PROFILES[name]
+        if profile.backend != manifest.backend or devices.arch_name(manifest.arch) != profile.arch.lower():
+            raise ManifestError(f"{where}: recorded on {observed['name']} ({profile.backend} {profile.arch}), but "
+                                f"{manifest.path} targets {manifest.backend} {manifest.arch}: expected the recording's "
+                                f"arch, or a [target] device naming the device to plan for")
+        return name
+    profile = devices.lookup(name, f"{manifest.path}: target")
+    if profile.backend != manifest.backend or devices.arch_name(manifest.arch) != profile.arch.lower():
+        raise ManifestError(f"{manifest.path}: target.device = {name!r}: that device is {profile.backend} "
+                            f"{profile.arch}, but the manifest targets {manifest.backend} {manifest.arch}: expected a "
+                            f"device of the target's arch")
+    return devices.ALIASES.get(name, name)
+
+
+def recorded_device(manifest) -> tuple[str, str, dict] | None:
+    """(profile name, first line naming it, the device as recorded) of the device a manifest's record files ran
+    on; None where no line names one. Lines naming different devices are a ManifestError naming both lines."""
+    first: tuple[str, str, dict] | None = None
+    for source in manifest.kernels:
+        if source.kind != "record":
+            continue
+        for line in read(source.ref):
+            if line.device is None:
+                continue
+            if first is None:
+                first = (devices.matching_profile(line.device, line.where), line.where, line.device)
+            elif line.device["name"] != first[2]["name"] or devices.matching_profile(line.device, line.where) != first[0]:
+                raise ManifestError(f"{line.where}: recorded on {line.device['name']!r}, but {first[1]} on "
+                                    f"{first[2]['name']!r}: a build plans for one device: expected recordings of one "
+                                    f"device per manifest, or a [target] device naming the one to plan for")
+    return first
 
 
 # --- references and argument encoding ---------------------------------------------------------------------------
@@ -331,6 +405,20 @@ def describe_specialization(data: str) -> str:
 # --- expansion into compiles (needs an active target) -----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CompileCount:
+    """How many compiles one manifest entry plans for one kernel, and how many of those closing added."""
+
+    source: str  # the manifest entry, e.g. "kernels[0] /path/app.jsonl"
+    kernel: str
+    requests: int
+    compiles: int
+    closing: int
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclass
 class Planned:
     """A manifest's requests expanded into Triton's compiles under its target (activated in this process)."""
@@ -339,6 +427,16 @@ class Planned:
     target: Any  # a prewarm.backends Target
     requests: list[Request]
     compiles: list[Compile]
+
+    def counts(self) -> list[CompileCount]:
+        """Compiles per manifest entry and kernel, the most first (a compile two requests make counts once, for
+        the first)."""
+        source = {r.ident: r.source for r in self.requests}
+        requests = Counter((r.source, r.kernel) for r in self.requests)
+        compiles = Counter((source[c.request], c.kernel) for c in self.compiles)
+        closing = Counter((source[c.request], c.kernel) for c in self.compiles if c.closing)
+        rows = [CompileCount(s, k, n, compiles[s, k], closing[s, k]) for (s, k), n in requests.items()]
+        return sorted(rows, key=lambda c: -c.compiles)
 
 
 def plan_for(manifest: Manifest, target: Any) -> Planned:
@@ -350,11 +448,14 @@ def plan_for(manifest: Manifest, target: Any) -> Planned:
 
 
 def expand_all(requests: list[Request]) -> list[Compile]:
-    """Every request's compiles, each distinct compile once (two calls can make the same request of Triton)."""
+    """Every request's compiles, each distinct compile once (two calls can make the same request of Triton, and
+    closing one recorded request can give another; the request itself is kept over a closing variant of another)."""
     out: dict[str, Compile] = {}
     for r in requests:
         for c in expand(r):
-            out.setdefault(c.specialization, c)
+            same = tritoncompat.on_disk(c.specialization)
+            if same not in out or out[same].closing and not c.closing:
+                out[same] = c
     return list(out.values())
 
 
@@ -365,9 +466,9 @@ def expand(request: Request) -> list[Compile]:
         if request.close:
             kernel = resolve(request.kernel)
             variants += [(f"{what} {ints}".strip(), closed) for what, data in variants
-                         for ints, closed in other_int_classes(kernel, data)]
+                         for ints, closed in other_int_classes(kernel, data, request.close)]
         return [Compile(request.ident, request.kernel, f"{request.label} [closed: {what}]" if what else request.label,
-                        data) for what, data in variants]  # fmt: skip
+                        data, what) for what, data in variants]  # fmt: skip
     kernel = resolve(request.kernel)
     args = tuple(decode(a) for a in request.args)
     kwargs = {k: decode(v) for k, v in request.kwargs.items()}
@@ -419,20 +520,45 @@ def _check_close_dtypes(manifest: Manifest, src: KernelSource, requests: list[Re
             )
 
 
+def _check_close(manifest: Manifest, src: KernelSource, requests: list[Request]) -> None:
+    """Every parameter ``close = [...]`` names is a specialized int of some recorded kernel (a typo, a constexpr
+    or a ``do_not_specialize`` parameter closes nothing)."""
+    if not isinstance(src.close, tuple):
+        return
+    recorded: dict[str, set] = defaultdict(set)  # kernel -> its int arguments in the recording
+    for r in requests:
+        recorded[r.kernel].update(tritoncompat.int_args(r.specialization))
+    ints = {p for kernel, names in recorded.items() for p in specialized_ints(resolve(kernel)) if p in names}
+    for param in src.close:
+        if param not in ints:
+            raise ManifestError(
+                f"{manifest.path}: {src.where}.close = {list(src.close)!r}: no recorded kernel has a specialized int "
+                f"parameter {param!r} (a constexpr, do_not_specialize or pointer parameter has no class to close): "
+                f"expected one of {', '.join(sorted(ints)) or '(none recorded)'}"
+            )
+
+
 # How a closed request's label names an int argument's class
 _CLASS_LABELS = {tritoncompat.INT_ONE: "=1", tritoncompat.INT_DIVISIBLE: "%16=0", tritoncompat.INT_OTHER: " other"}
 
 
-def other_int_classes(kernel: Any, data: str) -> list[tuple[str, str]]:
-    """``data`` (a recorded compile request) with its specialized int arguments in every other combination of the
+def specialized_ints(kernel: Any) -> list[str]:
+    """The kernel's int parameters Triton specializes (not constexpr, not ``do_not_specialize``, not annotated)."""
+    return [p.name for p in tritoncompat.jit_function(kernel).params
+            if not (p.is_constexpr or p.do_not_specialize or getattr(p, "annotation_type", None))]  # fmt: skip
+
+
+def other_int_classes(kernel: Any, data: str, params: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``data`` (a recorded compile request) with its int arguments ``params`` in every other combination of the
     classes Triton tells apart (equal to 1: compiled in; a multiple of 16; neither), as (description, specialization
     data) pairs, so a recording from one traffic sample also covers the next batch size. Arguments the kernel
     declares ``do_not_specialize`` (fla's T and N), constexprs and annotated ones are left as recorded, and so is
     triton 3.2 data (:func:`tritoncompat.int_args` gives none). The data's ``key`` is kept."""
     recorded = tritoncompat.int_args(data)
+    specialized = set(specialized_ints(kernel))
     choices = []  # (param, width, classes, recorded class)
     for p in tritoncompat.jit_function(kernel).params:
-        if p.name not in recorded or p.is_constexpr or p.do_not_specialize or getattr(p, "annotation_type", None):
+        if p.name not in recorded or p.name not in params or p.name not in specialized:
             continue
         width, now = recorded[p.name]
         classes = [c for c in tritoncompat.INT_CLASSES[width]

@@ -129,6 +129,9 @@ def probe(c: Compile, cache_dir: str) -> RequestResult:
         return RequestResult(c.label, c.kernel, None, False, f"cannot compute the key: {type(e).__name__}: {e}")
     if p is None:
         return RequestResult(c.label, c.kernel, None, False, "Triton did not look this kernel up in the cache")
+    if not p.filename.endswith(".json"):  # e.g. cuda_utils.*.so: the driver started inside the probe (see cuda.start_driver)
+        return RequestResult(c.label, c.kernel, None, False, f"cannot compute the key: Triton looked up {p.filename} "
+                             f"(a runtime module, not this kernel) first: the target's driver was not started")
     hit, detail = found(cache_dir, p.key, p.filename)
     return RequestResult(c.label, c.kernel, p.key, hit, detail)
 
@@ -150,6 +153,9 @@ def planned_keys(compiles: list[Compile]) -> dict[str, Compile]:
     with tritoncompat.cache_scope(os.path.abspath(tritoncompat.cache_dir()), ProbeCacheManager):
         for c in compiles:
             p = lookup(resolve(c.kernel), c.specialization)
+            if p is not None and not p.filename.endswith(".json"):
+                raise RuntimeError(f"{c.label}: Triton looked up {p.filename} (a runtime module) before the kernel: "
+                                   f"the target's driver was not started")
             if p is not None:
                 keys.setdefault(p.key, c)
     return keys

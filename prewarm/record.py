@@ -3,8 +3,11 @@
 The command runs with a ``sitecustomize.py`` first on PYTHONPATH, so every Python process it starts installs
 the JIT cache hook (3.4+: ``knobs.runtime.jit_cache_hook``; 3.2: ``JITFunction.cache_hook``) the moment it
 imports triton. The hook appends one JSON line per request (kernel "module:qualname" + the specialization data
-``JITFunction.preload`` takes) to the output file under a file lock, and never changes what Triton does. A
-manifest includes the file with ``record = "FILE"``; build replays it.
+``JITFunction.preload`` takes) to the output file under a file lock, and never changes what Triton does. Each line
+also carries the on-disk key this process's Triton computes for the request, what that key is made of (Triton's
+own parts: :func:`prewarm.tritoncompat.cache_key_parts`) and the device it ran on, so a build elsewhere can check
+that it reproduces the key (:mod:`prewarm.keys`) and plan as that device. A manifest includes the file with
+``record = "FILE"``; build replays it. :func:`read` is the one reader of the format.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import EnvironmentProblem, ManifestError
 
@@ -68,10 +72,8 @@ def record(output: str | os.PathLike, command: list[str]) -> RecordResult:
         returncode = subprocess.call(command, env=env)
     except OSError as e:
         raise EnvironmentProblem(f"record: cannot run {command[0]!r}: {e.strerror}") from e
-    from .plan import load_record
-
-    lines = sum(1 for line in out.read_text().splitlines() if line.strip())
-    return RecordResult(str(out), returncode, lines, len(load_record(str(out))) if lines else 0)
+    lines = read(out)
+    return RecordResult(str(out), returncode, len(lines), len({(line.kernel, line.specialization) for line in lines}))
 
 
 def hooked_pythonpath() -> str:
@@ -103,9 +105,93 @@ def hooked_pythonpath() -> str:
 
 
 def request_entry(fn, compile: dict) -> dict:
-    """One compile request as a record line holds it: kernel "module:qualname" + ``preload``'s data."""
-    return {"kernel": f"{fn.module}:{fn.name}", "specialization_data": compile["specialization_data"],
-            "pid": os.getpid()}  # fmt: skip
+    """One compile request as a record line holds it: kernel "module:qualname" + ``preload``'s data, and what this
+    process knows of its key and device (:func:`observed`)."""
+    entry = {"kernel": f"{fn.module}:{fn.name}", "specialization_data": compile["specialization_data"],
+             "pid": os.getpid()}  # fmt: skip
+    return {**entry, **observed(fn.jit_function, compile)}
+
+
+def observed(jit, compile: dict) -> dict:
+    """``key`` (the dir this process's Triton looks the request up in), ``key_parts`` (what it made the key of) and
+    ``device`` (what it runs on, :func:`prewarm.devices.observe`). Never raises: recording must not break the
+    recorded process; a key that could not be computed is said (``key_error``), an unknown device left out."""
+    from . import devices, tritoncompat
+
+    out: dict[str, Any] = {}
+    try:
+        out["key"], out["key_parts"] = tritoncompat.cache_key_parts(jit, compile["specialization_data"])
+    except Exception as e:
+        out["key_error"] = f"{type(e).__name__}: {e}"
+    try:
+        device = devices.observe(compile.get("device", 0))
+    except Exception:
+        device = None
+    if device:
+        out["device"] = device
+    return out
+
+
+AUTOTUNE_EVENT = "autotune"  # a guard record line's "event": an autotune benchmark, no compile request
+
+
+@dataclass(frozen=True)
+class RecordedKey:
+    """The key a recorded process's Triton looked a request up under, and its parts as it computed them."""
+
+    where: str  # "FILE:LINE" of the record line
+    key: str | None  # the key dir (None: the process could not compute it, see ``error``)
+    parts: dict  # tritoncompat.cache_key_parts' parts
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RecordLine:
+    """One line of a record file, checked: what older prewarm versions wrote (kernel + specialization data, an
+    optional label) and what this one adds (key, device); ``key``/``device`` are None on older lines."""
+
+    where: str  # "FILE:LINE"
+    kernel: str  # "module:qualname"
+    specialization: str  # the data JITFunction.preload takes
+    label: str | None
+    key: RecordedKey | None
+    device: dict | None
+
+
+def read(path: str | os.PathLike) -> list[RecordLine]:
+    """Every request line of a record file, in order (blank lines skipped); a malformed line is a ManifestError
+    naming file and line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read record file: {e.strerror}") from e
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            entry = json.loads(line)
+            if isinstance(entry, dict) and entry.get("event") == AUTOTUNE_EVENT:
+                continue  # the guard's note of an autotune benchmark: nothing to compile (the autotune table's)
+            kernel, data = entry["kernel"], entry["specialization_data"]
+            json.loads(data)["name"]
+            key = entry.get("key")
+            parts = entry.get("key_parts", {})
+            device = entry.get("device")
+            if not (key is None or isinstance(key, str)) or not isinstance(parts, dict) \
+                    or not (device is None or isinstance(device, dict) and isinstance(device.get("name"), str)):
+                raise TypeError("'key' must be a string, 'key_parts' an object, 'device' an object with a 'name'")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(
+                f"{where}: {line[:80]!r}: expected a JSON object with 'kernel' and 'specialization_data' "
+                f"(a line written by `prewarm record`) ({e})"
+            ) from e
+        recorded = None
+        if key is not None or "key_error" in entry:
+            recorded = RecordedKey(where, key, parts, str(entry.get("key_error", "")))
+        out.append(RecordLine(where, kernel, data, entry.get("label"), recorded, device))
+    return out
 
 
 def append(path: str, entry: dict) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -21,6 +20,8 @@ def triton_distribution() -> tuple[str, str]:
     The two known names are asked first (milliseconds); scanning every installed distribution costs ~0.6 s of a
     pre-launch job and is left for other builds (pytorch-triton-rocm, nightlies...).
     """
+    import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.nodestamp)
+
     def candidates():
         yield from ("triton-ascend", "triton")
         yield from importlib.metadata.packages_distributions().get("triton", [])
@@ -198,37 +199,114 @@ def warmup(kernel, args: tuple, kwargs: dict, grid) -> None:
 
 def autotuned_call(kernel, args: tuple, kwargs: dict):
     """(Autotuner, args, kwargs) as the Autotuner's ``run`` receives them for this call, or None when the call is
-    not autotuned or the Autotuner keeps no results on disk (triton 3.2 has no ``cache_results``; 3.4+ only with
-    ``cache_results=True`` or TRITON_CACHE_AUTOTUNING=1). Heuristics over the Autotuner are applied first, as
-    their ``run`` would."""
+    not autotuned or this Triton cannot keep autotune results on disk (3.2, triton-ascend: no ``cache_results``).
+    Heuristics over the Autotuner are applied first, as their ``run`` would. Whether this process's Autotuner
+    reads kept results is :func:`keeps_results`."""
     from triton.runtime.autotuner import Autotuner, Heuristics
 
     if isinstance(kernel, Heuristics) and isinstance(kernel.fn, Autotuner):
         named = {**dict(zip(kernel.arg_names, args)), **kwargs}
         kwargs = {**kwargs, **{name: heur(named) for name, heur in kernel.values.items()}}
         kernel = kernel.fn
-    if not isinstance(kernel, Autotuner) or not getattr(kernel, "cache_results", False):
+    if not isinstance(kernel, Autotuner) or not hasattr(kernel, "check_disk_cache"):
         return None
     return kernel, args, kwargs
+
+
+def autotuner_of(kernel):
+    """The Autotuner in ``kernel``'s stack of wrappers (Heuristics, Autotuner), or None: there is none, or this
+    Triton cannot keep its results on disk (3.2, triton-ascend: no ``check_disk_cache``)."""
+    from triton.runtime.autotuner import Autotuner
+
+    while not isinstance(kernel, Autotuner) and hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel if isinstance(kernel, Autotuner) and hasattr(kernel, "check_disk_cache") else None
+
+
+def keeps_results(tuner) -> bool:
+    """Does this Autotuner read and write ``<fn>.autotune.json``? Fixed when it was made (at its module's import):
+    ``cache_results=True``, or TRITON_CACHE_AUTOTUNING=1 in the environment then."""
+    return bool(getattr(tuner, "cache_results", False))
 
 
 class NoBenchmark(Exception):
     """Raised in :func:`first_tuning`'s Autotuner when it would benchmark without asking the disk first."""
 
 
-def first_tuning(tuner, args: tuple, kwargs: dict) -> None:
-    """A copy of Autotuner ``tuner`` runs this call as a fresh process's first call would (no result in memory):
-    it computes its tuning key and asks the cache manager for a kept result, where a probing manager can stop it;
-    benchmarking instead raises :class:`NoBenchmark`. (``cache`` and ``_bench`` are the Autotuner's internals.)"""
+@dataclass
+class Tuning:
+    """What an Autotuner's first call computes before it asks the disk (see :func:`first_tuning`)."""
+
+    key: tuple | None = None  # Triton's tuning key: the key arguments' values, then each tensor argument's dtype
+    configs: list = field(default_factory=list)  # the configs it benchmarks, after its own pruning (prune/perf hooks)
+
+
+class _AtLookup(Exception):
+    """Stops :func:`tuning_of`'s copy where the Autotuner would look for a kept result."""
+
+
+def _run_copy(tuner, args: tuple, kwargs: dict, seen: Tuning, look: bool) -> None:
+    """A copy of Autotuner ``tuner`` runs this call as a fresh process's first call would (no result in memory)
+    and keeping results on disk, as a node with TRITON_CACHE_AUTOTUNING=1 does: it computes its tuning key and
+    prunes its configs (``seen`` gets both), then asks the cache manager for a kept result (``look``) or stops
+    there. Benchmarking instead raises :class:`NoBenchmark`. (``cache``, ``_bench`` and ``check_disk_cache(tuning_key,
+    configs, bench_fn)`` are the Autotuner's internals.)"""
     import copy
 
     def no_benchmark(*a, **k):
         raise NoBenchmark
 
+    def check_disk_cache(tuning_key, configs, bench_fn):
+        seen.key, seen.configs = tuning_key, list(configs)
+        if not look:
+            raise _AtLookup
+        return type(tuner).check_disk_cache(probe_copy, tuning_key, configs, bench_fn)
+
     probe_copy = copy.copy(tuner)
     probe_copy.cache = {}
+    probe_copy.cache_results = True
     probe_copy._bench = no_benchmark
+    probe_copy.check_disk_cache = check_disk_cache
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # a launch's own, replaced here
     probe_copy.run(*args, grid=(1,), warmup=True, **kwargs)
+
+
+def first_tuning(tuner, args: tuple, kwargs: dict, seen: Tuning | None = None) -> None:
+    """:func:`_run_copy` up to the cache manager's lookup of ``<fn>.autotune.json``, where a probing manager stops it
+    (it raises; ``seen`` has the tuning key and pruned configs by then). A single config goes to the kernel's own
+    lookup instead; configs with pre_hooks, or no tuning key, raise :class:`NoBenchmark`."""
+    _run_copy(tuner, args, kwargs, seen if seen is not None else Tuning(), look=True)
+
+
+def tuning_of(tuner, args: tuple, kwargs: dict) -> Tuning:
+    """The tuning key and pruned configs of this call, computed by a copy of the Autotuner that stops before any
+    lookup (nothing is created or read in the cache dir); a call that would not be tuned raises :class:`NoBenchmark`
+    (configs with pre_hooks, no tuning key) or gives an empty :class:`Tuning` (a single config)."""
+    seen = Tuning()
+    try:
+        _run_copy(tuner, args, kwargs, seen, look=False)
+    except _AtLookup:
+        pass
+    return seen
+
+
+def watch_autotune_benchmarks(before) -> None:
+    """From now on, ``before(tuner, args, kwargs)`` runs each time an Autotuner of this process starts benchmarking
+    its configs for one call (a tuning key it found neither in memory nor on disk), before the first config runs;
+    what it raises stops the benchmark. Installed on the Autotuner class, once per callback (``_bench`` runs once per
+    config with the same ``nargs`` dict of that call: the first one of a call is the start)."""
+    from triton.runtime.autotuner import Autotuner
+
+    bench = Autotuner._bench
+    mark = f"_prewarm_watched_{id(before)}"  # the call this watcher last saw start (each watcher its own)
+
+    def watched(self, *args, config, **kwargs):
+        if getattr(self, mark, None) is not self.nargs:
+            setattr(self, mark, self.nargs)
+            before(self, args, kwargs)
+        return bench(self, *args, config=config, **kwargs)
+
+    Autotuner._bench = watched
 
 
 def preload(fn, specialization_data: str):
@@ -429,6 +507,152 @@ def read_key_dir(path: str | os.PathLike) -> Specialization | None:
     return None
 
 
+# --- the on-disk cache key and what it is made of --------------------------------------------------------------
+# compile() keys a request by sha256(f"{triton_key()}-{src.hash()}-{backend.hash()}-{options.hash()}-{env vars}")
+# (:func:`cache_key_text`); src.hash() folds the kernel's ``cache_key`` (its source, starting line, the constexpr
+# globals it and its callees read (3.4+), its callees' keys) into the request's signature, constexprs and attrs. A
+# recording stores the key and these parts, so a host that cannot reproduce the key can say which part differs.
+
+
+def ast_source(jit, data: dict):
+    """The ASTSource ``JITFunction.preload`` builds from specialization ``data`` (either layout)."""
+    if "constant_keys" not in data:  # 3.2 (triton-ascend): constants by name, an AttrsDescriptor
+        return ascend_ast_source(jit, data, "3.2")
+    import triton.language as tl
+    from triton.compiler.compiler import ASTSource
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    def value(v):
+        if isinstance(v, str) and tl.dtype.is_dtype(v):
+            return tl.dtype(v)
+        return tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+
+    constexprs = {tuple(k): value(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
+    return ASTSource(jit, signature, constexprs, attrs)
+
+
+def on_disk(data: str) -> str:
+    """The request ``data`` as far as the on-disk key reads it: without the in-memory ``key`` (which repeats the
+    launch's own option kwargs), so two requests Triton keeps in one key dir compare equal."""
+    obj = json.loads(data)
+    obj.pop("key", None)
+    return json.dumps(obj, sort_keys=True)
+
+
+def key_dir_name(digest: str) -> str:
+    """The dir name ``get_cache_manager`` keeps a hex key in (3.4+: base32; 3.2: urlsafe base64)."""
+    from triton.runtime import cache
+
+    encode = getattr(cache, "_base32", None) or cache._base64
+    return encode(digest)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _folds_globals() -> bool:
+    """Does this Triton fold the constexpr globals a kernel reads into its cache_key (3.4+; 3.2 only checks them
+    at launch)?"""
+    import triton
+
+    return tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 4)
+
+
+def _callees(jit) -> dict[str, dict]:
+    """The @jit functions ``jit`` calls directly, as its ``cache_key`` folds them in: "module:qualname" -> their own
+    cache_key, starting line and source digest (a callee's key covers its callees)."""
+    import inspect
+
+    from triton.runtime import jit as rt
+
+    found: dict[str, dict] = {}
+
+    class Callees(rt.DependenciesFinder):
+        def _update_hash(self, func):
+            super()._update_hash(func)
+            fn = getattr(func, "fn", None)
+            if fn is not None and hasattr(func, "cache_key"):
+                found[f"{fn.__module__}:{fn.__qualname__}"] = {
+                    "cache_key": func.cache_key, "line": func.starting_line_number, "source": _digest(func.src)}
+
+    kwargs = {"name": getattr(jit, "_fn_name", jit.__name__), "globals": jit.__globals__, "src": jit.src}
+    if "nonlocals" in inspect.signature(rt.DependenciesFinder.__init__).parameters:  # 3.4+
+        kwargs["nonlocals"] = inspect.getclosurevars(jit.fn).nonlocals
+    Callees(**kwargs).visit(jit.parse())
+    return dict(sorted(found.items()))
+
+
+_KERNEL_PARTS: dict[int, tuple[str, dict]] = {}  # id(jit) -> (its cache_key, kernel_key_parts): once per kernel
+
+
+def kernel_key_parts(jit) -> dict:
+    """What a kernel puts into every key of it: its ``cache_key`` and what Triton folds into that (source digest,
+    starting line, the constexpr globals read, as "name" -> repr of the value, and the direct callees)."""
+    from triton.language.core import constexpr
+
+    cache_key = jit.cache_key  # computes used_global_vals too (Triton keeps both for the kernel's life)
+    known = _KERNEL_PARTS.get(id(jit))
+    if known is not None and known[0] == cache_key:
+        return known[1]
+    read = {}
+    if _folds_globals():
+        read = {name: repr(val.value) for (name, _), (val, _) in jit.used_global_vals.items()
+                if isinstance(val, constexpr)}  # fmt: skip
+    parts = {"cache_key": cache_key, "source": _digest(jit.src), "line": jit.starting_line_number,
+             "globals": dict(sorted(read.items())), "calls": _callees(jit)}
+    _KERNEL_PARTS[id(jit)] = (cache_key, parts)
+    return parts
+
+
+def _jsonable(value):
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def options_key_view(options) -> dict:
+    """A backend's parsed options as their ``hash()`` reads them: name -> value, the libraries in ``extern_libs``
+    by their content's digest (CUDAOptions.hash hashes the file, not its path)."""
+    out = {}
+    for name, value in sorted(options.__dict__.items()):
+        if name == "extern_libs" and value:
+            value = [[lib, hashlib.sha256(Path(path).read_bytes()).hexdigest() if os.path.isfile(path) else path]
+                     for lib, path in sorted(value)]  # fmt: skip
+        out[name] = _jsonable(value)
+    return out
+
+
+def cache_key_parts(jit, specialization_data: str, target=None) -> tuple[str, dict]:
+    """(key dir, parts): the dir under TRITON_CACHE_DIR that ``compile()`` looks the request up in, in this process
+    (this Triton, env vars, kernel source; ``target``: the active driver's by default), and what it composed the
+    key of, each part as Triton itself computes it: ``triton`` (version, triton_key digest), ``kernel``
+    (:func:`kernel_key_parts`), ``request`` (src.hash(): the kernel's key with the request's signature, constexprs
+    and attrs), ``backend`` (backend.hash(); CUDA: ptxas's version text and the arch), ``options`` (options.hash()
+    and :func:`options_key_view`) and ``env`` (the cache-invalidating env vars set)."""
+    import triton
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.driver import driver
+
+    data = json.loads(specialization_data)
+    jit = jit_function(jit)
+    src = ast_source(jit, data)  # as preload rebuilds the request ...
+    backend = make_backend(target or driver.active.get_current_target())
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+    options = backend.parse_options(dict(options.__dict__, **src.parse_options()))  # ... and compile() parses it
+    env = cache_invalidating_env_vars()
+    key = key_dir_name(_digest(cache_key_text(src, backend, options, env)))
+    parts = {"triton": {"version": triton.__version__, "digest": triton_key()}, "kernel": kernel_key_parts(jit),
+             "request": src.hash(), "backend": str(backend.hash()),
+             "options": {"digest": options.hash(), "values": options_key_view(options)},
+             "env": dict(sorted(env.items()))}  # fmt: skip
+    return key, parts
+
+
 # --- rewriting compile requests -----------------------------------------------------------------------------------
 # Closing recorded traffic (plan.py) derives, from one recorded request, the ones Triton makes for other dtypes and
 # int classes. Triton (3.4+) puts a specialized int argument in one of three classes: equal to 1 (compiled in as the
@@ -541,6 +765,37 @@ def ascend_key_dir(digest: str, layout: str | None = None) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+# Every dir Triton keeps in its cache is named by get_cache_manager(hex digest): the digest's bytes, urlsafe base64 on
+# 3.2 (upstream and triton-ascend 3.2: runtime/cache.py _base64), base32 from 3.3 on (_base32; triton-ascend 3.5 as
+# well), "=" padding stripped. Its callers hash with sha256 (kernels, cuda_utils/hip_utils and launchers, autotune
+# results, triton-ascend's launchers and precompiled header), except triton-ascend's npu_utils (md5 of its source).
+# The last character holds the digest's last bits then zero bits, so only some characters can end a key.
+_KEY_DIR_FORMS = {  # (encoding, digest bytes): the exact form
+    ("base64", 32): r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]",
+    ("base64", 16): r"[A-Za-z0-9_-]{21}[AQgw]",
+    ("base32", 32): r"[A-Z2-7]{51}[AQ]",
+    ("base32", 16): r"[A-Z2-7]{25}[AEIMQUY4]",
+}
+_KEY_DIR_WORDS = {("base64", 32): "urlsafe base64 of a sha256 (43 characters)",
+                  ("base64", 16): "urlsafe base64 of an md5 (22 characters: npu_utils)",
+                  ("base32", 32): "base32 of a sha256 (52 characters A-Z 2-7)",
+                  ("base32", 16): "base32 of an md5 (26 characters: npu_utils)"}
+
+
+@functools.lru_cache()
+def key_dir_form(distribution: str | None, version: str | None) -> tuple[re.Pattern, str]:
+    """(a pattern that fullmatches exactly the key dir names that Triton ``distribution`` ``version`` writes, its
+    description). Where either is not known: every form Triton 3.2+ writes."""
+    encodings = {"base64", "base32"}
+    numbers = [int(x) for x in re.findall(r"\d+", version or "")[:2]]
+    if len(numbers) == 2:  # 3.3 is not a release prewarm supports: both forms
+        encodings = {"base64"} if tuple(numbers) < (3, 3) else {"base32"} if tuple(numbers) > (3, 3) else encodings
+    digests = {32} if distribution not in ("triton-ascend", None, "unknown") else {32, 16}
+    forms = sorted((e, d) for e in encodings for d in digests)
+    return (re.compile("|".join(_KEY_DIR_FORMS[f] for f in forms)),
+            " or ".join(_KEY_DIR_WORDS[f] for f in forms) + ", without padding")
+
+
 def ascend_ast_source(jit, data: dict, layout: str | None = None):
     """The ASTSource ``JITFunction.preload`` builds from specialization ``data`` (3.2: constants by name and an
     AscendAttrsDescriptor; 3.5+: constexprs and attrs keyed by argument path, as upstream)."""
@@ -560,8 +815,9 @@ def ascend_ast_source(jit, data: dict, layout: str | None = None):
     return ASTSource(jit, dict(data["signature"]), constants, AscendAttrsDescriptor.from_dict(data["attrs"]))
 
 
-def ascend_cache_key(src, backend, options, env_vars: dict) -> str:
-    """compile()'s key text (3.2: inline in compiler.py; 3.5+: runtime/cache.py get_cache_key, same text)."""
+def cache_key_text(src, backend, options, env_vars: dict) -> str:
+    """compile()'s key text, which it hashes into the key (3.2: inline in compiler.py; 3.4+: runtime/cache.py
+    get_cache_key, same text)."""
     try:
         from triton.runtime.cache import get_cache_key  # 3.5+
 
@@ -601,7 +857,7 @@ def ascend_front_end(jit, specialization_data: str, target):
     backend = make_backend(target)
     opts = backend.parse_options(dict(options, **src.parse_options()))
     env_vars = cache_invalidating_env_vars()
-    digest = hashlib.sha256(ascend_cache_key(src, backend, opts, env_vars).encode()).hexdigest()
+    digest = hashlib.sha256(cache_key_text(src, backend, opts, env_vars).encode()).hexdigest()
     metadata = {"hash": digest, "target": target, **opts.__dict__, **env_vars}
     stages: dict = {}
     context = ir.context()

@@ -1,7 +1,7 @@
 """Check a cache dir against what was installed into it (its receipts) or against a bundle.
 
 Integrity: every listed file is hashed (group files in their relative form, since install rewrote them to
-absolute paths); files that differ (or are links, FIFOs, dirs) are *modified*, absent ones *missing*, anything
+absolute paths; the entries spread over the cores by forked processes, prewarm.workers); files that differ (or are links, FIFOs, dirs) are *modified*, absent ones *missing*, anything
 inside a listed entry that the index does not name (stray files, links, Triton's ``tmp.pid_*`` leftovers)
 *unexpected*. Any group file in the cache (listed entry or not) whose children are not files of its own entry
 points *outside*: Triton would read another dir's files or drop them and recompile. Where bundles share a key the
@@ -13,16 +13,46 @@ Compatibility: each fingerprint factor of the bundle(s) against this node's own,
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import fingerprint
-from .cachedir import CacheDir, installed_files
+from . import workers as workers_
+from .bundle import Entry, is_runtime_module
+from .cachedir import CacheDir, Receipt, latest_owners
 from .errors import FingerprintMismatch, IntegrityError
 from .install import default_cache_dir, kept_as_built, node_fingerprint, read_bundle
+
+_OTHER = "other"  # a key dir no receipt names: counted, only its group files judged
+
+
+@dataclass
+class _Check:
+    """What verify's workers read (inherited through fork)."""
+
+    cache: CacheDir
+    tasks: list[tuple[str, Entry | None | str]]
+    owners: dict[str, Receipt]
+
+
+def _check_range(start: int, stop: int) -> list[tuple]:
+    job: _Check = workers_.shared()
+    return [_check(job, *job.tasks[i]) for i in range(start, stop)]
+
+
+def _check(job: _Check, key: str, entry: Entry | None | str) -> tuple:
+    if entry == _OTHER:  # counted, not judged: only a group pointing elsewhere makes Triton read another dir
+        return 0, [], [], [], job.cache.entry_state(key).outside, 0, False
+    owner = job.owners.get(key)
+    files = entry.files if entry is not None else owner.files(key)
+    c = job.cache.entry_state(key, files)
+    if not c.intact and is_runtime_module(files):
+        recorded = files if entry is None else owner.files(key) if owner is not None else None
+        if kept_as_built(files, c, recorded):
+            c.modified = []  # install keeps such a module as built on the node: verify agrees with it
+    return len(files), c.modified, c.missing, c.unexpected, c.outside, c.hashed, c.intact
+
 
 @dataclass
 class FactorRow:
@@ -72,8 +102,8 @@ class VerifyReport:
         return doc
 
 
-def compare_factors(built: dict[str, str]) -> list[FactorRow]:
-    node = node_fingerprint()
+def compare_factors(built: dict[str, str], node: dict[str, str] | None = None) -> list[FactorRow]:
+    node = node or node_fingerprint()
     diffs = {m.factor: m for m in fingerprint.compare(built, node)}
     rows = []
     for factor in sorted(set(built) | set(node)):
@@ -107,14 +137,15 @@ def verify(
         b = read_bundle(
             bundle, trusted_keys=trusted_keys, require_signature=require_signature, storage_options=storage_options
         )
-        indexes, against = [b.index], [bundle]
-        entries = {e.key: e.files for e in b.index.entries}
-        recorded = installed_files(cache.receipts(strict=False))  # runtime-built modules kept by install
+        fingerprints, against = [b.index.fingerprint], [bundle]
+        owners = latest_owners(cache.receipts(strict=False))  # runtime-built modules kept by install
+        checks = [(e.key, e) for e in b.index.entries]
     else:
         receipts = cache.receipts()
-        indexes = [r.index for r in receipts]
+        fingerprints = [r.fingerprint for r in receipts]
         against = [f"receipt {r.path.stem[:16]}... (install #{r.seq})" for r in receipts]
-        entries = recorded = installed_files(receipts)
+        owners = latest_owners(receipts)
+        checks = [(key, None) for key in owners]
         if not receipts:
             if not cache.read_build_info():
                 raise IntegrityError(
@@ -122,36 +153,38 @@ def verify(
                     f"{cache.build_info.name}: not a build's output dir); give the bundle it came from with --bundle"
                 )
             against = [f"{cache.build_info.name}: a build's output, no bundle installed (group files checked)"]
-    report = VerifyReport(str(cache_dir), against, entries=len(entries))
-    # hashlib releases the GIL, but where "cores" are hyperthreads or busy, threads slow hashing down (measured
-    # on the 2-core CI box, 517 MB: 1 thread 1.60 s, 2 threads 1.75 s, 4 threads 2.44 s): half the cores, and
-    # no pool at all for one
-    workers = workers or max(1, (os.cpu_count() or 2) // 2)
-    check = cache.entry_state
-    with cf.ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
-        results = pool.map(check, entries, entries.values()) if pool else map(check, entries, entries.values())
-        for (key, files), c in zip(entries.items(), results):
-            if not c.intact and kept_as_built(files, c, recorded.get(key)):
-                c.modified = []  # install keeps such a module as built on the node: verify agrees with it
-            report.modified += c.modified
-            report.missing += c.missing
-            report.unexpected += c.unexpected
-            report.groups_outside += c.outside
-            report.bytes_hashed += c.hashed
-            report.files += len(files)
-            report.entries_ok += c.intact
-    others = [key for key in cache.entries()[0] if key not in entries]
+    if not bundle:
+        for r in {id(r): r for r in owners.values()}.values():
+            r.read_index()  # once, here, before the workers fork
+    report = VerifyReport(str(cache_dir), against, entries=len(checks))
+    checked = {key for key, _ in checks}
+    others = [key for key in cache.entries()[0] if key not in checked]
     report.other_entries = len(others)
-    for key in others:  # counted, not judged: only a group pointing elsewhere makes Triton read another dir
-        report.groups_outside += cache.entry_state(key).outside
+    # every file hashed, spread over the cores by processes (threads share one core for the per-file Python)
+    tasks = checks + [(key, _OTHER) for key in others]
+    processes = len(tasks) >= 64 and workers != 1
+    n = workers or workers_.cores()
+    state = _Check(cache, tasks, owners)
+    step = max(1, min(256, len(tasks) // (n * 16)))
+    for chunk in workers_.run(_check_range, workers_.ranges(len(tasks), step), state, processes=processes,
+                              workers=n if processes else 1):
+        for key_files, modified, missing, unexpected, outside, hashed, intact in chunk:
+            report.modified += modified
+            report.missing += missing
+            report.unexpected += unexpected
+            report.groups_outside += outside
+            report.bytes_hashed += hashed
+            report.files += key_files
+            report.entries_ok += intact
     if check_fingerprint:
         seen: list[dict] = []
-        for idx in indexes:
-            if idx.fingerprint not in seen:
-                seen.append(idx.fingerprint)
-                report.factors += compare_factors(idx.fingerprint)
+        node = node_fingerprint(cache_dir)
+        for fp in fingerprints:
+            if fp not in seen:
+                seen.append(fp)
+                report.factors += compare_factors(fp, node)
         # A dir filled under another Ascend toolchain would be reused silently (not in Triton's key).
-        for m in cache.toolchain_conflicts(node_fingerprint()):
+        for m in cache.toolchain_conflicts(node):
             report.factors.append(FactorRow(m.factor, m.built, m.node, "mismatch", m.why))
     return report
 

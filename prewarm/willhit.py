@@ -6,22 +6,23 @@ The C modules the runtime builds at first launch are looked up the same way by t
 its ``__triton_launcher`` (and ``cuda_utils`` once); an absent one is built with the node's C compiler at first
 launch (about a second, no kernel compile).
 
-Autotuned calls are probed the same way one level up: a copy of the Autotuner runs the planned call, computes its
-tuning key and asks the cache for ``<kernel>.autotune.json``; the probe stops it there. Where that file is absent
-the node benchmarks every config once per process (an offline build never has it; a device build does).
+Autotuned calls are probed the same way one level up (prewarm.autotune.planned_tunings): a copy of the Autotuner
+runs the planned call, computes its tuning key and asks the cache for ``<kernel>.autotune.json``; the probe stops
+it there. Where that file is absent the node benchmarks every config once per process (an offline build has it
+only from an autotune table; a device build does). A file this process's Autotuner would not read (it keeps no
+results: no ``cache_results``, TRITON_CACHE_AUTOTUNING unset) is shipped for nothing: the node benchmarks anyway.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from . import backends, tritoncompat
+from . import backends, keys
+from .autotune import kept_timings, planned_tunings
 from .backends import npu
 from .manifest import load
-from .plan import Request, decode, plan_for, resolve
-from .probe import ModuleResult, Probe, ProbeCacheManager, RequestResult, probe_all
+from .plan import Request, plan_for
+from .probe import ModuleResult, RequestResult, probe_all
 
 
 @dataclass
@@ -32,10 +33,18 @@ class AutotuneResult:
     present: bool
     configs: int  # how many configs the node benchmarks when the result is absent
     detail: str
+    tuning_key: str = ""  # str() of Triton's tuning key
+    reads: bool = True  # this process's Autotuner reads kept results (the server's, where it shares this env)
+
+    @property
+    def unread(self) -> bool:
+        """Shipped, but the Autotuner keeps no results in this environment: the node benchmarks anyway."""
+        return self.present and not self.reads
 
     def to_json(self) -> dict:
         return {"label": self.label, "kernel": self.kernel, "key": self.key, "present": self.present,
-                "configs": self.configs, "detail": self.detail}
+                "configs": self.configs, "detail": self.detail, "tuning_key": self.tuning_key, "reads": self.reads,
+                "unread": self.unread}
 
 
 @dataclass
@@ -46,6 +55,7 @@ class WillHitReport:
     results: list[RequestResult] = field(default_factory=list)
     autotune: list[AutotuneResult] = field(default_factory=list)  # calls whose Autotuner keeps results on disk
     modules: list[ModuleResult] = field(default_factory=list)  # CUDA launchers and cuda_utils
+    key_drift: list[keys.KeyDrift] = field(default_factory=list)  # recorded requests this process keys otherwise
 
     @property
     def hits(self) -> int:
@@ -71,64 +81,48 @@ class WillHitReport:
             "results": [r.to_json() for r in self.results],
             "autotune": [a.to_json() for a in self.autotune],
             "autotune_absent": sum(not a.present for a in self.autotune),
+            "autotune_unread": sum(a.unread for a in self.autotune),
             "modules": [m.to_json() for m in self.modules],
             "modules_absent": sum(not m.present for m in self.modules),
+            "key_drift": [d.to_json() for d in self.key_drift],
         }
 
 
-def probe_autotune(r: Request, cache_dir: str) -> AutotuneResult | None:
-    """Would the node's Autotuner find a kept result for this call? None when the call keeps nothing on disk."""
-    if r.specialization is not None:  # a recorded compile: one config, no tuning key
-        return None
-    kernel = resolve(r.kernel)
-    args = tuple(decode(a) for a in r.args)
-    named = {k: decode(v) for k, v in r.kwargs.items()}
-    if not args:  # a manifest's function entry names every argument: probe the usual positional call (the tuning
-        # key lists tensor dtypes in argument order), up to the first parameter it leaves out (an autotuned one)
-        for p in tritoncompat.jit_function(kernel).arg_names:
-            if p not in named:
-                break
-            args += (named.pop(p),)
-    call = tritoncompat.autotuned_call(kernel, args, named)
-    if call is None:
-        return None
-    tuner, args, kwargs = call
-    try:
-        tritoncompat.first_tuning(tuner, args, kwargs)
-    except Probe as p:
-        if not p.filename.endswith(".autotune.json"):
-            return None  # one config (or a cached choice): straight to the kernel lookup, nothing is tuned
-        path = os.path.join(os.path.realpath(cache_dir), p.key, p.filename)
-        n = len(tuner.configs)
-        try:
-            timings = json.loads(Path(path).read_text())["configs_timings"]
-            best = min(timings, key=lambda ct: ct[1])[0]
-            kw = " ".join(f"{k}={v}" for k, v in best.get("kwargs", {}).items())
-            return AutotuneResult(r.label, r.kernel, p.key, True, n,
-                                  f"kept: {kw} warps={best.get('num_warps')} stages={best.get('num_stages')}")
-        except FileNotFoundError:
-            return AutotuneResult(r.label, r.kernel, p.key, False, n,
-                                  f"no {p.filename}: the node benchmarks {n} configs once per process")
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            return AutotuneResult(r.label, r.kernel, p.key, False, n,
-                                  f"{p.filename} is unreadable ({type(e).__name__}): the node benchmarks {n} configs")
-    except tritoncompat.NoBenchmark:
-        return None  # configs with pre_hooks or no tuning key: Triton never keeps these
-    except Exception as e:  # e.g. a prune or perf-model hook failing on meta tensors: said, not fatal
-        return AutotuneResult(r.label, r.kernel, "-", False, len(tuner.configs),
-                              f"cannot compute the tuning key: {type(e).__name__}: {e}")
-    return None
+UNREAD = ("this process's Autotuner keeps no results (no cache_results, TRITON_CACHE_AUTOTUNING unset when its "
+          "module was imported): the node benchmarks anyway; set TRITON_CACHE_AUTOTUNING=1 for verify and the server")
 
 
 def probe_autotune_all(requests: list[Request], cache_dir: str) -> list[AutotuneResult]:
-    """One result per tuning key (many calls share one: the key leaves out what the Autotuner ignores)."""
-    found: dict[tuple[str, str], AutotuneResult] = {}
-    with tritoncompat.cache_scope(os.path.abspath(cache_dir), ProbeCacheManager):
-        for r in requests:
-            a = probe_autotune(r, cache_dir)
-            if a is not None:
-                found.setdefault((a.kernel, a.key), a)
-    return list(found.values())
+    """One result per tuning key the plan makes: is its kept result in ``cache_dir``, and would it be read here?"""
+    out = []
+    for t in planned_tunings(requests):
+        n = len(t.configs)
+        if t.problem:
+            out.append(AutotuneResult(t.label, t.kernel, t.key, False, n, t.problem, reads=t.keeps))
+            continue
+        try:
+            timings = kept_timings(cache_dir, t)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            out.append(AutotuneResult(t.label, t.kernel, t.key, False, n, f"{t.filename} is unreadable "
+                                      f"({type(e).__name__}): the node benchmarks {n} configs", t.tuning_key, t.keeps))
+            continue
+        if not timings:
+            unread = "" if t.keeps else (" (and keeps none in this environment: TRITON_CACHE_AUTOTUNING unset, so it "
+                                         "would benchmark with one too)")
+            out.append(AutotuneResult(t.label, t.kernel, t.key, False, n, f"no {t.filename}: the node benchmarks {n} "
+                                      f"configs once per process{unread}", t.tuning_key, t.keeps))
+            continue
+        best = _config_text(min(timings, key=timings.get))
+        detail = f"kept: {best}" if t.keeps else f"kept ({best}), but {UNREAD}"
+        out.append(AutotuneResult(t.label, t.kernel, t.key, True, n, detail, t.tuning_key, t.keeps))
+    return out
+
+
+def _config_text(config: str) -> str:
+    """"BS: 64, num_warps: 4, num_ctas: 1, num_stages: 2, maxnreg: None" (str(config)) -> "BS=64 warps=4 stages=2"."""
+    parts = dict(p.split(": ", 1) for p in config.split(", ") if ": " in p)
+    kw = [f"{k}={v}" for k, v in parts.items() if k not in ("num_warps", "num_ctas", "num_stages", "maxnreg")]
+    return " ".join(kw + [f"warps={parts.get('num_warps')}", f"stages={parts.get('num_stages')}"])
 
 
 def check(manifest_path: str, cache_dir: str, mode: str = "auto") -> WillHitReport:
@@ -141,6 +135,11 @@ def _check(manifest_path: str, cache_dir: str, mode: str) -> WillHitReport:
     planned = plan_for(*backends.select(load(manifest_path), mode))
     report = WillHitReport(planned.manifest.name, os.path.abspath(cache_dir), planned.target.describe())
     report.results = probe_all(planned.compiles, cache_dir)
-    report.autotune = probe_autotune_all(planned.requests, cache_dir)
+    # a recorded request keyed otherwise here than in its recorded process: its row says which part differs (this
+    # verdict is about a key that process would not look up)
+    report.key_drift = keys.check(planned.requests, planned.compiles, [r.key for r in report.results])
+    for d in report.key_drift:
+        report.results[d.compile_index].detail += f"; {d.summary()}"
+    report.autotune = probe_autotune_all(planned.requests, os.path.abspath(cache_dir))
     report.modules = backends.probe_modules(planned.target, planned.compiles, report.results, cache_dir)
     return report

@@ -4,6 +4,8 @@ Calls come from ``prewarm_kernels.kda.traffic`` (never from the planner's provid
 API on ``meta`` tensors inside a launch capture; each captured launch is then bound and specialized by the real JIT
 entry point (``warmup``, under whatever target is active) with compiles skipped, exactly as ``prewarm.plan.expand``
 does for a planned launch, but on the launch's own arguments: a view's pointer offset (its alignment class) is kept.
+Each autotuned launch's tuning key (and the key dir its kept result is looked up in) is computed as the plan's are
+(``prewarm.autotune.call_tuning``): a key the plan lacks is a benchmark on the node.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from prewarm import tritoncompat
+from prewarm.autotune import PlannedTuning, call_tuning
 from prewarm.manifest import Manifest
 from prewarm.plan import Compile, expand_all, plan
 
@@ -32,6 +35,7 @@ class Traffic:
     calls: int = 0
     launches: int = 0
     compiles: dict[str, Compile] = field(default_factory=dict)  # specialization data -> first call making it
+    tunings: dict[str, PlannedTuning] = field(default_factory=dict)  # result key dir -> first call tuning it
     refused: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))  # API error -> call labels
 
 
@@ -57,6 +61,9 @@ def run_traffic(m: Manifest, seed: int, n: int) -> Traffic:
             ref = tritoncompat.kernel_ref(launch.kernel)
             for data in captured:
                 out.compiles.setdefault(data, Compile("runtime", ref, f"{call.label} -> {ref.split(':')[1]}", data))
+            tuning = call_tuning(f"{call.label} -> {ref.split(':')[1]}", launch.kernel, launch.args, launch.kwargs)
+            if tuning is not None:
+                out.tunings.setdefault(tuning.key, tuning)
     return out
 
 

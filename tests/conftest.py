@@ -25,6 +25,28 @@ import pytest
 from prewarm_helpers import build_toy_cache, copy_cache
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _triton_driver_at_start() -> dict:
+    from triton.runtime.driver import driver
+
+    return dict(vars(driver))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_target_left_active(request, _triton_driver_at_start):
+    """A module that plans in this process activates a target-only driver and a device profile (torch.cuda answers as
+    the profile); after it, the next module and every process it forks see this box again. Not in tests/ascend: its
+    modules activate the Ascend target once, at import."""
+    yield
+    if "ascend" not in request.path.parts:
+        from triton.runtime.driver import driver
+
+        from prewarm import devices
+
+        devices.deactivate()
+        vars(driver).update(_triton_driver_at_start)
+
+
 @pytest.fixture(scope="session")
 def toy_cache_master(tmp_path_factory) -> Path:
     """A real Triton 3.6 cache (5 entries) compiled once per session. Read-only: use ``triton_cache``."""

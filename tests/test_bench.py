@@ -99,3 +99,21 @@ def test_h200_proof_script_usage():
                            env={**os.environ, "OUT": "/nonexistent-never-written"})
         assert p.returncode == 2, args
         assert "usage: bash bench/h200_proof.sh traffic BUNDLE | dp-stall [BUNDLE]" in p.stderr
+
+
+def test_offline_autotune_without_a_gpu_installs_verifies_then_reports_why_nothing_ran(triton_cache, tmp_path):
+    """The proof bench of shipped autotune results: a real install and verify, then real processes started together
+    and one after another; here each says it has no CUDA device, the JSON keeps every run with its group and
+    reason, and the bench fails."""
+    bundle = tmp_path / "bundle"
+    pack(triton_cache, bundle)
+    out = tmp_path / "offline_autotune.json"
+    p = bench("offline_autotune.py", "--bundle", str(bundle), "--manifest", str(REPO / "tests/fixtures/toy-guard.toml"),
+              "--together", "2", "--sequential", "1", "--out", str(out), "--work-dir", str(tmp_path / "work"),
+              tmp=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    assert [r["group"] for r in doc["runs"]] == ["together", "together", "sequential"]
+    assert all("no CUDA device visible" in r["error"] for r in doc["runs"])
+    assert doc["first_step_limit_s"] == 1.0 and doc["ok"] is False
+    assert "FAIL  0 of 3 processes ran" in p.stdout

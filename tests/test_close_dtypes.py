@@ -90,8 +90,8 @@ def test_the_cross_product_over_named_params_only_and_with_int_classes(recorded)
     assert got["decode_kernel"] == ["decode_kernel [HEADS=2 T=8 warps=4 stages=3]", "[closed: x_ptr=*bf16]"]
     # y_ptr alone: decode_kernel has no y_ptr and is left as recorded
     assert len(compiles(manifest(recorded, '[kernels.close_dtypes]\ny_ptr = "bfloat16"\n', "y.toml"))["decode_kernel"]) == 1
-    # with close = true: each dtype variant in each class of n (recorded: a multiple of 16; =1; other)
-    both = manifest(recorded, 'close = true\n[kernels.close_dtypes]\ny_ptr = "bfloat16"\n', "both.toml")
+    # with close = ["n"]: each dtype variant in each class of n (recorded: a multiple of 16; =1; other)
+    both = manifest(recorded, 'close = ["n"]\n[kernels.close_dtypes]\ny_ptr = "bfloat16"\n', "both.toml")
     assert compiles(both)["add_kernel"] == [
         "add_kernel [BLOCK=256 warps=4 stages=3]", "[closed: y_ptr=*bf16]", "[closed: n=1]", "[closed: n other]",
         "[closed: y_ptr=*bf16 n=1]", "[closed: y_ptr=*bf16 n other]"]

@@ -5,8 +5,9 @@ drawn by ``prewarm_kernels.kda.traffic`` (written without the planner's provider
 ``meta`` tensors, each launch is expanded into the requests Triton's JIT makes for it, and each request is looked up
 in that cache through Triton's own key computation (will-hit's probe): a miss is a compile a serving process would
 make. A refused call is a call a server makes that the API rejects. Both fail the test, each miss with the nearest
-planned request and what differs. Seeds: fixed ones plus one never used before (random, shown in the test id), or
-``PREWARM_CLOSURE_SEED=<n>`` to run another.
+planned request and what differs. So does an autotuned launch whose tuning key the plan does not make (the node would
+benchmark it: no table can cover a key the plan never computed). Seeds: fixed ones plus one never used before
+(random, shown in the test id), or ``PREWARM_CLOSURE_SEED=<n>`` to run another.
 """
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ from pathlib import Path
 import pytest
 from closure_traffic import failure_report, run_traffic, seeds
 
+from prewarm.autotune import planned_tunings
 from prewarm.manifest import load
 from prewarm.backends import get_target
+from prewarm.plan import plan
 from prewarm.probe import probe_all
 
 REPO = Path(__file__).resolve().parents[1]
 # the shipped CUDA manifests that serve this package's KDA kernels (the traffic calls their public API)
-CUDA_MANIFESTS = [p for p in sorted((REPO / "manifests").glob("*.toml"))
-                  if load(p).backend == "cuda" and any(k.ref == "prewarm_kernels.kda.serving" for k in load(p).kernels)]
+CUDA_MANIFESTS = [p for p in sorted((REPO / "manifests").glob("*.toml")) if not p.name.endswith(".tuned.toml")
+                  and load(p).backend == "cuda" and any(k.ref == "prewarm_kernels.kda.serving" for k in load(p).kernels)]
 CALLS_PER_SEED = 150  # x 4 seeds per manifest: >= 500 calls per CI run
 
 
@@ -57,6 +60,11 @@ def test_independent_traffic_compiles_nothing_the_build_did_not(manifest, seed, 
     if missed or t.refused:
         pytest.fail(failure_report(m, seed, t, missed), pytrace=False)
     assert t.launches > CALLS_PER_SEED  # the traffic reached the kernels
+    planned = {p.key for p in planned_tunings(plan(m).requests)}
+    untuned = [x for x in t.tunings.values() if x.key not in planned or x.problem]
+    assert not untuned, "tuning keys the plan does not make (the node would benchmark them):\n" + "\n".join(
+        f"{x.label}: {x.tuning_key or x.problem}" for x in untuned[:12])
+    assert t.tunings  # the traffic reached autotuned kernels
 
 
 def test_traffic_outside_the_plan_is_caught_and_explained(built_cache, tmp_path):

@@ -157,8 +157,10 @@ class Image:
         return verbs
 
 
-# stands in for the server program: says whether it runs under the guard, then that it started
-SERVER = ["sh", "-c", 'echo "guard=$PREWARM_GUARD record=$PREWARM_GUARD_RECORD"; echo server-started']
+# stands in for the server program: says whether it runs under the guard and reads shipped autotune results, then
+# that it started
+SERVER = ["sh", "-c", 'echo "guard=$PREWARM_GUARD record=$PREWARM_GUARD_RECORD autotune=$TRITON_CACHE_AUTOTUNING"; '
+                      'echo server-started']
 
 
 def clean_env(**values: str) -> dict[str, str]:
@@ -319,6 +321,11 @@ def test_k8s_init_containers_install_then_verify_before_the_server(baked, tmp_pa
                 assert "nothing to do" in p.stdout, f"a repeated install should be a no-op:\n{p.stdout}"
     assert found == ["install", "verify"]
     assert image.verbs_run() == found * 2
+    # the server reads the autotune results the bundle ships, and verify checked them under the same setting
+    verify_env = {e["name"]: e["value"] for c in pod["initContainers"]
+                  if c.get("command", [])[:2] == ["prewarm", "verify"] for e in c.get("env", [])}
+    assert server_env.get("TRITON_CACHE_AUTOTUNING") == verify_env.get("TRITON_CACHE_AUTOTUNING") == "1", \
+        "the server and the verify init container must both set TRITON_CACHE_AUTOTUNING=1"
     # the server container's own command: `prewarm guard` with the program after "--" standing in for the server
     argv = [k8s_expand(a, server_env) for a in server.get("command", []) + server.get("args", [])]
     assert argv[:3] == ["prewarm", "guard", "--"], f"the server must run under `prewarm guard`: {argv}"
@@ -357,6 +364,7 @@ def test_prelaunch_script_every_branch_runs_and_starts_the_server(baked, tmp_pat
         assert_clean(p, name)
         assert p.stdout.rstrip().endswith("server-started"), f"{name}: the server did not start last:\n{p.stdout}"
         assert f"guard=warn record={cache}/.prewarm/guard.jsonl" in p.stdout, f"{name}: not started under the guard"
+        assert "autotune=1" in p.stdout, f"{name}: the server would not read shipped autotune results"
         verbs = image.verbs_run()
         assert verbs[-1] == "guard", f"{name}: the server must be exec'd by `prewarm guard` last, ran {verbs}"
         ran += verbs[:-1]

@@ -150,10 +150,14 @@ def test_a_cuda_node_without_a_visible_gpu_leaves_its_arch_unchecked():
 # --- install refuses a bundle from another toolchain --------------------------------------------------------------
 
 
+# a key dir of the Triton this fingerprint names (this env's upstream one: base32; triton-ascend 3.2 writes base64)
+BUNDLED_KEY = "7EGGYS7CN6QQ3ZLIY2WLJMO5KAMZTYRHZNG3OU3A6LKZJUQELTGQ"
+
+
 def make_bundle(tmp_path: Path, fp: dict[str, str]) -> Path:
     """A bundle of one (fake-content) cache entry, built under fingerprint ``fp`` (as `prewarm build` records it)."""
     cache = tmp_path / "build-cache"
-    entry = cache / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk"
+    entry = cache / BUNDLED_KEY
     entry.mkdir(parents=True)
     (entry / "add_kernel.npubin").write_bytes(b"NPUBIN stand-in")
     (entry / "add_kernel.json").write_text("{}")
@@ -181,7 +185,7 @@ def test_install_accepts_a_bundle_from_the_same_toolchain(toolchain):
     b = make_bundle(toolchain, npu_fp())
     res = install.install(str(b), toolchain / "node-cache", durable=False)
     assert res.installed == 1
-    assert (toolchain / "node-cache" / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk" / "add_kernel.npubin").exists()
+    assert (toolchain / "node-cache" / BUNDLED_KEY / "add_kernel.npubin").exists()
 
 
 # --- one cache dir, one toolchain ---------------------------------------------------------------------------------

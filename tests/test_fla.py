@@ -1,9 +1,11 @@
-"""fla-core 0.6.0's KDA planned and built offline under the H200 profile (prewarm.providers.fla_kda).
+"""fla-core 0.6.0's KDA, its whole public API, planned and built offline under the H200 profile
+(prewarm.providers.fla_kda).
 
-Coverage is checked against traffic written independently of the provider (``prewarm.providers.fla_traffic``: random
-lengths, sequence counts, batch sizes, beta dtypes, views) run through fla's public API on meta tensors: every
-compile request it makes must be a planned one. Builds run as CLI processes, so the device profile never reaches
-this test process's later tests.
+Coverage is checked against traffic written independently of the provider (``prewarm.providers.fla_traffic``:
+every option of chunk_kda / fused_recurrent_kda / fused_recurrent_kda_fwd / fused_kda_gate drawn per call, random
+lengths, sequence counts, batch sizes, views) run through fla's public API on meta tensors: the cache key Triton
+computes for every compile it requests must be a planned one's. Builds run as CLI processes, so the device profile
+never reaches this test process's later tests.
 """
 from __future__ import annotations
 
@@ -11,14 +13,17 @@ import json
 import random
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from prewarm import backends, devices, tritoncompat
 from prewarm.manifest import load
-from prewarm.plan import expand, expand_all, plan, resolve
+from prewarm.plan import Compile, expand, expand_all, plan, resolve
+from prewarm.probe import planned_keys
 from prewarm.providers import fla_traffic
+from prewarm_kernels.spec import SpecError, read_kda
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "manifests" / "kimi-linear-h200-fla.toml"
@@ -27,8 +32,9 @@ FIXED_SEEDS = [0, 1, 2]
 
 @pytest.fixture(scope="module")
 def planned():
-    """The shipped manifest planned in this process (H200 profile on), every compile it expands to; afterwards
-    torch.cuda and Triton's driver are put back for the other tests."""
+    """The shipped manifest planned in this process under the offline CUDA target with the H200 profile: its
+    requests, every compile they expand to and the cache key of each (Triton computes them; nothing compiles);
+    afterwards torch.cuda and Triton's driver are put back for the other tests."""
     from triton.runtime.driver import driver
 
     saved = driver._active
@@ -36,7 +42,8 @@ def planned():
         m = load(MANIFEST)
         backends.activate_for_planning(m)
         p = plan(m)
-        yield m, p, expand_all(p.requests)
+        compiles = expand_all(p.requests)
+        yield m, p, compiles, planned_keys(compiles)
     finally:
         devices.deactivate()
         driver._active = saved
@@ -53,16 +60,16 @@ def test_every_autotune_config_fla_keeps_is_a_compile(planned):
     """For each planned call of an autotuned fla kernel that prunes nothing, one compile per config."""
     from triton.runtime.autotuner import Autotuner
 
-    _, p, _ = planned
+    _, p, _, _ = planned
     checked = 0
-    for r in p.requests:
+    for r in p.requests[::7]:  # a sample across every entry point (each request expands in ~ms per config)
         obj = resolve(r.kernel)
         while not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
             obj = obj.fn
         if isinstance(obj, Autotuner) and obj.early_config_prune is None and obj.perf_model is None:
             assert len({c.specialization for c in expand(r)}) == len(obj.configs), r.label
             checked += 1
-    assert checked >= 8  # l2norm at each token bucket, at least
+    assert checked >= 8
 
 
 def test_every_l2norm_token_bucket_of_the_envelope_is_planned(planned):
@@ -72,7 +79,7 @@ def test_every_l2norm_token_bucket_of_the_envelope_is_planned(planned):
 
     from prewarm.providers.fla_kda import intercepted
 
-    _, p, _ = planned
+    _, p, _, _ = planned
     nb_planned = {r.kwargs["NB"] for r in p.requests if r.kernel.endswith(":l2norm_fwd_kernel")}
     heads, d = 32, 128
     seen = set()
@@ -83,41 +90,76 @@ def test_every_l2norm_token_bucket_of_the_envelope_is_planned(planned):
     assert seen == nb_planned == set(range(1, 9))
 
 
+def test_the_options_measured_missing_on_the_h200_are_planned(planned):
+    """Issue 24's misses on the H200: chunk_kda without a final state (STORE_FINAL_STATE), int32 cu_seqlens,
+    A_log / dt_bias in bf16, fused_recurrent_kda_fwd writing into a pool by ssm_state_indices in place."""
+    _, p, _, _ = planned
+
+    def kwargs(kernel: str) -> list[dict]:
+        return [r.kwargs for r in p.requests if r.kernel.endswith(f":{kernel}")]
+
+    assert any(k["ht"] is None for k in kwargs("chunk_gated_delta_rule_fwd_kernel_h_blockdim64"))
+    assert any((k["cu_seqlens"] or {}).get("tensor") == "int32" for k in kwargs("chunk_gla_fwd_kernel_o"))
+    assert {k["A_log"]["tensor"] for k in kwargs("kda_gate_chunk_cumsum_vector_kernel")} >= {"bfloat16", "float32"}
+    pool = [k for k in kwargs("fused_recurrent_kda_fwd_kernel") if k["ssm_state_indices"] is not None]
+    assert any(k["INPLACE_FINAL_STATE"] and k["num_accepted_tokens"] is None for k in pool)  # decode
+    assert {k["stride_indices_seq"] for k in pool if k["num_accepted_tokens"] is not None} == {1, 2, 4}  # [N, D]
+
+
 def seeds() -> list[int]:
     return FIXED_SEEDS + [random.SystemRandom().randrange(10**3, 10**9)]
 
 
-@pytest.mark.parametrize("seed", seeds())
-def test_independent_fla_traffic_requests_nothing_the_plan_lacks(planned, seed):
+def unplanned(spec: dict, seed: int, keys: dict) -> tuple[list[str], int, set[str]]:
+    """Run 60 calls of the independent traffic on meta tensors: (each compile request whose cache key, computed by
+    Triton, is not among ``keys``, labelled with its call; how many distinct requests; the options drawn)."""
     from prewarm.providers.fla_kda import intercepted
 
-    m, _, compiles = planned
-    have = {c.specialization for c in compiles}
-    missed: dict[str, str] = {}
-    n = 0
-    for call in fla_traffic.calls(m.spec(), seed, 30, "meta"):
+    requested: dict[str, Compile] = {}  # one per compile request, labelled with the call that made it
+    options: set[str] = set()
+    for call in fla_traffic.calls(spec, seed, 60, "meta"):
+        options |= {f"{k}={v}" for k, v in call.options.items()}
         with intercepted() as launches:
             call.run()
         for launch in launches:
             with tritoncompat.compile_requests(skip=True) as captured:
                 tritoncompat.warmup(launch.kernel, launch.args, launch.kwargs, grid=(1,))
-            n += len(captured)
             for data in captured:
-                if data not in have:
-                    missed.setdefault(data, f"{call.label} -> {tritoncompat.kernel_ref(launch.kernel)}")
-    assert n > 0
-    assert not missed, f"seed {seed}: {len(missed)} unplanned compile requests, e.g. {list(missed.values())[:5]}"
+                requested.setdefault(data, Compile("", tritoncompat.kernel_ref(launch.kernel), call.label, data))
+    missed = [f"{c.kernel} <- {c.label}" for key, c in planned_keys(list(requested.values())).items()
+              if key not in keys]
+    return missed, len(requested), options
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_independent_fla_traffic_requests_nothing_the_plan_lacks(planned, seed):
+    """Every compile the traffic requests is looked up under a key the plan builds (Triton's keys, no compile)."""
+    m, _, compiles, keys = planned
+    assert len(keys) == len(compiles)  # one key per planned compile
+    missed, requested, options = unplanned(m.spec(), seed, keys)
+    assert requested > 50 and {"entry=chunk_kda", "entry=fused_recurrent_kda_fwd"} <= options
+    assert not missed, f"seed {seed}: {len(missed)} unplanned compile requests, e.g. {missed[:3]}"
+
+
+def test_the_closure_check_sees_traffic_outside_the_plan(planned):
+    """The same check against traffic the plan does not cover (chunk_kda at chunk size 32): it names the misses."""
+    m, _, _, keys = planned
+    spec = {**m.spec(), "serving": {**m.spec()["serving"], "chunk_size": [32], "recurrent_state": ["returned"]}}
+    missed, _, _ = unplanned(spec, 5, keys)
+    assert any(miss.startswith("fla.ops.gla.chunk:chunk_gla_fwd_kernel_o <- chunk_kda[") for miss in missed)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "prewarm.cli", *args], capture_output=True, text=True, cwd=REPO)
 
 
-def small_manifest(tmp_path: Path, device_line: str, serving: str) -> Path:
-    text = MANIFEST.read_text().replace('device = "H200"', device_line)
-    text = text.split("[spec.serving]")[0] + "[spec.serving]\n" + serving + '\n[[kernels]]\nprovider = "prewarm.providers.fla_kda"\n'
+def small_manifest(tmp_path: Path, device_line: str, serving: str, dtypes: str = 'activation = "bfloat16"') -> Path:
+    """Kimi-Linear's KDA shape under ``[target] device_line`` with the given serving and dtypes tables."""
     path = tmp_path / "fla.toml"
-    path.write_text(text)
+    path.write_text(f'[target]\nbackend = "cuda"\narch = "sm_90"\n{device_line}\n'
+                    "[spec.model]\nkda_heads = 32\nhead_k_dim = 128\nhead_v_dim = 128\n"
+                    f"[spec.dtypes]\n{dtypes}\n[spec.serving]\n{serving}\n"
+                    '[[kernels]]\nprovider = "prewarm.providers.fla_kda"\n')
     return path
 
 
@@ -127,15 +169,82 @@ def test_without_a_device_the_plan_says_which_key_to_set(tmp_path):
     assert "[target] device = \"H200\"" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_decode_and_verify_build_offline_in_worker_processes_and_verify_clean(tmp_path):
-    manifest = small_manifest(tmp_path, 'device = "H200"',
-                              "prefill = false\ndecode_batch_buckets = [1, 64]\ndraft_widths = [3]")
+# decode only, one way of calling fla: what a manifest narrows the API to (every other option left at one value)
+NARROW = ("prefill = false\ndecode_batch_buckets = [1]\ngate_in_kernel = [true]\nqk_l2norm_in_kernel = [true]\n"
+          "beta_sigmoid_in_kernel = [false]\nvarlen = [true]\n")
+NARROW_DTYPES = 'activation = "bfloat16"\ngate = "bfloat16"\nbeta = "bfloat16"\ngate_params = "float32"\n'
+
+
+def test_a_narrowed_option_is_planned_on_its_values_only_and_plan_says_so(tmp_path):
+    """spec.serving.final_state = [true]: no recurrent call without a final state is planned, plan --json's options
+    name the axis as set in the manifest, and plan's text prints it; an axis left alone is planned whole."""
+    path = small_manifest(tmp_path, 'device = "H200"', NARROW + 'recurrent_state = ["returned"]\nfinal_state = [true]',
+                          NARROW_DTYPES + 'index = "int32"')
+    done = run_cli("plan", str(path), "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    rows = {r["key"]: r for r in doc["options"]["kernels[0] prewarm.providers.fla_kda"]}
+    assert rows["spec.serving.final_state"] == {"key": "spec.serving.final_state", "planned": [True],
+                                                "accepted": [False, True], "given": True, "narrowed": True}
+    assert rows["spec.serving.initial_state"]["planned"] == [False, True] and not rows["spec.serving.initial_state"][
+        "narrowed"]
+    recurrent = [r["kwargs"] for r in doc["requests"] if r["kernel"].endswith(":fused_recurrent_kda_fwd_kernel")]
+    assert len(recurrent) == 2 and all(k["ht"] is not None for k in recurrent)  # with and without initial state
+    assert {k["h0"] is None for k in recurrent} == {True, False}
+    text = run_cli("plan", str(path))
+    assert text.returncode == 0, text.stderr[-3000:]
+    assert "narrowed: kernels[0] prewarm.providers.fla_kda: spec.serving.final_state = [true] (set in the manifest; " \
+        "the library accepts [false, true])" in text.stdout.replace("\n", " ")
+
+
+@pytest.mark.parametrize("serving, dtypes, key, expected", [
+    ("final_states = [true]", "", "spec.serving.final_states = [True]", "no such key here (known: "),
+    ("chunk_size = [48]", "", "spec.serving.chunk_size = [48]", "out of [64, 32]"),
+    ("final_state = true", "", "spec.serving.final_state = True", "a non-empty list of distinct values"),
+    ("safe_gate = [true]", "", "spec.serving.safe_gate = [True]", "gate_lower_bound in [-5, 0)"),
+    ("", 'state = ["fp32"]', "spec.dtypes.state = ['fp32']", "one of bfloat16, float16, float32"),
+])
+def test_a_misspelled_or_bad_option_is_an_error_naming_its_key(serving, dtypes, key, expected):
+    spec = {"model": {"kda_heads": 32, "head_k_dim": 128, "head_v_dim": 128}, "serving": {}, "dtypes": {}}
+    for table, text in (("serving", serving), ("dtypes", dtypes)):
+        if text:
+            spec[table] = tomllib.loads(text)
+    with pytest.raises(SpecError) as e:
+        read_kda(spec)
+    assert key in str(e.value) and expected in str(e.value)
+
+
+@pytest.mark.parametrize("table, key, value", [("serving", "final_state", [True]), ("dtypes", "index", "int32"),
+                                               ("model", "scale", 0.125)])
+def test_an_fla_option_given_to_this_projects_provider_is_refused_not_ignored(table, key, value):
+    from prewarm_kernels.kda import serving
+
+    spec = {"backend": "cuda", "model": {"kda_heads": 4, "head_k_dim": 64, "head_v_dim": 64}}
+    spec[table] = {**spec.get(table, {}), key: value}
+    with pytest.raises(SpecError) as e:
+        serving.launches(spec)
+    assert f"spec.{table}.{key} = {value!r}: expected absent: an option of fla-core's KDA" in str(e.value)
+
+
+def test_a_misspelled_option_fails_the_plan_with_file_key_and_exit_3(tmp_path):
+    path = small_manifest(tmp_path, 'device = "H200"', "prefill = false\nfinal_states = [true]")
+    done = run_cli("plan", str(path))
+    assert done.returncode == 3 and "Traceback" not in done.stderr
+    assert str(path) in done.stderr and "spec.serving.final_states = [True]: expected no such key here" in \
+        done.stderr.replace("\n", " ")
+
+
+def test_continuous_batching_decode_and_verify_build_offline_in_worker_processes_and_verify_clean(tmp_path):
+    """fused_recurrent_kda_fwd writing into a state pool by ssm_state_indices ([N] decode, [N, D] + accepted counts
+    verify), both index dtypes: built offline by worker processes, then verify --plan finds every compile."""
+    manifest = small_manifest(tmp_path, 'device = "H200"', NARROW + 'draft_widths = [3]\n'
+                              'recurrent_state = ["indexed", "indexed_spec"]', NARROW_DTYPES)
     done = run_cli("build", str(manifest), "--cache-dir", str(tmp_path / "cache"), "--mode", "offline",
                    "--workers", "2", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    # fused_recurrent_kda: {bf16, fp32 gate} x {bf16, fp32 beta} x {equal-length, packed}; N, T never specialized
-    assert (report["failed"], report["compiled"]) == (0, 8)
+    # {int32, int64} x ([N] indices, [N, 1] and [N, 3] indices: the width is a constexpr stride); N, T not specialized
+    assert (report["failed"], report["compiled"]) == (0, 6)
     check = run_cli("verify", "--cache-dir", str(tmp_path / "cache"), "--plan", str(manifest), "--json")
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
 
@@ -160,12 +269,13 @@ from prewarm.providers import fla_traffic
 from prewarm.providers.fla_kda import intercepted
 
 spec = load(sys.argv[1]).spec()
-for call in fla_traffic.calls(spec, 11, 40, "meta"):
-    if call.label.startswith(("decode", "verify")):  # what a server compiles at a launch (kept small: no prefill)
+for call in fla_traffic.calls(spec, 11, 6, "meta"):
+    if call.options["entry"] != "chunk_kda":  # what a server compiles at a launch (kept small: no prefill)
         with intercepted() as launches:
             call.run()
-        for launch in launches:
-            tritoncompat.warmup(launch.kernel, launch.args, launch.kwargs, grid=(1,))
+        for launch in launches:  # the recurrent kernel only (fused_kda_gate's autotuner would compile 24 configs)
+            if tritoncompat.kernel_ref(launch.kernel).endswith(":fused_recurrent_kda_fwd_kernel"):
+                tritoncompat.warmup(launch.kernel, launch.args, launch.kwargs, grid=(1,))
 """
 
 

@@ -67,9 +67,12 @@ def test_kimi_linear_h200_spec():
     assert (spec["backend"], spec["arch"], spec["heads"], spec["gate_lower_bound"]) == ("cuda", "sm_90", 32, None)
     assert set(spec) == {"backend", "arch", "device", "heads", "attention_tp", "head_k_dim", "head_v_dim", "dtype",
                          "dtypes", "gate_lower_bound", "prefill", "decode_batch_buckets", "draft_widths", "fused_gate",
-                         "qk_l2norm", "layers", "max_prefill_tokens"}
+                         "qk_l2norm", "layers", "max_prefill_tokens", "max_running_requests", "calls", "scale",
+                         "allow_neg_eigval"}
     assert spec["dtype"] == "bfloat16"
-    assert spec["dtypes"] == {"activation": ["bfloat16"], "gate": ["bfloat16", "float32"]}
+    assert spec["dtypes"] == {"activation": ["bfloat16"], "gate": ["bfloat16", "float32"],
+                              "beta": ["bfloat16", "float32"], "gate_params": ["bfloat16", "float32"],
+                              "state": ["float32"], "index": ["int32", "int64"]}  # fla's roles: their defaults
     assert spec["fused_gate"] is True and spec["qk_l2norm"] is True
 
 
@@ -81,7 +84,8 @@ def test_attention_tp_divides_heads(tmp_path):
 def test_dtypes_default_and_lists(tmp_path):
     """No [spec.dtypes]: bf16 for both roles; gate defaults to the activation dtype(s); a string or a list."""
     def dtypes(text: str) -> dict:
-        return read_kda(load(write(tmp_path, text)).spec())["dtypes"]
+        read = read_kda(load(write(tmp_path, text)).spec())["dtypes"]
+        return {role: read[role] for role in ("activation", "gate")}
 
     assert dtypes(GOOD) == {"activation": ["bfloat16"], "gate": ["bfloat16"]}
     text = GOOD + '[spec.dtypes]\nactivation = ["bfloat16", "float16"]\n'
@@ -98,7 +102,9 @@ def test_dtypes_default_and_lists(tmp_path):
         ("activation = []", "spec.dtypes.activation = []", "a non-empty list of distinct ones"),
         ('gate = ["float32", "float32"]', "spec.dtypes.gate = ['float32', 'float32']", "distinct"),
         ("gate = 32", "spec.dtypes.gate = 32", "one of bfloat16, float16, float32"),
-        ('beta = "bfloat16"', "spec.dtypes.beta = 'bfloat16'", "no such key here (known: activation, gate)"),
+        ('betas = "bfloat16"', "spec.dtypes.betas = 'bfloat16'",
+         "no such key here (known: activation, beta, gate, gate_params, index, state)"),
+        ('index = ["int16"]', "spec.dtypes.index = ['int16']", "one of int32, int64, or a non-empty list"),
     ],
 )
 def test_bad_dtypes_name_file_key_value_and_expectation(tmp_path, table, key, expected):

@@ -139,9 +139,12 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     reads g and fp32 only), and the recurrent kernel per (activation, gate) pair for decode
     and each draft width, once per beta dtype it reads as given (B: the activation dtype and fp32). Batch sizes,
     lengths and every other argument make no variant (the wrappers' canonical form), so decode buckets do not count.
-    Each autotuned request compiles once per config."""
+    Prefill is planned at each of the NB token buckets (no max_prefill_tokens: all of them), whose only effect is
+    the prefill kernels' tuning key: the requests differ, the compiles do not. Each autotuned request compiles once
+    per config."""
     from prewarm.plan import expand_all
     from prewarm_kernels.backend import select
+    from prewarm_kernels.kda.common import TOKEN_BUCKETS
 
     from prewarm_kernels.spec import read_kda
 
@@ -153,7 +156,8 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     assert (A, G, D) == (1, 2, 2)
     get_target(m.backend, m.arch, "offline").activate()
     planned = plan(m)
-    assert len(planned.requests) == 6 * A + G + (1 + D) * A * G * B == 20
+    NB = len(TOKEN_BUCKETS)
+    assert len(planned.requests) == (6 * A + G) * NB + (1 + D) * A * G * B == 52
     configs = {name: len(select(name, m.backend).configs) for name in
                ("l2norm", "cumsum", "intra_token", "inter_solve", "recompute", "state", "output", "recurrent")}
     per_activation = sum(configs[n] for n in ("l2norm", "intra_token", "inter_solve", "recompute", "state", "output"))

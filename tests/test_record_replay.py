@@ -104,7 +104,8 @@ def test_closing_a_recorded_request_gives_what_triton_makes_for_the_other_int_cl
     from prewarm_toy.kernels import add_kernel
 
     requests = {r.kernel.split(":")[1]: r for r in load_record(str(recorded / "local.jsonl"))}
-    closed = dict(other_int_classes(resolve("prewarm_toy.kernels:add_kernel"), requests["add_kernel"].specialization))
+    closed = dict(other_int_classes(resolve("prewarm_toy.kernels:add_kernel"), requests["add_kernel"].specialization,
+                                    ("n",)))
     made = {}
     for what, n in (("n=1", 1), ("n other", 4097)):  # the recording ran n = 4096 (a multiple of 16)
         with tritoncompat.compile_requests(skip=True) as captured:
@@ -113,12 +114,16 @@ def test_closing_a_recorded_request_gives_what_triton_makes_for_the_other_int_cl
     assert {k: without_key(v) for k, v in closed.items()} == made
     # decode_kernel's int is do_not_specialize: nothing to close
     decode = next(r for r in load_record(str(recorded / "local.jsonl")) if r.kernel.endswith("decode_kernel"))
-    assert other_int_classes(resolve(decode.kernel), decode.specialization) == []
+    assert other_int_classes(resolve(decode.kernel), decode.specialization, ("n",)) == []
 
 
 def test_a_record_entry_with_close_builds_the_added_classes(recorded):
+    """``close = ["n"]`` names the int to close: the recording saw n in one class only, so ``close = true`` (what
+    varied) adds nothing here."""
     path = manifest(recorded, "local.jsonl")
     path.write_text(path.read_text().replace('record = "local.jsonl"', 'record = "local.jsonl"\nclose = true'))
+    assert [r.close for r in load_record(str(recorded / "local.jsonl"), close=True)] == [(), (), ()]
+    path.write_text(path.read_text().replace("close = true", 'close = ["n"]'))
     report = build(path, recorded / "built-closed", workers=1, mode="offline")
     assert report.ok and (report.requests, report.count("compiled")) == (3, 5)  # 3 recorded + add_kernel n=1, n other
     assert {r.label for r in report.results if "closed" in r.label} == {

@@ -182,3 +182,21 @@ def test_links_fifos_and_tmp_leftovers_inside_entries_are_reported_never_a_trace
                                            f"{key_dirs[3].name}/extra.so"])
     p = run_cli("verify", "--cache-dir", node, check=IntegrityError.exit_code)
     assert "Traceback" not in p.stderr
+
+
+def test_verify_spread_over_processes_finds_what_one_worker_finds(tmp_path):
+    """From 64 entries verify hashes in forked processes (threads share one core for the per-file Python)."""
+    pack(synthetic_cache(tmp_path / "cache", 90, seed=8, scale=0.02), tmp_path / "bundle")
+    node = tmp_path / "node"
+    install(str(tmp_path / "bundle"), node, durable=False)
+    cubins, ptxs = _entry_files(node, ".cubin"), _entry_files(node, ".ptx")
+    cubins[40].write_bytes(cubins[40].read_bytes()[:-1] + b"!")
+    ptxs[70].unlink()
+    (ptxs[5].parent / "stray.so").write_bytes(b"x")
+    reports = [verify(node, workers=w) for w in (1, 2)]
+    for r in reports:
+        assert r.entries == 90 and r.entries_ok == 87 and r.files == 360
+        assert r.modified == [cubins[40].relative_to(node).as_posix()]
+        assert r.missing == [ptxs[70].relative_to(node).as_posix()]
+        assert r.unexpected == [f"{ptxs[5].parent.name}/stray.so"]
+    assert reports[0].bytes_hashed == reports[1].bytes_hashed

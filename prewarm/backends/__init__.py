@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import devices
 from ..errors import EnvironmentProblem, ManifestError
 from ..manifest import Manifest
+from ..plan import manifest_device
 from . import cuda, npu
 from .cuda import CudaDeviceTarget, CudaOfflineTarget
 from .target import MODES, Target
 
 __all__ = ["MODES", "BACKENDS", "CudaDeviceTarget", "CudaOfflineTarget", "Target", "activate_for_planning",
-           "get_target", "probe_modules", "select"]
+           "get_target", "plan_targets", "probe_modules", "select"]
 
 BACKENDS = {"cuda": cuda, "npu": npu}  # each: TARGETS, auto_mode(), activate_for_planning(), probe_modules()
 
@@ -40,11 +40,21 @@ def select(manifest: Manifest, mode: str = "auto") -> tuple[Manifest, Target]:
     """The target that builds or checks ``manifest`` here in ``mode`` (not activated), and the manifest as this
     process serves it: on an Ascend node (device mode) narrowed to the node's own SoC, one of the manifest's
     (fails closed where it cannot tell)."""
-    target = get_target(manifest.backend, manifest.arch, mode, devices.manifest_device(manifest))
+    target = get_target(manifest.backend, manifest.arch, mode, manifest_device(manifest))
     if manifest.backend == "npu" and target.mode == "device":
         manifest = npu.for_soc(manifest, npu.node_soc(manifest))
         target = dataclasses.replace(target, arch=manifest.arch)
     return manifest, target
+
+
+def plan_targets(manifest: Manifest, mode: str = "auto") -> list[tuple[Manifest, Target]]:
+    """What ``prewarm plan`` expands ``manifest`` under (not activated). Planning needs no node: an npu manifest is
+    planned for every SoC it lists, each under its target-only driver (the offline target), unless ``mode`` is
+    "device" (then as :func:`select`: the node's own SoC); a CUDA manifest as :func:`select`."""
+    if manifest.backend == "npu" and mode != "device":
+        device = manifest_device(manifest)
+        return [(npu.for_soc(manifest, soc), get_target("npu", soc, "offline", device)) for soc in npu.socs(manifest)]
+    return [select(manifest, mode)]
 
 
 def activate_for_planning(manifest: Manifest) -> None:
@@ -53,7 +63,7 @@ def activate_for_planning(manifest: Manifest) -> None:
     target-only driver is active (triton 3.2's Autotuner asks the driver for a benchmarker at import)."""
     module = BACKENDS.get(manifest.backend)
     if module is not None:
-        module.activate_for_planning(manifest.arch, devices.manifest_device(manifest))
+        module.activate_for_planning(manifest.arch, manifest_device(manifest))
 
 
 def probe_modules(target: Target, compiles: list, results: list, cache_dir: str) -> list:

@@ -2,7 +2,8 @@
 
 - :class:`CudaOfflineTarget`: no GPU. Installs a target-only driver, so Triton compiles for ``sm_XX`` without
   libcuda, and builds each kernel's launcher (the per-signature C ``.so`` Triton builds at first launch) and
-  ``cuda_utils.so`` with the host C compiler. Autotune results cannot be made here (nothing to benchmark on).
+  ``cuda_utils.so`` with the host C compiler. Autotune results cannot be measured here (nothing to benchmark on):
+  build writes them from an autotune table measured on one device (prewarm.autotune).
 - :class:`CudaDeviceTarget`: a real GPU. Compiles the same way, then runs each provider's ``run(spec, device)``
   once so autotune results and launchers land in the cache dir too.
 - :func:`probe_modules`: are a plan's launchers and ``cuda_utils`` in a cache dir (the driver's own classes asked).
@@ -91,7 +92,8 @@ class CudaOfflineTarget(Target):
     def notes(self) -> list[str]:
         return [
             "offline CUDA build: kernels, their launchers and cuda_utils.so are in the cache, but no autotune "
-            "results: autotuned kernels benchmark once per process on the node unless a device build ran"
+            "results of its own: they come from the manifest's autotune table ([target] tuned or --tuned, made by "
+            "`prewarm tune` on one device); a tuning key it lacks is benchmarked once per process on the node"
         ]
 
 
@@ -115,6 +117,7 @@ class CudaDeviceTarget(Target):
             raise EnvironmentProblem(
                 f"cuda device mode: the manifest targets {self.arch} but this GPU is sm_{major}{minor}"
             )
+        start_driver()
 
     def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
         """Run each provider's serving mix once in a fresh process with autotune caching on: the Autotuner
@@ -135,6 +138,25 @@ class CudaDeviceTarget(Target):
             notes.append(f"ran {provider.__name__}.run once on {self.device}: autotune results and launchers cached")
         notes.append("nodes must run with TRITON_CACHE_AUTOTUNING=1 (or cache_results=True) to read autotune results")
         return notes
+
+
+def start_driver() -> None:
+    """Bring Triton's CUDA driver up now, as a server's first launch does, before any probe scope.
+
+    The driver is made at its first use, and making it loads (or builds) ``cuda_utils`` through the cache manager.
+    Inside a probe's scope that lookup was stopped as if it were the kernel's: on a fresh GPU node, will-hit named
+    the cuda_utils key for a kernel (a false MISS), and libraries that ask the driver at import (sglang's fla copy:
+    ``get_current_target()``) caught the failure, fell back to "cpu" and picked other constexpr globals (ieee
+    instead of tf32 dots), so verify computed other keys than the server does. Measured on the H200, 2026-12-01.
+    Its C modules go to a private dir here, so checking a cache writes nothing into it."""
+    import tempfile
+
+    from triton.runtime.driver import driver
+
+    if tritoncompat.chosen_driver() is not None:
+        return
+    with tempfile.TemporaryDirectory(prefix="prewarm-driver-") as scratch, tritoncompat.cache_scope(scratch):
+        driver.active.get_current_target()
 
 
 TARGETS: dict[str, type[Target]] = {"offline": CudaOfflineTarget, "device": CudaDeviceTarget}

@@ -1,32 +1,57 @@
-"""fla-core's KDA serving path (flash-linear-attention 0.6.0) as a provider: ``provider = "prewarm.providers.fla_kda"``.
+"""fla-core's KDA (flash-linear-attention 0.6.0), its whole public API, as a provider:
+``provider = "prewarm.providers.fla_kda"``.
 
-fla launches its kernels itself (``kernel[grid](...)``), so :func:`launches` calls fla's public wrappers on
+fla launches its kernels itself (``kernel[grid](...)``), so :func:`launches` calls fla's public entry points on
 ``meta`` tensors with Triton's launch entry point (``KernelInterface.__getitem__``) intercepted: each launch is
 recorded as fla made it (its outermost Heuristics / Autotuner object, its arguments) and nothing reaches a device.
 The build expands each into every autotune config fla's Autotuner keeps after its own pruning. fla reads the
 device when it is imported and when it picks kernels (name, capability, opt-in shared memory, SM count): the
 manifest must name the node's device (``[target] device``), whose profile answers those queries.
 
-The calls, for every (activation, gate) dtype pair the spec declares and beta in the activation dtype and fp32:
-prefill is one packed varlen ``chunk_kda`` (int64 ``cu_seqlens`` plus its CPU copy, fused gate, in-kernel q/k L2
-norm, with and without initial states, final state out); decode one ``fused_recurrent_kda`` per batch bucket and
-verify one per draft width, each as equal-length batches and as packed ``cu_seqlens``.
+The entry points: ``chunk_kda`` (prefill), ``fused_recurrent_kda`` and ``fused_recurrent_kda_fwd`` (decode and
+verify, state returned, written in place or into a state pool by ``ssm_state_indices``, with
+``num_accepted_tokens`` for speculative verify) and ``fused_kda_gate`` (the gate activated before a call with
+``use_gate_in_kernel=False``, as fla's own layer decodes). Every option of theirs that changes a constexpr, a
+pointer's dtype or a specialization class is an axis: a ``[spec.serving]`` list of the values to plan (the call
+options of ``prewarm_kernels.spec.FLA_CALL_OPTIONS``), the ``[spec.dtypes]`` roles (activation, gate, beta,
+gate_params, state, index) and ``[spec.model]`` (gate_lower_bound, scale, allow_neg_eigval). :func:`options` says
+for each what is planned against what fla accepts; ``prewarm plan`` prints every axis a manifest or a default
+narrows.
 
-Specialization over the envelope: fla 0.6.0 passes its runtime ints (T, N) with ``do_not_specialize``; the one
-compile-time value taken from a shape is l2norm's token bucket ``NB = cdiv(T * H, 65536)`` (a constexpr, an
-autotune key). Prefill is planned once per NB value from 1 up to ``[spec.serving] max_prefill_tokens`` (else
-:data:`MAX_PREFILL_TOKENS`). The spec is the KDA serving spec (``prewarm_kernels.spec.read_kda``).
+The compile count is a product per kernel, never across kernels: each fla kernel is compiled once per combination
+of the axes that reach it, times its autotune configs. ``chunk_kda`` runs one kernel per stage and each axis reaches
+only some stages, so its calls are the union of one product per stage (:data:`PREFILL_STAGES`): the stages after
+the gate see q/k/v, beta as read, the state switches, indices, chunk size, graph mode, layout and safe gate; the
+gate stage sees g, A_log/dt_bias, indices, chunk size and graph mode; the q/k L2 norm sees the activation dtype and
+its token bucket ``NB = cdiv(T * H, 65536)`` (planned for each bucket up to ``[spec.serving] max_prefill_tokens``,
+else :data:`MAX_PREFILL_TOKENS`); the beta sigmoid sees beta's dtype and its element count's class (fla specializes
+it). The recurrent kernel sees every recurrent axis, so those are crossed in full: that product is where the count
+grows (see ``README``). fla's runtime ints T and N are not specialized, so lengths and batch sizes multiply nothing
+but two constexprs: the width D of ``[N, D]`` state indices (a stride: once per draft width) and the batch size B
+of an equal-length ``chunk_kda`` whose gate was activated before the call (fla's local cumsum: once per B up to
+:func:`max_batch`).
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from prewarm_kernels.spec import SpecError, read_kda
+from prewarm_kernels.spec import DTYPES, FLA_CALL_OPTIONS, INDEX_DTYPES, SpecError, fla_accepted, read_kda
 
 MAX_PREFILL_TOKENS = 16384  # the envelope when the spec gives none: a serving engine's max batched tokens
 L2NORM_ROWS_PER_BUCKET = 2048 * 32  # fla.modules.norm.l2norm: NB = triton.cdiv(T, 2048 * 32) over T * H rows
+SIGMOID_TOKENS = range(1, 17)  # fused_beta_sigmoid specializes its element count: every class of tokens * heads
+
+# chunk_kda's axes, by the stage (group of kernels) they reach: each stage is planned over the product of its axes
+PREFILL_STAGES = {
+    "state": ("act", "beta", "sigmoid", "index", "graph", "chunk", "v_first", "initial", "final", "safe",
+              "recompute"),  # intra, token-parallel / sub-chunk, inter + solve, recompute w/u, state h, output o
+    "gate": ("gate_in_kernel", "g", "params", "index", "graph", "chunk", "batch"),  # gate + cumsum, or cumsum
+    "l2norm": ("act", "l2norm", "tokens"),  # l2norm_fwd: NB from the token count
+    "sigmoid": ("beta", "sigmoid", "tokens"),  # fused_beta_sigmoid: its element count's specialization class
+}
 
 
 @dataclass
@@ -58,14 +83,14 @@ def intercepted() -> Iterator[list[Launch]]:
 
 
 def launches(spec: dict) -> list[Launch]:
-    """Every kernel launch of fla's KDA serving path for ``spec``, captured on meta tensors (nothing runs)."""
+    """Every kernel launch of fla's KDA API over ``spec``'s envelope, captured on meta tensors (nothing runs)."""
     spec = _check(spec)
     out: list[Launch] = []
-    for prefix, call in _calls(spec, "meta"):
+    for label, call in _calls(spec, "meta"):
         with intercepted() as records:
             call()
         for rec in records:
-            rec.label = f"{prefix}/{_name(rec.kernel)}"
+            rec.label = f"{label}/{_name(rec.kernel)}"
         out.extend(records)
     return out
 
@@ -78,6 +103,22 @@ def run(spec: dict, device: str = "cuda") -> None:
     for _, call in _calls(spec, device):
         call()
     torch.cuda.synchronize()
+
+
+def options(spec: dict) -> list[dict]:
+    """Each of fla's API axes: its spec key, the values planned, every value fla accepts, whether the manifest set
+    it (a narrowed axis is planned on fewer values than fla accepts, by the manifest or by a documented default)."""
+    read = read_kda(spec)
+    given = {table: set(spec.get(table, {}) if isinstance(spec.get(table), dict) else ())
+             for table in ("serving", "dtypes", "model")}
+    accepted = fla_accepted(read["fused_gate"], read["qk_l2norm"], read["gate_lower_bound"])
+    rows = [(f"serving.{key}", read["calls"][key], list(accepted[key])) for key in FLA_CALL_OPTIONS]
+    rows += [(f"dtypes.{role}", read["dtypes"][role], list(INDEX_DTYPES if role == "index" else DTYPES))
+             for role in ("activation", "gate", "beta", "gate_params", "state", "index")]
+    rows.append(("model.scale", read["scale"], None))  # any number: fla's default head_k_dim ** -0.5 unless listed
+    return [{"key": f"spec.{key}", "planned": planned, "accepted": accepted,
+             "given": key.split(".")[1] in given[key.split(".")[0]],
+             "narrowed": accepted is not None and planned != accepted} for key, planned, accepted in rows]
 
 
 def prefill_token_counts(heads: int, max_tokens: int) -> list[int]:
@@ -100,73 +141,239 @@ def _check(spec: dict) -> dict:
     return read
 
 
-def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
-    """(label prefix, thunk) for every call of the serving path, tensors on ``device`` (meta: shapes only)."""
-    import torch
+@dataclass(frozen=True)
+class Prefill:
+    """One ``chunk_kda`` call: a value for every axis (``index``: cu_seqlens' dtype, None for equal lengths)."""
 
+    act: str
+    g: str
+    beta: str
+    params: str
+    index: str | None
+    initial: bool
+    final: bool
+    chunk: int
+    graph: bool
+    v_first: bool
+    recompute: bool
+    gate_in_kernel: bool
+    l2norm: bool
+    sigmoid: bool
+    safe: bool
+    tokens: int
+    batch: int  # sequences of an equal-length batch (index None): a constexpr of fla's local cumsum
+
+
+@dataclass(frozen=True)
+class Recurrent:
+    """One ``fused_recurrent_kda`` (state ``returned``) or ``fused_recurrent_kda_fwd`` call."""
+
+    act: str
+    g: str
+    beta: str
+    params: str | None
+    index: str | None  # cu_seqlens' dtype (varlen), and the state indices' and accepted counts' dtype
+    varlen: bool
+    mode: str  # spec.serving.recurrent_state
+    initial: bool
+    final: bool
+    state: str
+    width: int  # tokens per sequence: the D of [N, D] state indices
+    v_first: bool
+    gate_in_kernel: bool
+    l2norm: bool
+    sigmoid: bool
+    scale: float
+
+
+def prefills(spec: dict) -> list[Prefill]:
+    """Every ``chunk_kda`` call to plan: per stage of :data:`PREFILL_STAGES`, the product of its axes' planned
+    values, every other axis at its first planned value."""
+    if not spec["prefill"]:
+        return []
+    c, d = spec["calls"], spec["dtypes"]
+    max_tokens = spec["max_prefill_tokens"] or MAX_PREFILL_TOKENS
+    axes = {"act": d["activation"], "beta": d["beta"], "sigmoid": c["beta_sigmoid_in_kernel"],
+            "index": [None] * (False in c["varlen"]) + d["index"] * (True in c["varlen"]),
+            "graph": c["use_graph"], "chunk": c["chunk_size"], "v_first": c["state_v_first"],
+            "initial": c["initial_state"], "final": c["final_state"], "safe": c["safe_gate"],
+            "recompute": c["disable_recompute"], "gate_in_kernel": c["gate_in_kernel"], "g": _gates(spec),
+            "params": d["gate_params"], "l2norm": c["qk_l2norm_in_kernel"],
+            "tokens": sorted({*prefill_token_counts(spec["heads"], max_tokens), *SIGMOID_TOKENS}),
+            "batch": list(range(1, max_batch(spec) + 1))}
+    base = {name: values[0] for name, values in axes.items()}
+    base["tokens"] = 64 + 1  # two chunks, the second partial
+    out: dict[Prefill, None] = {}
+    for stage, names in PREFILL_STAGES.items():
+        for values in itertools.product(*(axes[n] for n in names)):
+            call = Prefill(**{**base, **dict(zip(names, values))})
+            if _valid_prefill(call, spec):
+                out.setdefault(call)
+    return list(out)
+
+
+def _gates(spec: dict) -> list[str]:
+    """g's dtypes: the declared raw gate dtypes, and an activated gate in those or fp32 (fused_kda_gate's default)."""
+    return list(dict.fromkeys([*spec["dtypes"]["gate"], "float32"]))
+
+
+def _valid_prefill(p: Prefill, spec: dict) -> bool:
+    """A raw gate (activated in-kernel) only in its declared dtypes; batches of more than one equal-length sequence
+    only where the batch size is a constexpr (fla's local cumsum of a gate activated before the call)."""
+    return (p.gate_in_kernel is False or p.g in spec["dtypes"]["gate"]) and \
+        (p.batch == 1 or (p.index is None and not p.gate_in_kernel))
+
+
+def max_batch(spec: dict) -> int:
+    """The most sequences one call holds: ``[spec.serving] max_running_requests``, else the largest decode bucket."""
+    return spec["max_running_requests"] or max(spec["decode_batch_buckets"] or [1])
+
+
+def recurrents(spec: dict) -> list[Recurrent]:
+    """Every recurrent call to plan: the full product of the recurrent kernel's axes (it sees them all)."""
+    c, d = spec["calls"], spec["dtypes"]
+    widths = [1] * bool(spec["decode_batch_buckets"]) + sorted(w for w in spec["draft_widths"] if w > 1)
+    out = []
+    for act, beta, gik, l2norm, sigmoid, v_first, scale, mode, varlen in itertools.product(
+            d["activation"], d["beta"], c["gate_in_kernel"], c["qk_l2norm_in_kernel"], c["beta_sigmoid_in_kernel"],
+            c["state_v_first"], spec["scale"], c["recurrent_state"], c["varlen"]):
+        gates = itertools.product(d["gate"], d["gate_params"]) if gik else ((g, None) for g in _gates(spec))
+        states = itertools.product(c["initial_state"], c["final_state"]) if mode == "returned" else [(True, True)]
+        indexed = varlen or mode.startswith("indexed")
+        for (g, params), (initial, final), state, index, width in itertools.product(
+                gates, states, d["state"], d["index"] if indexed else [None],
+                widths if mode == "indexed_spec" else widths[:1]):
+            out.append(Recurrent(act, g, beta, params, index, varlen, mode, initial, final,
+                                 state if initial else "float32", width, v_first, gik, l2norm, sigmoid, scale))
+    return list(dict.fromkeys(out))
+
+
+def gate_activations(spec: dict) -> list[tuple[str, str, str]]:
+    """(g, A_log/dt_bias, output) dtypes of every ``fused_kda_gate`` call: the gate activated before a recurrent or
+    chunk call that does not activate it in-kernel."""
+    if False not in spec["calls"]["gate_in_kernel"] or not spec["fused_gate"]:
+        return []
+    d = spec["dtypes"]
+    return list(itertools.product(d["gate"], d["gate_params"], _gates(spec)))
+
+
+def _calls(spec: dict, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """(label, thunk) for every planned call, tensors on ``device`` (meta: shapes only)."""
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        from fla.ops.kda.gate import fused_kda_gate
     except ImportError as e:
         raise ValueError(f"fla-core is not importable ({e}): install the fla extra, pip install -e '.[fla]'") from e
 
-    H, K, V = spec["heads"], spec["head_k_dim"], spec["head_v_dim"]
-    lb = spec.get("gate_lower_bound")
-    fused, l2norm = spec.get("fused_gate", True), spec.get("qk_l2norm", True)
-    gen = torch.Generator().manual_seed(0)
-    f32 = torch.float32
+    t = _Tensors(spec, device)
+    for p in prefills(spec):
+        yield _label("prefill", p), lambda p=p: chunk_kda(**t.prefill(p))
+    for r in recurrents(spec):
+        fn = fused_recurrent_kda if r.mode == "returned" else fused_recurrent_kda_fwd
+        yield _label("decode" if r.width == 1 else "verify", r), lambda fn=fn, r=r: fn(**t.recurrent(r))
+    for g, params, out in gate_activations(spec):
+        yield f"gate[g={g},params={params},out={out}]", lambda g=g, p=params, o=out: fused_kda_gate(**t.gate(g, p, o))
 
-    def rand(*shape, dtype, scale=1.0):
-        if device == "meta":  # shapes only: no data drawn
-            return torch.empty(*shape, dtype=dtype, device="meta")
-        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
 
-    gate = ({"A_log": rand(H, dtype=f32, scale=0.5), "dt_bias": rand(H * K, dtype=f32, scale=0.5),
-             "use_gate_in_kernel": True, "safe_gate": lb is not None, "lower_bound": lb} if fused else {})
+def _label(kind: str, call: Any) -> str:
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    return f"{kind}[" + ",".join(f"{k}={short.get(v, v)}" for k, v in vars(call).items()) + "]"
 
-    def inputs(B: int, T: int, act, gdt, bdt):
-        g = rand(B, T, H, K, dtype=gdt) if fused else -rand(B, T, H, K, dtype=gdt).abs()
-        beta = rand(B, T, H, dtype=bdt).sigmoid()
-        return rand(B, T, H, K, dtype=act), rand(B, T, H, K, dtype=act), rand(B, T, H, V, dtype=act), g, beta
 
-    def packed(lengths: list[int]) -> dict:
-        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-        return {"cu_seqlens": cu.to(device), "cu_seqlens_cpu": cu}
+class _Tensors:
+    """The arguments of each planned call, on ``device`` (``meta``: shapes and dtypes only; else valid values)."""
 
-    def lengths_for(total: int) -> list[int]:  # a few sequences of unequal length summing to ``total``
-        parts = [n for n in (total // 2, total // 3) if n] or [total]
-        return [*parts, total - sum(parts)] if total > sum(parts) else parts
+    def __init__(self, spec: dict, device: str):
+        import torch
 
-    max_tokens = spec["max_prefill_tokens"] or MAX_PREFILL_TOKENS
-    buckets = sorted(set(spec["decode_batch_buckets"]))
-    drafts = sorted(set(d for d in spec["draft_widths"] if d > 1))
-    roles = spec["dtypes"]
-    for act_name in roles["activation"]:
-        for gate_name in roles["gate"]:
-            for beta_name in dict.fromkeys([act_name, "float32"]):
-                act, gdt, bdt = (getattr(torch, n) for n in (act_name, gate_name, beta_name))
-                tag = f"act={act_name},gate={gate_name},beta={beta_name}"
-                if spec.get("prefill", True):
-                    for total in prefill_token_counts(H, max_tokens):
-                        for with_state in (True, False):
-                            def prefill(total=total, with_state=with_state, act=act, gdt=gdt, bdt=bdt):
-                                lens = lengths_for(total)
-                                h0 = rand(len(lens), H, K, V, dtype=f32) if with_state else None
-                                return chunk_kda(*inputs(1, total, act, gdt, bdt), initial_state=h0,
-                                                 output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
-                                                 **packed(lens), **gate)
-                            yield f"prefill[{tag},T={total},h0={with_state}]", prefill
-                for kind, width, batch in ([("decode", 1, b) for b in buckets]
-                                           + [("verify", d, b) for d in drafts for b in buckets[-1:]]):  # fmt: skip
-                    for varlen in (False, True):
-                        def recurrent(width=width, batch=batch, varlen=varlen, act=act, gdt=gdt, bdt=bdt):
-                            shape = (1, batch * width) if varlen else (batch, width)
-                            extra = {"cu_seqlens": packed([width] * batch)["cu_seqlens"]} if varlen else {}
-                            return fused_recurrent_kda(*inputs(*shape, act, gdt, bdt),
-                                                       initial_state=rand(batch, H, K, V, dtype=f32),
-                                                       output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
-                                                       **{k: v for k, v in gate.items() if k != "safe_gate"},
-                                                       **extra)
-                        yield f"{kind}[{tag},B={batch},T={width},varlen={varlen}]", recurrent
+        self.torch, self.device = torch, device
+        self.H, self.K, self.V = spec["heads"], spec["head_k_dim"], spec["head_v_dim"]
+        self.lb, self.neg = spec["gate_lower_bound"], spec["allow_neg_eigval"]
+        self.gen = torch.Generator().manual_seed(0)
+
+    def rand(self, *shape, dtype: str, scale: float = 1.0):
+        dt = getattr(self.torch, dtype)
+        if self.device == "meta":
+            return self.torch.empty(*shape, dtype=dt, device="meta")
+        return (self.torch.randn(*shape, generator=self.gen) * scale).to(self.device, dt)
+
+    def ints(self, values: list[int], dtype: str, device: str | None = None):
+        return self.torch.tensor(values, dtype=getattr(self.torch, dtype), device=device or self.device)
+
+    def gate_params(self, dtype: str) -> dict:
+        return {"A_log": self.rand(self.H, dtype=dtype, scale=0.5), "dt_bias": self.rand(self.H * self.K, dtype=dtype,
+                                                                                        scale=0.5)}
+
+    def qkvgb(self, B: int, T: int, act: str, g: str, beta: str, sigmoid: bool) -> dict:
+        H, K, V = self.H, self.K, self.V
+        b = self.rand(B, T, H, dtype=beta)
+        return {"q": self.rand(B, T, H, K, dtype=act), "k": self.rand(B, T, H, K, dtype=act),
+                "v": self.rand(B, T, H, V, dtype=act), "g": self.rand(B, T, H, K, dtype=g),
+                "beta": b if sigmoid or self.device == "meta" else b.sigmoid()}
+
+    def beta_options(self, sigmoid: bool) -> dict:
+        """Raw beta with the sigmoid in-kernel (x2 there for a model with negative eigenvalues), or beta as given."""
+        return {"use_beta_sigmoid_in_kernel": sigmoid, "allow_neg_eigval": sigmoid and self.neg}
+
+    def gate_options(self, gate_in_kernel: bool, params: str | None) -> dict:
+        if not gate_in_kernel:
+            return {"use_gate_in_kernel": False}
+        return {"use_gate_in_kernel": True, "lower_bound": self.lb, **self.gate_params(params)}
+
+    def prefill(self, p: Prefill) -> dict:
+        """chunk_kda: ``batch`` equal-length sequences of ``tokens`` tokens in all, or packed sequences of unequal
+        lengths."""
+        lengths = [p.tokens // 2, p.tokens - p.tokens // 2] if p.tokens > 1 else [1]
+        B, T = (1, p.tokens) if p.index else (p.batch, max(1, p.tokens // p.batch))
+        args = self.qkvgb(B, T, p.act, p.g, p.beta, p.sigmoid)
+        extra: dict = {}
+        n = B
+        if p.index:
+            cu = [0, *itertools.accumulate(lengths)] + [sum(lengths)] * (1 if p.graph else 0)  # graph: a padded tail
+            n = len(cu) - 1
+            extra = {"cu_seqlens": self.ints(cu, p.index), "cu_seqlens_cpu": self.ints(cu, p.index, "cpu")}
+            if p.graph:
+                extra["max_num_seqs"] = n
+        if p.initial:
+            extra["initial_state"] = self.rand(n, self.H, *self.state_shape(p.v_first), dtype="float32")
+        return {**args, **extra, "output_final_state": p.final, "use_qk_l2norm_in_kernel": p.l2norm,
+                "safe_gate": p.safe, "chunk_size": p.chunk, "use_graph": p.graph, "state_v_first": p.v_first,
+                "disable_recompute": p.recompute, **self.beta_options(p.sigmoid),
+                **self.gate_options(p.gate_in_kernel, p.params)}
+
+    def state_shape(self, v_first: bool) -> tuple[int, int]:
+        return (self.V, self.K) if v_first else (self.K, self.V)
+
+    def recurrent(self, r: Recurrent) -> dict:
+        """fused_recurrent_kda(_fwd): N sequences of ``width`` tokens, equal-length or packed; the state per
+        sequence, in place, or in a pool of slots read and written through ``ssm_state_indices``."""
+        N, W = 3, r.width
+        args = self.qkvgb(1, N * W, r.act, r.g, r.beta, r.sigmoid) if r.varlen else \
+            self.qkvgb(N, W, r.act, r.g, r.beta, r.sigmoid)
+        extra: dict = {"scale": r.scale, "use_qk_l2norm_in_kernel": r.l2norm, "state_v_first": r.v_first,
+                       **self.beta_options(r.sigmoid), **self.gate_options(r.gate_in_kernel, r.params)}
+        if r.varlen:
+            extra["cu_seqlens"] = self.ints(list(range(0, N * W + 1, W)), r.index)
+        shape = self.state_shape(r.v_first)
+        if r.mode == "returned":
+            extra["output_final_state"] = r.final
+            if r.initial:
+                extra["initial_state"] = self.rand(N, self.H, *shape, dtype=r.state)
+            return {**args, **extra}
+        slots = N * W + 2  # a pool larger than the batch
+        extra.update(initial_state=self.rand(slots if r.mode.startswith("indexed") else N, self.H, *shape,
+                                             dtype=r.state), inplace_final_state=True)
+        if r.mode == "indexed":
+            extra["ssm_state_indices"] = self.ints([slots - 1 - n for n in range(N)], r.index)
+        elif r.mode == "indexed_spec":
+            extra["ssm_state_indices"] = self.ints([[n * W + i for i in range(W)] for n in range(N)], r.index)
+            extra["num_accepted_tokens"] = self.ints([1 + n % W for n in range(N)], r.index)
+        return {**args, **extra}
+
+    def gate(self, g: str, params: str, out: str) -> dict:
+        return {"g": self.rand(2, 5, self.H, self.K, dtype=g), **self.gate_params(params), "lower_bound": self.lb,
+                "output_dtype": getattr(self.torch, out)}
 
 
 def _name(kernel) -> str:

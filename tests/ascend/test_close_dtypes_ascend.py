@@ -37,4 +37,4 @@ def test_int_classes_are_left_as_recorded_on_triton_ascend_3_2():
     npu.activate_offline(ARCH)
     with tritoncompat.compile_requests(skip=True) as made:
         k.add_kernel.warmup(torch.float32, torch.float32, torch.float32, 100, 4096, BS=64, grid=(1,))
-    assert tritoncompat.int_args(made[0]) == {} and other_int_classes(k.add_kernel, made[0]) == []
+    assert tritoncompat.int_args(made[0]) == {} and other_int_classes(k.add_kernel, made[0], ("T", "n")) == []

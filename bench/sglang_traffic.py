@@ -1,0 +1,175 @@
+"""Zero compiles for sglang's own KDA kernels under independent traffic: fresh processes on an installed bundle (H200).
+
+    python3 bench/sglang_traffic.py --bundle BUNDLE [--sglang-path DIR] [--seeds 1,2,3,4,5] [--expect-zero] [--out JSON]
+
+The traffic is ``prewarm.providers.sglang_traffic.calls``: TritonKDAKernel's public methods called as sglang
+0.5.23's KDA backend and Kimi-Linear's layer call them, written independently of the provider's call builder
+(``prewarm.providers.sglang_kda``); ``tests/test_sglang.py`` runs the same generator on fake tensors against the plan.
+Every process draws its batch sizes as seeded permutations of 1..the manifest's largest batch, so a process of
+enough calls (the default: 4 steps of 64) sees every size; the JSON's ``coverage`` says which batch sizes and draft
+widths the runs together saw, and what they missed.
+
+For each seed: ``prewarm install BUNDLE`` into a fresh node dir, then a fresh process with ``TRITON_CACHE_DIR`` =
+that dir counts every compile with Triton's compilation listener. sglang need not be installed: ``--sglang-path``
+(or PYTHONPATH) names a dir holding its package (the kernel modules; ``.ci/setup``'s ``build/sglang``). Calls that
+reach sglang's CUDA JIT packed decode (tvm_ffi + nvcc, not Triton: batches of 8 or more) are counted per run as
+``jit_calls``; where that kernel cannot be built (``JitKernelUnavailable`` from the test stand-in, or any error of
+sglang's JIT loader) the call is counted in ``jit_unavailable`` and the run goes on: nothing Triton would compile
+for it is hidden, because the JIT kernel replaces the Triton one for that call. ``first_step_s`` starts after torch,
+the CUDA context and triton are up and stops when sglang's kernels are imported and the first ``--calls`` calls
+have run and the device synchronized (an offline bundle includes the autotuner benchmarking each autotuned kernel
+once: ``autotune_s``). Writes ``{"runs": [{"seed", "compiles", ...}], "coverage": {...}}`` after every process;
+exits 1 if a process failed, and with ``--expect-zero`` if any process compiled or the runs missed a batch size or
+a draft width.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    REPO, Probes, add_seed_options, bench_parser, bundle_for, child_env, child_main, init_device, load_spec, log,
+    parse_seed_options, run_child, seed_runs, write_json,
+)
+
+DEFAULT_SGLANG_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
+
+
+# --- the measurement ---------------------------------------------------------------------------------------------
+
+
+def child(args) -> dict:
+    from prewarm.providers.sglang_env import jit_skipped
+    from prewarm.providers.sglang_traffic import calls
+
+    torch = init_device()
+    probes = Probes()
+    spec = load_spec(Path(args.manifest))
+    drawn: list[dict] = []
+    jit_unavailable: Counter = Counter()
+    reached_jit: list[str] = []
+
+    def step(traffic, n: int) -> None:
+        for call in (next(traffic) for _ in range(n)):
+            probes.during = call.label
+            drawn.append(call.options)
+            try:
+                with jit_skipped() if args.skip_jit else _counting_jit(reached_jit):
+                    call.run()
+            except _JitFailed as e:  # sglang's CUDA JIT kernel could not be built or run here: counted, said
+                jit_unavailable[f"{type(e.__cause__).__name__}: {call.options['kind']} batch "
+                                f"{call.options.get('batch')}"] += 1
+            except Exception as e:
+                raise RuntimeError(f"the call {call.label!r} raised {type(e).__name__}: {e}") from e
+        torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    traffic = calls(spec, args.seed, args.calls * args.steps, "cuda")  # imports sglang: part of the first step
+    step(traffic, args.calls)
+    first_step_s = time.perf_counter() - t0
+    after_first = probes.snapshot()
+    for _ in range(args.steps - 1):
+        step(traffic, args.calls)
+    return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
+            "calls": len(drawn), "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
+            "batch_sizes": sorted({d["batch"] for d in drawn if "batch" in d}),
+            "draft_widths": sorted({d["width"] for d in drawn if "width" in d}),
+            "jit_calls": len(reached_jit), "jit_unavailable": dict(jit_unavailable),
+            **probes.snapshot(), **probes.details()}
+
+
+class _JitFailed(Exception):
+    """sglang's CUDA JIT packed decode raised (its cause): e.g. JitKernelUnavailable from the test stand-in."""
+
+
+class _counting_jit:
+    """Counts each call of sglang's CUDA JIT packed decode and lets it run (on a node with sglang's toolchain it is
+    the kernel serving that batch); whatever it raises comes out as :class:`_JitFailed`."""
+
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+    def __enter__(self):
+        import sglang.kernels.ops.attention.kda_packed_decode as jit
+
+        self.module, self.original = jit, jit.kda_packed_decode
+
+        def counted(mixed_qkv, *args, **kwargs):
+            self.calls.append(f"batch {mixed_qkv.shape[0]}")
+            try:
+                return self.original(mixed_qkv, *args, **kwargs)
+            except Exception as e:
+                raise _JitFailed(f"{type(e).__name__}: {e}") from e
+
+        jit.kda_packed_decode = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.module.kda_packed_decode = self.original
+        return False
+
+
+def coverage(runs: list[dict], spec: dict) -> dict:
+    """Which batch sizes and draft widths the runs saw together, against the manifest's envelope."""
+    from prewarm.providers.sglang_env import read_spec
+
+    s = read_spec(spec)
+    batches = set().union(*(r.get("batch_sizes", []) for r in runs))
+    widths = set().union(*(r.get("draft_widths", []) for r in runs))
+    return {"max_batch": s.max_batch, "draft_widths": list(s.draft_widths),
+            "batch_sizes_missed": sorted(set(range(1, s.max_batch + 1)) - batches),
+            "draft_widths_missed": sorted(set(s.draft_widths) - widths)}
+
+
+def main() -> int:
+    p = bench_parser(__doc__, "sglang_traffic", manifest=DEFAULT_SGLANG_MANIFEST)
+    add_seed_options(p, seeds="1,2,3,4,5", calls=64)
+    p.add_argument("--sglang-path", help="dir holding the sglang package (e.g. the carried build/sglang), put first "
+                                         "on the measuring processes' PYTHONPATH")
+    p.add_argument("--skip-jit", action="store_true", help="skip sglang's CUDA JIT packed decode instead of calling "
+                                                           "it (what the planner does)")
+    args = parse_seed_options(p)
+    if args.child:
+        return child_main(child, args)
+    if not args.bundle:
+        p.error("give --bundle: a bundle of the manifest, built and packed (on a CPU box, say)")
+    work = Path(args.work_dir).resolve() / "sglang"
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = Path(args.manifest).resolve()
+    sglang_path = str(Path(args.sglang_path).resolve()) if args.sglang_path else None
+    if sglang_path and not (Path(sglang_path) / "sglang").is_dir():
+        p.error(f"--sglang-path {sglang_path}: no sglang package there (expected DIR/sglang/, e.g. build/sglang)")
+    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
+    bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
+
+    def measure_on(node: Path, seed: int) -> dict:
+        env = child_env(work, TRITON_CACHE_DIR=str(node))
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (sglang_path, env["PYTHONPATH"]) if x)
+        run = run_child(Path(__file__), ["--child", "--seed", str(seed), "--manifest", args.manifest,
+                                         "--calls", str(args.calls), "--steps", str(args.steps)]
+                        + (["--skip-jit"] if args.skip_jit else []),
+                        env, work / f"result-{seed}.json", timeout=args.timeout)
+        log(f"seed {seed}: {run['compiles']} compiles, {run['cache_hits']} disk hits, {run['calls']} calls "
+            f"({run['calls_by_kind']}), {len(run['batch_sizes'])} batch sizes, JIT calls {run['jit_calls']} "
+            f"(unavailable: {sum(run['jit_unavailable'].values())}), first step {run['first_step_s']} s "
+            f"(autotune {run['first_step']['autotune_s']} s)")
+        return run
+
+    for run in seed_runs("offline", bundle, args.seeds, work, measure_on):
+        out["runs"].append(run)
+        out["coverage"] = coverage(out["runs"], load_spec(manifest))
+        write_json(args.out, out)
+    cov = out.get("coverage", {})
+    failed = any("error" in r for r in out["runs"])
+    missed = bool(cov.get("batch_sizes_missed") or cov.get("draft_widths_missed"))
+    log(f"coverage: {cov}")
+    return 1 if failed or (args.expect_zero and (missed or any(r.get("compiles") for r in out["runs"]))) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

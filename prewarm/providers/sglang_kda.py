@@ -1,0 +1,358 @@
+"""sglang's own KDA kernels as its KDA backend calls them: ``provider = "prewarm.providers.sglang_kda"``.
+
+sglang (0.5.23) serves Kimi's KDA layers with its own copy of the kernels (``sglang/kernels/ops/attention/fla/`` and
+``.../linear/``), called through ``TritonKDAKernel`` (``sglang/srt/layers/attention/linear/kernels/kda_triton.py``)
+by ``KDAAttnBackend`` (``.../linear/kda_backend.py``) and, on Ascend, ``AscendKDAAttnBackend``. :func:`launches`
+makes those calls with tensors laid out as the backend and the model hand them over (q/k/v as views of the conv
+output, beta as a view of the fused projection, the state pool ``[slots, H, V, K]`` by index, int32
+``query_start_loc``), on fake tensors of the target's device type (``prewarm.providers.sglang_env``), every
+``kernel[grid](...)`` captured and none launched. The build expands each into every autotune config.
+
+The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda``, plus ``[spec.sglang]``, see
+:func:`prewarm.providers.sglang_env.read_spec`), and what it plans:
+
+- Paths (``spec.sglang.paths``): on ``cuda`` ``extend`` (``chunk_kda``), ``packed_decode`` (the decode sglang takes
+  without a gate lower bound; bf16 batches of 8 or more with int32 indices and fp32 parameters leave Triton for
+  sglang's CUDA JIT kernel, which prewarm cannot build), ``decode`` (``fused_sigmoid_gating_delta_rule_update``: the
+  decode with a lower bound) and ``target_verify`` (the same kernel over draft tokens); on ``npu`` what
+  ``AscendKDAAttnBackend`` runs through Triton: ``decode``, ``target_verify`` and ``ascend_extend`` (sglang's
+  Triton ``l2norm_fwd`` of q and k; the rest of its prefill is ``torch.ops.npu.chunk_kda_fwd``).
+- Decode batch sizes 1..max(largest bucket, ``max_running_requests``) (sglang runs eager batches of any size):
+  what they change is the verify kernel's ``NP2_T`` (next power of two of the tokens; ``B`` is 1: sglang packs
+  tokens) and, at one row, a view's strides (constexprs of the packed decode). :func:`batch_sizes` stands for every
+  size (``tests/test_sglang.py`` sweeps each one against the plan). Verify: each with every draft width, dense and
+  ragged (one token per request), chain and, with ``spec.sglang.eagle_tree``, tree (``retrieve_parent_token``: its
+  strides are constexprs); the scratch pitch (``cache_steps``, an int class) at the draft width and at the largest
+  one (adaptive speculation keeps the allocated pitch).
+- Prefill (``extend``) at a packed layout for each (small grid, ``NT_BUCKET``) pair the token budget reaches:
+  ``chunk_kda_fwd`` fuses the diagonal and recompute kernels when ``chunks * heads <= 256`` and
+  ``chunk_gated_delta_rule_fwd_h`` takes ``NT_BUCKET`` = 0 / 1 / 2 for <= 32 / <= 128 / more chunks; raw beta
+  (``beta_is_raw``, sglang's call: its strides are constexprs, at each ``spec.sglang.beta_row_strides``) and
+  sigmoided beta; the gate activated in-kernel with and without ``dt_bias``, and pre-activated (``A_log=None``);
+  with and without the prefix-cache track snapshot (``track_state``); the model's ``gate_lower_bound``.
+- Dtypes per role (``[spec.dtypes]``): activation (q, k, v, the conv output), gate (a), beta (b), gate_params
+  (A_log and dt_bias), state (the pool and the verify scratch), index (query_start_loc, cache and scratch indices,
+  the track rows; one dtype per call, as a server builds them); the cross product is planned.
+
+On triton-ascend 3.2.0 the recurrent kernel of ``decode`` and ``target_verify`` cannot be compiled at all (it names
+``tl.extra.cuda``, which that triton-ascend lacks): see ``manifests/kimi-k3-ascend-a3-sglang.toml``.
+
+Not planned (sglang options that need a deployment's value or another kernel library): ReplaySSM
+(``--enable-linear-replayssm``: ring caches and their length are constexprs), the prefill CUDA graph's padded
+index tables (``kda_prefill_graph``), FlashInfer / CuTe DSL / Helion backends, the fused K3 decode and fused chain
+verify (CUDA JIT / other kernels), and ``TritonKDAKernel.extend`` on npu (``sglang_env.NOT_PLANNABLE``).
+:func:`options` lists each of them with what sglang accepts; ``prewarm plan`` prints them.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterator
+
+from .sglang_env import SglangSpec, fake_device, index_tensor, launches_of, misaligned, read_spec
+
+CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
+SMALL_GRID_CTAS = 256  # chunk_kda_fwd fuses diagonal + recompute when batch * chunks * heads <= this
+NT_BUCKETS = (32, 128)  # chunk_gated_delta_rule_fwd_h: NT_BUCKET 0 up to 32 chunks, 1 up to 128, 2 above
+
+
+def launches(spec: dict) -> list:
+    """Every kernel launch sglang's KDA backend makes within ``spec``'s envelope, on fake tensors (nothing runs)."""
+    s = read_spec(spec)
+    _import_sglang()
+    out = []
+    with fake_device(s.device):
+        for label, call in _calls(s, s.device):
+            for launch in launches_of(call):
+                bad = [name for name, v in _arguments(launch) if misaligned(v)]
+                if bad:  # the plan encodes tensors as dtype + shape (aligned): say so rather than plan wrong
+                    raise ValueError(f"{label}: {_kernel_name(launch)} gets {', '.join(bad)} at a pointer that is "
+                                     f"not 16-byte aligned, which a plan cannot encode")
+                launch.label = f"{label}/{_kernel_name(launch)}"
+                out.append(launch)
+    return out
+
+
+def prefill_layouts(heads: int, max_tokens: int, max_seqs: int) -> list[tuple[str, list[int]]]:
+    """(name, sequence lengths) of one packed prefill per (small grid, NT_BUCKET) pair reachable with at most
+    ``max_tokens`` tokens in at most ``max_seqs`` sequences: the only values ``chunk_kda`` derives from the lengths
+    (its T and N are never specialized). A sequence of n tokens is cdiv(n, 64) chunks."""
+    seqs = max(1, min(max_seqs, max_tokens))
+    most = seqs + (max_tokens - seqs) // CHUNK  # one-token sequences, then 64-token chunks of the rest
+    small = SMALL_GRID_CTAS // heads
+    out: dict[tuple[bool, int], tuple[str, list[int]]] = {}
+    for chunks in sorted({1, small, small + 1, *NT_BUCKETS, *(b + 1 for b in NT_BUCKETS), most}):
+        if not 1 <= chunks <= most:
+            continue
+        long = min(chunks, max(0, (max_tokens - chunks) // (CHUNK - 1)))  # chunks of one long sequence
+        lengths = ([CHUNK * long] if long else []) + [1] * (chunks - long)
+        if len(lengths) > max_seqs:  # fewer, longer sequences: the most chunks the budget allows per sequence
+            lengths = _spread(chunks, max_seqs)
+        key = (chunks <= small, sum(chunks > b for b in NT_BUCKETS))
+        out.setdefault(key, (f"chunks={chunks},small_grid={key[0]},NT_BUCKET={key[1]}", lengths))
+    return list(out.values())
+
+
+def _spread(chunks: int, seqs: int) -> list[int]:
+    """``seqs`` sequences of ``chunks`` chunks in all, each one token past a multiple of 64 (the fewest tokens)."""
+    each, extra = divmod(chunks, seqs)
+    return [CHUNK * (each + (i < extra) - 1) + 1 for i in range(seqs)]
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes that stand for 1..``max_batch``: 1, 2, 3 (a one-row view's strides can differ from a
+    many-row one's), each power of two and the one after it (every ``next_pow2`` of the tokens, dense or ragged: any
+    interval (x, 2x] holds a power of two), and the largest. ``tests/test_sglang.py`` checks that every batch size
+    adds nothing to them."""
+    sizes = {1, 2, 3, max_batch, *(p + d for p in (1 << k for k in range(max_batch.bit_length())) for d in (0, 1))}
+    return sorted(b for b in sizes if 1 <= b <= max_batch)
+
+
+def verify_token_counts(max_batch: int, width: int) -> Iterator[tuple[int, int]]:
+    """(requests, tokens) of the verify batches that stand for all: dense (``width`` tokens each) and ragged (one
+    token each, the fewest), at each of :func:`batch_sizes`."""
+    for batch in batch_sizes(max_batch):
+        yield batch, batch * width
+        yield batch, batch
+
+
+def options(spec: dict) -> list[dict]:
+    """Each axis of sglang's KDA API this provider plans: its spec key, the values planned, every value sglang
+    accepts (None: any), whether the manifest set it; ``prewarm plan`` prints the narrowed ones. Options that need a
+    deployment's value (ReplaySSM's ring length, the prefill CUDA graph's tables) are not planned and say so."""
+    from prewarm_kernels.spec import DTYPES, INDEX_DTYPES
+
+    from .sglang_env import NOT_PLANNABLE, PATHS, ROLES
+
+    s = read_spec(spec)
+    given = {table: set(spec.get(table) or ()) if isinstance(spec.get(table), dict) else set()
+             for table in ("dtypes", "sglang")}
+    rows = [(f"dtypes.{role}", s.dtypes[role], list(INDEX_DTYPES if role == "index" else DTYPES)) for role in ROLES]
+    rows += [("sglang.paths", list(s.paths), list(PATHS[s.backend] + NOT_PLANNABLE.get(s.backend, ()))),
+             ("sglang.beta_row_strides", list(s.beta_row_strides), None),
+             ("sglang.eagle_tree", [False, True] if s.eagle_tree else [False], [False, True]),
+             ("sglang.track_state", [False, True] if s.track_state else [False], [False, True]),
+             ("sglang.replayssm", [False], [False, True]),  # --enable-linear-replayssm: ring caches (not planned)
+             ("sglang.prefill_graph", [False], [False, True])]  # kda_prefill_graph's padded tables (not planned)
+    return [{"key": f"spec.{key}", "planned": planned, "accepted": accepted,
+             "given": key.split(".")[1] in given.get(key.split(".")[0], set()),
+             "narrowed": accepted is not None and planned != accepted} for key, planned, accepted in rows]
+
+
+def run(spec: dict, device: str = "cuda") -> None:
+    """The same calls on real tensors on ``device`` (a ``--mode device`` build): compiles and autotunes what the
+    server would; sglang's CUDA JIT packed decode is skipped (prewarm cannot keep it)."""
+    import torch
+
+    from .sglang_env import jit_skipped
+
+    s = read_spec(spec)
+    _import_sglang()
+    with jit_skipped():
+        for _, call in _calls(s, device):
+            call()
+    getattr(torch, s.device).synchronize()
+
+
+def _import_sglang():
+    try:
+        from sglang.srt.layers.attention.linear.kernels import kda_triton  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"sglang's KDA kernels are not importable ({e}): install sglang (the same version as the "
+                         f"nodes run)") from e
+
+
+def _calls(s: SglangSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """(label, thunk) for every call of the envelope, tensors on ``device`` (fake inside ``fake_device``)."""
+    for combo in s.dtype_combos():
+        builder = _Builder(s, device, combo)
+        for path in s.paths:
+            yield from getattr(builder, path)()
+
+
+class _Builder:
+    """The tensors of one dtype combination, laid out as sglang's backend and model hand them over (each made once:
+    a fake op costs about a millisecond), and the calls over them."""
+
+    def __init__(self, s: SglangSpec, device: str, combo: dict):
+        import torch
+
+        self.s, self.device, self.combo = s, device, combo
+        self.tag = ",".join(f"{role}={name}" for role, name in combo.items())
+        self.dt = {role: getattr(torch, name) for role, name in combo.items()}
+        h, K, V = s.heads, s.head_k_dim, s.head_v_dim
+        self.slots = s.max_batch + 1  # sglang's pool: one slot per running request + the padding slot
+        self.pool = self.zeros(self.slots, h, V, K, dtype=self.dt["state"])
+        self.A_log = self.zeros(1, 1, h, 1, dtype=self.dt["gate_params"])  # the layer's parameter, as the model has it
+        self.dt_bias = self.zeros(h * K, dtype=self.dt["gate_params"])
+        self.kernel = _kernel()
+        self.made: dict = {}
+
+    def once(self, key, make):
+        if key not in self.made:
+            self.made[key] = make()
+        return self.made[key]
+
+    def zeros(self, *shape, dtype):
+        import torch
+
+        return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+    def index(self, values: tuple):
+        return self.once(("index", values), lambda: index_tensor(list(values), self.dt["index"], self.device))
+
+    def conv_output(self, tokens: int):
+        """The causal conv's output ``[T, 2hK + hV]`` (contiguous) and q, k, v ``[1, T, h, d]`` as the backend
+        views it."""
+        def make():
+            h, K, V = self.s.heads, self.s.head_k_dim, self.s.head_v_dim
+            qkv = self.zeros(tokens, 2 * h * K + h * V, dtype=self.dt["activation"])
+            q, k, v = qkv.split([h * K, h * K, h * V], dim=-1)
+            return qkv, *(t.unflatten(-1, (h, -1)).unsqueeze(0) for t in (q, k, v))
+
+        return self.once(("qkv", tokens), make)
+
+    def gate(self, tokens: int, per_head: bool = False):
+        """The forget gate ``[T, hK]`` as the model hands it over (a contiguous slice of its batched projection);
+        ``per_head``: ``[1, T, h, K]``, as forward_extend views it."""
+        def make():
+            g = self.zeros(tokens, self.s.heads * self.s.head_k_dim, dtype=self.dt["gate"])
+            return g.unflatten(-1, (self.s.heads, -1)).unsqueeze(0) if per_head else g
+
+        return self.once(("gate", tokens, per_head), make)
+
+    def beta(self, tokens: int, row: int):
+        """Raw beta ``[1, T, h]``: row ``h`` is its own tensor, a wider row a (16-byte aligned, as sglang's are) view
+        of a fused projection."""
+        return self.once(("beta", tokens, row), lambda: self.zeros(tokens, row, dtype=self.dt["beta"])
+                         .narrow(1, 0, self.s.heads).unsqueeze(0))
+
+    # --- the paths --------------------------------------------------------------------------------------------
+
+    def extend(self):
+        s = self.s
+        h, K = s.heads, s.head_k_dim
+        for layout_name, lengths in prefill_layouts(h, s.max_prefill_tokens, s.max_batch):
+            T, seqs = sum(lengths), len(lengths)
+            cu = tuple(itertools.accumulate(lengths, initial=0))
+            for beta_name, beta_args in self._extend_betas(T):
+                for gate_name, gate_args in self._extend_gates(T):
+                    for track in (False, True) if s.track_state else (False,):
+                        def call(seqs=seqs, cu=cu, T=T, beta_args=beta_args, gate_args=gate_args, track=track):
+                            _, q, k, v = self.conv_output(T)
+                            extra = {}
+                            if track:  # kda_backend: an fp32 snapshot row per tracked sequence, its chunk index
+                                extra = dict(track_state=self.once(("track", seqs), lambda: self.zeros(
+                                    seqs, h, s.head_v_dim, K, dtype=_fp32())), track_chunk_idx=self.index((0,) * seqs))
+                            return self.kernel.extend(
+                                q, k, v, ssm_states=self.pool, cache_indices=self.index(tuple(range(1, seqs + 1))),
+                                query_start_loc=self.index(cu), lower_bound=s.lower_bound,
+                                return_intermediate_states=track, **gate_args(), **beta_args(), **extra)
+
+                        yield (f"extend[{self.tag},{layout_name},beta_as={beta_name},gate_as={gate_name},"
+                               f"track={track}]", call)
+
+    def _extend_betas(self, T: int):
+        """(name, kwargs thunk): raw beta at each row stride (sglang's call), and beta the caller sigmoided."""
+        for row in self.s.beta_row_strides:
+            yield f"raw/row{row}", lambda row=row: dict(beta=self.beta(T, row), beta_is_raw=True)
+        yield "sigmoid", lambda: dict(beta=self.beta(T, self.s.heads), beta_is_raw=False)
+
+    def _extend_gates(self, T: int):
+        """(name, kwargs thunk): the raw gate with A_log and dt_bias (sglang's call), without dt_bias, and a gate the
+        caller activated (``A_log=None``: chunk_kda only takes its chunk-local cumsum)."""
+        g = lambda: self.gate(T, per_head=True)  # noqa: E731
+        yield "raw", lambda: dict(g=g(), A_log=self.A_log, dt_bias=self.dt_bias)
+        yield "raw-nobias", lambda: dict(g=g(), A_log=self.A_log, dt_bias=None)
+        yield "activated", lambda: dict(g=g(), A_log=None, dt_bias=None)
+
+    def packed_decode(self):
+        s = self.s
+        for row in s.beta_row_strides:
+            for batch in batch_sizes(s.max_batch):
+                def call(batch=batch, row=row):
+                    return self.kernel.packed_decode(
+                        self.conv_output(batch)[0], self.gate(batch), self.beta(batch, row), A_log=self.A_log,
+                        dt_bias=self.dt_bias, scale=s.head_k_dim ** -0.5, ssm_states=self.pool,
+                        cache_indices=self.index((1,) * batch), num_v_heads=s.heads, head_v_dim=s.head_v_dim,
+                        lower_bound=s.lower_bound)
+
+                yield f"packed_decode[{self.tag},beta_row={row},B={batch}]", call
+
+    def decode(self):
+        s = self.s
+        for row in s.beta_row_strides:
+            for batch in batch_sizes(s.max_batch):
+                def call(batch=batch, row=row):
+                    _, q, k, v = self.conv_output(batch)
+                    return self.kernel.decode(
+                        q, k, v, self.gate(batch), self.beta(batch, row), A_log=self.A_log, dt_bias=self.dt_bias,
+                        ssm_states=self.pool, cache_indices=self.index((1,) * batch),
+                        query_start_loc=self.index(tuple(range(batch + 1))), lower_bound=s.lower_bound)
+
+                yield f"decode[{self.tag},beta_row={row},B={batch}]", call
+
+    def target_verify(self):
+        s = self.s
+        for width in s.draft_widths:
+            for tree in (False, True) if s.eagle_tree else (False,):
+                for row in s.beta_row_strides:
+                    for batch, tokens in verify_token_counts(s.max_batch, width):
+                        yield (f"target_verify[{self.tag},draft={width},tree={tree},beta_row={row},B={batch},"
+                               f"T={tokens}]", lambda b=batch, t=tokens, w=width, tr=tree, r=row:
+                               self._verify(b, t, w, w, tr, r))
+                # adaptive speculation: the scratch keeps the largest width's pitch (cache_steps: an int class)
+                if width != s.draft_widths[-1]:
+                    yield (f"target_verify[{self.tag},draft={width},pitch={s.draft_widths[-1]},tree={tree}]",
+                           lambda w=width, tr=tree: self._verify(1, w, w, s.draft_widths[-1], tr, s.heads))
+
+    def _verify(self, batch: int, tokens: int, width: int, pitch: int, tree: bool, row: int):
+        """kda_backend._forward_target_verify's call: dense (tokens = batch x width, query_start_loc in steps of the
+        width) or ragged (one token per request here); the speculative scratch ``[slots + 1, pitch, h, V, K]``."""
+        import torch
+
+        s = self.s
+        _, q, k, v = self.conv_output(tokens)
+        cu = tuple(range(0, tokens + 1, width)) if tokens == batch * width else (*range(batch), tokens)
+        scratch = self.once(("scratch", pitch), lambda: self.zeros(self.slots + 1, pitch, s.heads, s.head_v_dim,
+                                                                   s.head_k_dim, dtype=self.dt["state"]))
+        parent = self.once(("parent", batch, width), lambda: torch.zeros(batch, width, dtype=torch.int64,
+                                                                         device=self.device)) if tree else None
+        return self.kernel.target_verify(
+            self.A_log, self.dt_bias, q, k, v, self.gate(tokens), self.beta(tokens, row), ssm_states=self.pool,
+            cache_indices=self.index((1,) * batch), query_start_loc=self.index(cu), intermediate_states_buffer=scratch,
+            intermediate_state_indices=self.index(tuple(range(batch))), cache_steps=width,
+            retrieve_parent_token=parent, lower_bound=s.lower_bound)
+
+    def ascend_extend(self):
+        """AscendKDAAttnBackend's prefill: sglang's Triton l2norm of q and k, then torch_npu's chunk_kda_fwd."""
+        from sglang.kernels.ops.attention.fla.l2norm import l2norm_fwd
+
+        def call(T=CHUNK):
+            _, q, k, _ = self.conv_output(T)
+            return l2norm_fwd(q.contiguous()), l2norm_fwd(k.contiguous())
+
+        yield f"ascend_extend[{self.tag}]", call
+
+
+def _kernel():
+    from sglang.srt.layers.attention.linear.kernels.kda_triton import TritonKDAKernel
+
+    return TritonKDAKernel()
+
+
+def _fp32():
+    import torch
+
+    return torch.float32
+
+
+def _arguments(launch) -> Iterator[tuple[str, object]]:
+    yield from ((str(i), a) for i, a in enumerate(launch.args))
+    yield from launch.kwargs.items()
+
+
+def _kernel_name(launch) -> str:
+    from prewarm import tritoncompat
+
+    return tritoncompat.jit_function(launch.kernel).fn.__name__
+
