@@ -24,10 +24,14 @@ from prewarm.plan import Compile, expand_all, plan
 FIXED_SEEDS = [0, 1, 2]
 
 
+def fresh_seed() -> int:
+    """A seed no test fixed, in the test id: PREWARM_CLOSURE_SEED (conftest draws one per run), else a random one."""
+    return int(os.environ.get("PREWARM_CLOSURE_SEED") or random.SystemRandom().randrange(10**3, 10**9))
+
+
 def seeds() -> list[int]:
-    """The fixed seeds plus one the test never used: PREWARM_CLOSURE_SEED, else a random one (in the test id)."""
-    fresh = os.environ.get("PREWARM_CLOSURE_SEED") or random.SystemRandom().randrange(10**3, 10**9)
-    return FIXED_SEEDS + [int(fresh)]
+    """The fixed seeds plus a fresh one."""
+    return FIXED_SEEDS + [fresh_seed()]
 
 
 @dataclass

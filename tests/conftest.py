@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -23,6 +24,12 @@ from pathlib import Path
 import pytest
 
 from prewarm_helpers import build_toy_cache, copy_cache
+
+
+def pytest_configure(config):
+    # one fresh traffic seed per run (closure_traffic.fresh_seed), the same in every module and in every process a
+    # test starts; a failing id names it (rerun: PREWARM_CLOSURE_SEED=<n>)
+    os.environ.setdefault("PREWARM_CLOSURE_SEED", str(random.SystemRandom().randrange(10**3, 10**9)))
 
 
 @pytest.fixture(scope="session", autouse=True)

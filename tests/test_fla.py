@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from closure_traffic import seeds
 from prewarm import backends, devices, tritoncompat
 from prewarm.manifest import load
 from prewarm.plan import Compile, expand, expand_all, plan, resolve
@@ -27,7 +28,6 @@ from prewarm_kernels.spec import SpecError, read_kda
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "manifests" / "kimi-linear-h200-fla.toml"
-FIXED_SEEDS = [0, 1, 2]
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +104,6 @@ def test_the_options_measured_missing_on_the_h200_are_planned(planned):
     pool = [k for k in kwargs("fused_recurrent_kda_fwd_kernel") if k["ssm_state_indices"] is not None]
     assert any(k["INPLACE_FINAL_STATE"] and k["num_accepted_tokens"] is None for k in pool)  # decode
     assert {k["stride_indices_seq"] for k in pool if k["num_accepted_tokens"] is not None} == {1, 2, 4}  # [N, D]
-
-
-def seeds() -> list[int]:
-    return FIXED_SEEDS + [random.SystemRandom().randrange(10**3, 10**9)]
 
 
 def unplanned(spec: dict, seed: int, keys: dict) -> tuple[list[str], int, set[str]]:
