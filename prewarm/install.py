@@ -423,9 +423,9 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         cache.write_receipt_index(bundle.digest, bundle.index_bytes, durable=durable)
         del entries
 
-        def started() -> None:
+        def started(forked: bool) -> None:
             flusher.start()
-            if processes:  # the workers have their own copies: this process needs only keys and objects now
+            if forked:  # the workers have their own copies: this process needs only keys and objects now
                 job.entries = ()
                 bundle.release()
 

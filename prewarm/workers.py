@@ -48,17 +48,19 @@ def cores() -> int:
 
 
 def run(fn: Callable, tasks: list[tuple], state: Any, *, processes: bool, workers: int,
-        done: Callable[[Any], None] | None = None, started: Callable[[], None] | None = None) -> list:
+        done: Callable[[Any], None] | None = None, started: Callable[[bool], None] | None = None) -> list:
     """``fn(*task)`` for each task, results in task order; ``fn`` reads ``shared()``. In forked processes (where this
     process runs no other thread: a caller's thread could hold a lock the children would wait on forever), else in
-    threads. ``done(result)`` as each arrives (in order); ``started()`` once every worker exists (no thread of ours may
-    run while a process forks). On a failure nothing more starts, and every running task ends before the error is
-    raised, so that the caller can remove what they were writing."""
+    threads. ``done(result)`` as each arrives (in order); ``started(forked)`` once every worker exists (no thread of ours
+    may run while a process forks; ``forked``: the workers are processes, so state only they read may be let go). On
+    a failure nothing more starts, and every running task ends before the error is raised, so that the caller can
+    remove what they were writing."""
     import concurrent.futures as cf
     import threading
 
     _set(state)
-    if processes and threading.active_count() == 1:  # fork only a process without other threads (their locks)
+    forked = processes and threading.active_count() == 1  # fork only a process without other threads (their locks)
+    if forked:
         import multiprocessing
 
         pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
@@ -69,7 +71,7 @@ def run(fn: Callable, tasks: list[tuple], state: Any, *, processes: bool, worker
     try:
         futures = [pool.submit(fn, *t) for t in tasks]
         if started:
-            started()
+            started(forked)
         for f in futures:
             results.append(f.result())
             if done:

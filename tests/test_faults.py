@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -222,6 +223,20 @@ def test_sigkill_of_an_install_with_forked_workers_leaves_nothing_half_written(b
         rerun = install(str(wide), node, durable=False)  # waits for the orphans' lock, clears their staging
         assert rerun.installed + rerun.present == 600 and not CacheDir(node).staging_dirs()
         assert verify(node, check_fingerprint=False).ok
+
+
+def test_an_install_from_a_process_running_another_thread_settles_every_entry_in_threads(wide, tmp_path):
+    """A library caller with a thread of its own (a server, a test runner's channel) is never forked from: the same
+    install runs in threads, and must not let go of what those threads still read."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        res = install(str(wide), tmp_path / "node", durable=False)
+    finally:
+        stop.set()
+    assert res.installed == 600
+    assert verify(tmp_path / "node", bundle=str(wide), check_fingerprint=False).ok
 
 
 def test_concurrent_installs_with_forked_workers_unpack_each_entry_once(wide, tmp_path):
