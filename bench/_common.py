@@ -391,17 +391,16 @@ def diff(after: dict, before: dict) -> dict:
 
 
 def init_device(device: str = "cuda:0"):
-    """torch + CUDA context on ``device`` (made current) + triton import: done before any timer starts (not what a
-    cache can change)."""
+    """torch + triton imported, then the CUDA context on ``device`` (made current), in a server's order (its imports,
+    then its device): done before any timer starts (not what a cache can change)."""
     import torch
+    import triton  # noqa: F401  (a guarded process installs the guard here)
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible: these benches measure a GPU run")
     torch.cuda.set_device(device)
     torch.empty(1, device=device).add_(1)
     torch.cuda.synchronize()
-    import triton  # noqa: F401
-
     return torch
 
 

@@ -3,6 +3,8 @@
 #
 #   bash bench/h200_proof.sh traffic BUNDLE     # nvidia-h200: ~7 min
 #   bash bench/h200_proof.sh dp-stall [BUNDLE]  # nvidia-h200-x2: ~4 min with BUNDLE, ~6 min without
+#   bash bench/h200_proof.sh fla-tune           # nvidia-h200: repeat (machine kept warm) until it prints "table done"
+#   bash bench/h200_proof.sh fla-offline        # nvidia-h200, after fla-tune on the same machine: ~5 min
 #
 # traffic: bench/serving_traffic.py installs BUNDLE (a `prewarm pack` dir built on the CPU box) into a fresh node dir
 #   per process and runs 5 fresh processes of independent traffic (seeds from the clock, recorded in the JSON), then
@@ -12,6 +14,12 @@
 #   ~110 s + 2 x ~12 s + cold_start ~150 s (install + verify ~15 s, warm ~12 s, cold ~120 s) = ~400 s.
 #   The device bundle comes back as device-bundle.tar (for the dp-stall run); the key dir of every compile, if any,
 #   as compiled-keys.tar (explain each here: `prewarm explain compiled/<bundle>-<seed>/<key> --plan MANIFEST`).
+# fla-tune: `prewarm tune manifests/kimi-linear-h200-fla.toml --cache-dir W` (3184 compiles, 190 tuning keys: more than
+#   one command's 10 minutes): each call resumes in the kept W (nothing compiled or benchmarked twice) and stops
+#   itself before the limit; meanwhile an offline build of the same manifest (CUDA_VISIBLE_DEVICES empty: no GPU, as a
+#   container step builds it) runs detached (setsid) on the cores the tune leaves. The table comes back in $OUT.
+# fla-offline: waits for that offline build, applies the table (`build --tuned`: nothing compiled again), packs it and
+#   runs bench/offline_autotune.py on the bundle (5 processes together + 5 one after another, fla traffic).
 # dp-stall: bench/dp_stall.py, 2 ranks on 2 GPUs over NCCL, scenarios A (rank 0 cold) and B (both prewarmed);
 #   BUNDLE is the device-bundle.tar (or dir) of the traffic run; without one a device bundle is built here (~110 s).
 #
@@ -25,8 +33,8 @@ out=${OUT:-bench/results}
 work=${PREWARM_BENCH_WORK:-/tmp/prewarm-proof}
 py=${PYTHON:-python3}
 export PREWARM_BENCH_WORK=$work PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-if ! [[ ($mode == traffic && -n $bundle) || $mode == dp-stall ]]; then
-  echo "usage: bash bench/h200_proof.sh traffic BUNDLE | dp-stall [BUNDLE]" >&2
+if ! [[ ($mode == traffic && -n $bundle) || $mode == dp-stall || $mode == fla-tune || $mode == fla-offline ]]; then
+  echo "usage: bash bench/h200_proof.sh traffic BUNDLE | dp-stall [BUNDLE] | fla-tune | fla-offline" >&2
   exit 2
 fi
 mkdir -p "$out" "$work"
@@ -41,7 +49,39 @@ if [[ $bundle == *.tar ]]; then  # a bundle that came back from an earlier run a
   bundle=$work/carried/bundle
 fi
 
+fla=manifests/kimi-linear-h200-fla.toml
+table=$work/kimi-linear-h200-fla.tuned.toml
 case $mode in
+  fla-tune)
+    if [ ! -f "$work/fla-offline.started" ]; then  # the manifest's table is not there yet: built without results
+      touch "$work/fla-offline.started"
+      setsid bash -c "CUDA_VISIBLE_DEVICES= nice -n 5 $py -m prewarm.cli build $fla --mode offline --workers 8 \
+        --cache-dir $work/fla-offline >$work/fla-offline.log 2>&1; echo \$? >$work/fla-offline.rc" \
+        </dev/null >/dev/null 2>&1 &
+    fi
+    timeout $((570 - SECONDS)) $py -m prewarm.cli tune $fla -o "$table" --cache-dir "$work/fla-tune" --workers 10 2>&1 \
+      | tee -a "$work/fla-tune.log"
+    rc=${PIPESTATUS[0]}
+    cp "$work/fla-tune.log" "$out/fla_tune_h200.log"
+    [ $rc -eq 0 ] && cp "$table" "$out/" && echo "h200_proof: table done"
+    echo "h200_proof: tune exit $rc, offline build: $(cat "$work/fla-offline.rc" 2>/dev/null || echo running), $SECONDS s"
+    exit $rc
+    ;;
+  fla-offline)
+    [ -f "$table" ] || { echo "h200_proof: no $table: run fla-tune first" >&2; exit 2; }
+    while [ ! -f "$work/fla-offline.rc" ]; do sleep 5; done
+    cp "$work/fla-offline.log" "$out/fla_offline_build.log"
+    [ "$(cat "$work/fla-offline.rc")" = 0 ] || { echo "h200_proof: offline build failed" >&2; exit 1; }
+    cp "$table" manifests/  # the manifest names it ([target] tuned)
+    CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build $fla --mode offline --cache-dir "$work/fla-offline" 2>&1 \
+      | tee "$out/fla_offline_table.log" || exit 1
+    rm -rf "$work/fla-bundle" && $py -m prewarm.cli pack "$work/fla-offline" -o "$work/fla-bundle" || exit 1
+    $py bench/offline_autotune.py --bundle "$work/fla-bundle" --manifest $fla --work-dir "$work" \
+      --out "$out/offline_autotune_fla.json" 2>&1 | tee "$out/offline_autotune_fla.log"
+    rc=${PIPESTATUS[0]}
+    echo "h200_proof: offline_autotune exit $rc, $SECONDS s"
+    exit $rc
+    ;;
   traffic)
     [ -f "$bundle/index.json" ] || { echo "h200_proof: traffic needs a bundle dir (no $bundle/index.json)" >&2; exit 2; }
     seeds=$(( $(date +%s) % 100000 ))

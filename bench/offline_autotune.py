@@ -10,12 +10,15 @@ MANIFEST --require-autotune` (exit 0 expected: every planned tuning key's result
 fresh processes started at once on that dir, then ``--sequential`` more one after another, each with its own seed
 (from the clock) of traffic the planner did not write: ``prewarm_kernels.kda.traffic`` for this project's kernels,
 ``prewarm.providers.fla_traffic`` for fla-core's (chosen by the manifest's provider). Every process runs with
-TRITON_CACHE_AUTOTUNING=1, as deploy/prelaunch.sh exports it.
+TRITON_CACHE_AUTOTUNING=1 under `prewarm guard` (warn mode), as deploy/prelaunch.sh starts a server.
 
 Counted in each process, for real: compiles (Triton's compilation listener, ``cache_hit=False``), autotune
 benchmark runs (Triton's own benchmarking, hooked through ``prewarm.tritoncompat.watch_autotune_benchmarks``: one
-per call that starts timing configs) and the first step's wall time (from after torch, the CUDA context and triton
-are up, through importing the kernels, to the first ``--calls`` calls run and synchronized).
+per call that starts timing configs) and the first step's wall time: the first ``--calls`` calls, run and
+synchronized, once torch, the CUDA context, triton and the kernel library are up. Importing the library (and making
+the traffic generator) is timed apart as ``import_s``: a server pays it at start, before it reports ready, and the
+cache cannot change it (fla-core's import pulls in torch's compiler stack: 7-11 s on the H200). ``--profile`` adds
+the first step's cProfile (the 30 functions of most cumulative and of most own time) to each process's result.
 
 Writes ``{"runs": [{"seed", "compiles", "benchmarks", "first_step_s", "group", ...}], "verify": ..., "criteria"}``
 after every group; exits 1 unless every process compiled nothing, benchmarked nothing and took at most
@@ -24,7 +27,9 @@ after every group; exits 1 unless every process compiled nothing, benchmarked no
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import subprocess
 import sys
 import time
@@ -69,8 +74,14 @@ def measure(args) -> dict:
 
         traffic = calls(Envelope.from_spec(spec), args.seed, args.calls * args.steps, "cuda")
     import_s = time.perf_counter() - t0
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    t1 = time.perf_counter()
     labels = run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
-    first_s = time.perf_counter() - t0
+    first_s = time.perf_counter() - t1
+    if profiler:
+        profiler.disable()
     first_benchmarks = len(benchmarked)
     for _ in range(args.steps - 1):
         run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
@@ -79,7 +90,16 @@ def measure(args) -> dict:
             "first_step_s": round(first_s, 4), "import_s": round(import_s, 4),
             "first_step_benchmarks": first_benchmarks, "benchmarked": benchmarked, "hits": total["cache_hits"],
             "autotune_s": total["autotune_s"], "launcher_builds": total["launcher_builds"],
-            "first_step_calls": labels, "gpu": torch.cuda.get_device_name(), **probes.details()}
+            "first_step_calls": labels, "gpu": torch.cuda.get_device_name(), **probes.details()} | (
+            {"profile": profile_top(profiler)} if profiler else {})
+
+
+def profile_top(profiler, n: int = 30) -> dict:
+    """The profiled step's functions of most cumulative and most own time: [where, calls, own s, cumulative s]."""
+    stats = pstats.Stats(profiler).stats
+    rows = [[f"{Path(f).name}:{line}({name})", nc, round(tt, 4), round(ct, 4)]
+            for (f, line, name), (_, nc, tt, ct, _) in stats.items()]
+    return {"cumulative": sorted(rows, key=lambda r: -r[3])[:n], "own": sorted(rows, key=lambda r: -r[2])[:n]}
 
 
 # --- the driver --------------------------------------------------------------------------------------------------
@@ -88,8 +108,11 @@ def measure(args) -> dict:
 def start(args, node: Path, seed: int, work: Path) -> tuple[subprocess.Popen, Path]:
     result = work / f"result-{seed}.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--seed", str(seed), "--manifest", args.manifest,
-           "--calls", str(args.calls), "--steps", str(args.steps), "--result", str(result)] + ["--fla"] * args.fla
+    # as the pre-launch job starts a node's server: under `prewarm guard` (warn), compiles recorded to the work dir
+    cmd = [sys.executable, "-m", "prewarm.cli", "guard", "--record", str(work / "guard.jsonl"), "--",
+           sys.executable, str(Path(__file__).resolve()), "--child", "--seed", str(seed), "--manifest", args.manifest,
+           "--calls", str(args.calls), "--steps", str(args.steps), "--result", str(result)] + ["--fla"] * args.fla + (
+        ["--profile"] * args.profile)
     env = child_env(work, TRITON_CACHE_DIR=str(node), TRITON_CACHE_AUTOTUNING="1")
     return subprocess.Popen(cmd, cwd=REPO, env=env), result
 
@@ -107,7 +130,7 @@ def finish(proc: subprocess.Popen, result: Path, seed: int, group: str, timeout:
         run["error"] = f"exited {rc} without a result"
     if "error" not in run:
         log(f"{group} seed {seed}: {run['compiles']} compiles, {run['benchmarks']} benchmarks, first step "
-            f"{run['first_step_s']:.3f} s (import {run['import_s']:.3f} s)")
+            f"{run['first_step_s']:.3f} s (after importing the library: {run['import_s']:.3f} s)")
     else:
         log(f"{group} seed {seed}: FAILED {run['error']}")
     return run
@@ -169,6 +192,7 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=32, help="calls per step (the first step: the first CALLS calls)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--first-step-limit", type=float, help="seconds (default 1.0; 1.5 for an fla manifest)")
+    p.add_argument("--profile", action="store_true", help="the first step's cProfile in each process's result")
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     p.add_argument("--fla", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -264,7 +264,7 @@ def cmd_build(args) -> int:
 def cmd_tune(args) -> int:
     from .tune import tune
 
-    r = tune(args.manifest, args.output, workers=args.workers, work_dir=args.work_dir)
+    r = tune(args.manifest, args.output, workers=args.workers, work_dir=args.work_dir, cache_dir=args.cache_dir)
     if args.json:
         emit_json(r.to_json())
         return 0
@@ -768,6 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=_number(int, 1, 1024), default=None,
                     help="compile processes of the scratch device build (default: CPU count)")
     sp.add_argument("--work-dir", help="where the scratch cache dir is made (default: the system's temp dir)")
+    sp.add_argument("--cache-dir", help="build and benchmark into this cache dir and keep it: a tune stopped part way "
+                                        "resumes from it (nothing compiled or measured again)")
 
     sp = verb("record", cmd_record, "run a command and log every Triton compile request it makes")
     sp.add_argument("-o", "--output", required=True)

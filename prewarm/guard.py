@@ -23,8 +23,11 @@ treated the same way, from Triton's own benchmarking (:func:`prewarm.tritoncompa
 with the kernel, the tuning key, the config count and the result file it lacked, appended to the record file as an
 ``"event": "autotune"`` line (no compile to replay: the build's autotune table covers it), counted
 (:func:`autotune_benchmarked`), refused in error mode (:class:`UncoveredBenchmark`) before the first config runs.
-On triton-ascend, arming also checks the process's Ascend codegen env vars, which the key misses, against the
-installed bundles' build (:func:`prewarm.backends.npu.check_serving_env`: error mode refuses to serve).
+Installing the guard also starts, in a background thread, the one-time work Triton otherwise does at a process's first
+kernel launch, i.e. in the first request (its own key: 0.4 s of hashing libtriton on the H200; the modules its
+specializer imports): :func:`prewarm.tritoncompat.start_process_warmup`. On triton-ascend, arming also checks the
+process's Ascend codegen env vars, which the key misses, against the installed bundles' build
+(:func:`prewarm.backends.npu.check_serving_env`: error mode refuses to serve).
 """
 from __future__ import annotations
 
@@ -252,6 +255,7 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
         tritoncompat.set_cache_manager(manager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
         tritoncompat.watch_autotune_benchmarks(_guard.benchmark)
+        tritoncompat.start_process_warmup()  # off the first request's path: not a compile, but it stalls one
         if metrics.textfile():
             metrics.installed_bundles(tritoncompat.cache_dir())
     if armed and not _guard.armed and tritoncompat.triton_distribution()[0] == "triton-ascend":

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,59 @@ def triton_key() -> str:
     except ImportError:
         from triton.compiler.compiler import triton_key as key  # 3.2
     return hashlib.sha256(key().encode()).hexdigest()
+
+
+def start_process_warmup() -> threading.Thread:
+    """Do now, in a daemon thread, the one-time work Triton does at a process's first kernel launch that no cache
+    holds (measured on the H200 with bench/offline_autotune.py --profile: 0.5-0.6 s of a 0.76 s first step): its own
+    key (its sources and the 415 MB libtriton hashed, 0.4 s) and the modules its native specializer imports at the
+    first launch (3.6: gluon's hopper TensorDescriptor, 0.15 s). hashlib and file reads release the GIL; a launch
+    that comes first waits for the key being computed instead of hashing it a second time (:func:`_one_key`). A
+    failure here is left for the launch path to meet and report."""
+    import importlib
+
+    _one_key()
+
+    def warm():
+        for name in ("triton.tools.tensor_descriptor", "triton.experimental.gluon.nvidia.hopper"):
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001  (not in this Triton: nothing to warm)
+                pass
+        try:
+            triton_key()
+        except Exception:  # noqa: BLE001
+            pass
+
+    thread = threading.Thread(target=warm, name="prewarm-triton-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
+def _one_key() -> None:
+    """Triton's ``triton_key`` (lru_cached, no lock) behind a lock, in every Triton module that holds it, so that
+    concurrent first calls wait for one computation: the value and the function Triton calls are Triton's own."""
+    import sys
+
+    try:
+        from triton.runtime import cache as home  # 3.4+
+    except ImportError:
+        from triton.compiler import compiler as home  # 3.2
+    original = getattr(home, "triton_key", None)
+    if original is None or getattr(original, "_prewarm_one", False):
+        return
+    lock = threading.Lock()
+
+    @functools.wraps(original)
+    def one_key():
+        with lock:
+            return original()
+
+    one_key._prewarm_one = True
+    one_key.cache_info, one_key.cache_clear = original.cache_info, original.cache_clear
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("triton") and getattr(module, "triton_key", None) is original:
+            module.triton_key = one_key
 
 
 def cache_invalidating_env_vars() -> dict[str, str]:

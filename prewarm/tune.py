@@ -6,7 +6,9 @@ TRITON_CACHE_AUTOTUNING=1: Triton's own Autotuner benchmarks every planned key o
 with its own prune and perf-model hooks, and keeps each result in the scratch dir; each planned key's result is then
 read back from the key dir Triton computes for it (the same probe the build writes through). Keys no provider call
 makes (function entries, recordings) are reported as not measured. Where the plan makes no key (Ascend: pinned configs,
-and triton-ascend 3.2 keeps no results) the table is written without rows and no device is needed.
+and triton-ascend 3.2 keeps no results) the table is written without rows and no device is needed. A tune given its
+own ``cache_dir`` keeps it, so one stopped part way (a command's time limit, a lost node) resumes there: the build
+skips what is compiled, and Triton's Autotuner reads the results it already kept instead of benchmarking again.
 """
 from __future__ import annotations
 
@@ -55,10 +57,11 @@ def this_device(backend: str) -> str | None:
 
 
 def tune(manifest_path: str | os.PathLike, output: str | os.PathLike, workers: int | None = None,
-         work_dir: str | os.PathLike | None = None) -> TuneReport:
+         work_dir: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> TuneReport:
     """Measure every planned tuning key of the manifest on this machine's device and write the table to ``output``
-    (rows of other devices already in it are kept). The manifest's own table is not read: a fresh scratch cache
-    dir (under ``work_dir``, removed afterwards) is built with ``--mode device``, so Triton benchmarks every key."""
+    (rows of other devices already in it are kept). The manifest's own table is not read: a scratch cache dir is
+    built with ``--mode device``, so Triton benchmarks every key: ``cache_dir``, kept (resumable), else a fresh one
+    under ``work_dir``, removed afterwards."""
     start = time.perf_counter()
     m = load(manifest_path)
     name = this_device(m.backend)  # asked before a target's device profile answers torch's queries in its place
@@ -86,18 +89,20 @@ def tune(manifest_path: str | os.PathLike, output: str | os.PathLike, workers: i
     if not tunings:
         report.notes.append("no planned call is autotuned with results Triton can keep on disk (pinned configs, or "
                             "a Triton without cache_results): the table has no rows for this device")
-    scratch = Path(tempfile.mkdtemp(prefix="prewarm-tune-", dir=work_dir))
+    scratch = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="prewarm-tune-", dir=work_dir))
+    cache = scratch if cache_dir is not None else scratch / "cache"
     try:
         if measurable:
-            built = build(m, scratch / "cache", workers=workers, mode="device", use_table=False)
+            built = build(m, cache, workers=workers, mode="device", use_table=False)
             report.notes += built.notes
             if not built.ok:
                 first = built.failed[0]
                 raise BuildError(f"tune: {len(built.failed)} of {len(built.results)} compiles of the device build "
                                  f"failed (first: {first.label}: {(first.message.splitlines() or [''])[0]})")
-        report.rows, report.not_measured = measured(tunings, scratch / "cache", report.device)
+        report.rows, report.not_measured = measured(tunings, cache, report.device)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if cache_dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
     table.rows += report.rows
     write_table(table)
     report.seconds = time.perf_counter() - start

@@ -140,3 +140,31 @@ def test_a_bad_setting_is_said_and_the_guard_stays_off(built, tmp_path):
 def test_guard_without_a_command_is_a_clear_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "prewarm.cli", "guard"], capture_output=True, text=True)
     assert p.returncode == 3 and "no command given" in p.stderr and "Traceback" not in p.stderr
+
+
+WAIT_FOR_KEY = """
+import sys, time
+import triton
+from triton.runtime import autotuner, cache
+start = time.time()
+while cache.triton_key.cache_info().currsize == 0 and time.time() - start < float(sys.argv[1]):
+    time.sleep(0.02)
+raw = getattr(cache.triton_key, "__wrapped__", cache.triton_key)
+raw = getattr(raw, "__wrapped__", raw)  # below lru_cache: the key computed afresh
+print(cache.triton_key.cache_info().currsize, cache.triton_key is autotuner.triton_key, cache.triton_key() == raw())
+"""
+
+
+def test_a_guarded_process_has_tritons_own_key_before_its_first_launch(tmp_path):
+    """Triton hashes its sources and libtriton at a process's first launch (0.4 s on the H200: a first request's
+    time); under the guard it is computed in a thread from the import on, no launch needed, and Triton's modules
+    still share one key function whose value is Triton's own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    guarded = subprocess.run([sys.executable, "-m", "prewarm.cli", "guard", "--", sys.executable, "-c", WAIT_FOR_KEY,
+                              "120"], env=env, capture_output=True, text=True, timeout=300)
+    assert guarded.returncode == 0, guarded.stderr
+    assert guarded.stdout.split() == ["1", "True", "True"]
+    plain = subprocess.run([sys.executable, "-c", WAIT_FOR_KEY, "3"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.split()[0] == "0"  # without the guard nothing computes it before a launch

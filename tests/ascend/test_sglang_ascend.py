@@ -7,9 +7,8 @@ function of the data. The shipped manifest's own lowering is `.ci/run`'s `prewar
 """
 from __future__ import annotations
 
-import random
-
 import pytest
+from closure_traffic import fresh_seed
 from conftest import REPO
 
 from prewarm import devices, tritoncompat
@@ -66,7 +65,7 @@ def test_decode_and_verify_are_planned_as_ascend_runs_them(planned):
     assert {s.args["DISABLE_STATE_UPDATE"].value for s in specs} == {False, True}
 
 
-@pytest.mark.parametrize("seed", [0, random.SystemRandom().randrange(10**3, 10**9)], ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("seed", [0, fresh_seed()], ids=lambda s: f"seed{s}")
 def test_independent_traffic_makes_only_planned_requests(planned, seed):
     from prewarm.providers import sglang_env, sglang_traffic
 

@@ -103,3 +103,17 @@ def test_bad_inputs_name_what_is_wrong(pk):
                                cu_seqlens=torch.tensor([0, 10], dtype=torch.int32))
     with pytest.raises(ValueError, match="lower_bound must be in"):
         pk.chunk.chunk_kda_fwd(q, k, v, g, beta, A_log=torch.zeros(2), dt_bias=torch.zeros(32), lower_bound=-7.0)
+
+
+def test_the_chunk_index_covers_every_token_once_and_skips_empty_sequences():
+    """A server's packed batch can hold an empty sequence (a finished request's slot); each chunk is (sequence, chunk
+    within it), every sequence's chunks are contiguous from its offset, and the tokens they cover are all tokens."""
+    from prewarm_kernels.index import prepare_chunk_index
+
+    lens = [0, 1, 64, 0, 65, 128]
+    idx = prepare_chunk_index(_cu(lens), 64, sum(lens))
+    assert idx.indices.dtype == idx.offsets.dtype == torch.int32 and idx.indices.shape == (idx.num_chunks, 2)
+    assert idx.offsets.tolist() == [0, 0, 1, 2, 2, 4, 6]
+    assert idx.indices.tolist() == [[1, 0], [2, 0], [4, 0], [4, 1], [5, 0], [5, 1]]
+    assert sum(min(64, lens[s] - 64 * c) for s, c in idx.indices.tolist()) == sum(lens)
+    assert prepare_chunk_index(_cu([0, 0]), 64, 0).indices.shape == (0, 2)
