@@ -143,11 +143,15 @@ def _print_counts(planned, why: str | None) -> None:
 
 
 def _print_options(m) -> None:
-    """Every API axis a provider plans on fewer values than its library accepts, and who narrowed it."""
+    """Every API axis a provider plans on fewer values than its library accepts, and who narrowed it; every
+    parameter it does not plan, and why."""
     from .plan import provider_options
 
     for source, rows in provider_options(m).items():
         for r in (r for r in rows if r["narrowed"]):
+            if r.get("why"):
+                out.print(f"not planned: {escape(source)}: {r['key']}: {escape(r['why'])}", highlight=False)
+                continue
             who = "set in the manifest" if r["given"] else "the provider's default"
             out.print(f"narrowed: {escape(source)}: {r['key']} = {escape(json.dumps(r['planned']))} ({who}; the "
                       f"library accepts {escape(json.dumps(r['accepted']))})", highlight=False)

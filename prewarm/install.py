@@ -395,7 +395,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
     if recorded and _latest_for_its_keys(own, later):
         # nothing to do if every entry is as stamped: an lstat per entry, no file read, no index parsed
         keys = list(recorded)
-        processes = local and len(keys) >= workers_.PROCESSES_FROM
+        processes = local and len(keys) >= workers_.PROCESSES_FROM and workers_.can_fork()
         job = _Job(bundle, cache, (), recorded, own.kept, {}, None)
         if not any(workers_.run(_stale, [(keys[a:b],) for a, b in workers_.ranges(len(keys), 4096)], job,
                                 processes=processes, workers=_workers(workers, processes))):
@@ -407,7 +407,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         # phase 1: every entry settled (its records checked, present by stamp or content, else fetched, checked and
         # staged); a bad bundle adds nothing to the cache
         job = _Job(bundle, cache, entries, recorded, own.kept if own else {}, latest_owners(receipts), staging)
-        processes = local and len(entries) >= workers_.PROCESSES_FROM
+        processes = local and len(entries) >= workers_.PROCESSES_FROM and workers_.can_fork()
         n = _workers(workers, processes)
         tasks = workers_.ranges(len(entries), max(1, min(64, len(entries) // (n * 16))) if processes else 1)
         done = [0]

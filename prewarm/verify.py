@@ -162,7 +162,7 @@ def verify(
     report.other_entries = len(others)
     # every file hashed, spread over the cores by processes (threads share one core for the per-file Python)
     tasks = checks + [(key, _OTHER) for key in others]
-    processes = len(tasks) >= 64 and workers != 1
+    processes = len(tasks) >= 64 and workers != 1 and workers_.can_fork()
     n = workers or workers_.cores()
     state = _Check(cache, tasks, owners)
     step = max(1, min(256, len(tasks) // (n * 16)))

@@ -47,19 +47,26 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def run(fn: Callable, tasks: list[tuple], state: Any, *, processes: bool, workers: int,
-        done: Callable[[Any], None] | None = None, started: Callable[[bool], None] | None = None) -> list:
-    """``fn(*task)`` for each task, results in task order; ``fn`` reads ``shared()``. In forked processes (where this
-    process runs no other thread: a caller's thread could hold a lock the children would wait on forever), else in
-    threads. ``done(result)`` as each arrives (in order); ``started(forked)`` once every worker exists (no thread of ours
-    may run while a process forks; ``forked``: the workers are processes, so state only they read may be let go). On
-    a failure nothing more starts, and every running task ends before the error is raised, so that the caller can
-    remove what they were writing."""
-    import concurrent.futures as cf
+def can_fork() -> bool:
+    """Whether this process may fork workers now: only while it runs no other thread (a thread could hold a lock,
+    the allocator's or logging's, that the children would wait on forever). Callers size their work by it; ``run``
+    asks again."""
     import threading
 
+    return threading.active_count() == 1
+
+
+def run(fn: Callable, tasks: list[tuple], state: Any, *, processes: bool, workers: int,
+        done: Callable[[Any], None] | None = None, started: Callable[[bool], None] | None = None) -> list:
+    """``fn(*task)`` for each task, results in task order; ``fn`` reads ``shared()``. In forked processes where
+    ``processes`` and :func:`can_fork`, else in threads. ``done(result)`` as each arrives (in order);
+    ``started(forked)`` once every worker exists (no thread of ours may run while a process forks; ``forked``: the
+    workers are processes, so state only they read may be let go). On a failure nothing more starts, and every
+    running task ends before the error is raised, so that the caller can remove what they were writing."""
+    import concurrent.futures as cf
+
     _set(state)
-    forked = processes and threading.active_count() == 1  # fork only a process without other threads (their locks)
+    forked = processes and can_fork()
     if forked:
         import multiprocessing
 

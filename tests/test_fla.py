@@ -33,20 +33,13 @@ MANIFEST = REPO / "manifests" / "kimi-linear-h200-fla.toml"
 @pytest.fixture(scope="module")
 def planned():
     """The shipped manifest planned in this process under the offline CUDA target with the H200 profile: its
-    requests, every compile they expand to and the cache key of each (Triton computes them; nothing compiles);
-    afterwards torch.cuda and Triton's driver are put back for the other tests."""
-    from triton.runtime.driver import driver
-
-    saved = driver._active
-    try:
-        m = load(MANIFEST)
-        backends.activate_for_planning(m)
-        p = plan(m)
-        compiles = expand_all(p.requests)
-        yield m, p, compiles, planned_keys(compiles)
-    finally:
-        devices.deactivate()
-        driver._active = saved
+    requests, every compile they expand to and the cache key of each (Triton computes them; nothing compiles;
+    conftest puts torch.cuda and Triton's driver back after the module)."""
+    m = load(MANIFEST)
+    backends.activate_for_planning(m)
+    p = plan(m)
+    compiles = expand_all(p.requests)
+    return m, p, compiles, planned_keys(compiles)
 
 
 def test_the_plan_answers_as_the_h200_and_takes_fla_hopper_path(planned):
@@ -323,3 +316,40 @@ def test_a_recording_made_on_the_h200_builds_offline_here_closed_over_beta(tmp_p
     # beta is a pointer of 4 of the 8 kernels (recompute, intra token-parallel, inter+solve, recurrent)
     assert {r["kernel"].split(":")[1] for r in closed} >= {"fused_recurrent_kda_fwd_kernel",
                                                              "recompute_w_u_fwd_kda_kernel"}
+
+
+def test_every_parameter_of_flas_public_api_is_planned_or_said_not_to_be(planned):
+    """Cover the API, not a picture of its callers: each parameter of the installed fla's entry points (read from
+    their signatures) has a line in the provider's table saying what plans it, or is listed as not planned (and
+    `prewarm plan` says so); a parameter a new fla adds fails here. Every argument the provider passes is one fla
+    takes (a renamed one would otherwise land in **kwargs and be ignored)."""
+    import inspect
+
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from fla.ops.kda.gate import fused_kda_gate
+
+    from prewarm.providers import fla_kda
+
+    fns = {fn.__name__: fn for fn in (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd, fused_kda_gate)}
+    assert set(fns) == set(fla_kda.API)
+    for name, fn in fns.items():
+        params = set(inspect.signature(fn).parameters)
+        assert params == set(fla_kda.API[name]), f"{name}: not in the table {params - set(fla_kda.API[name])}, " \
+                                                 f"no longer in fla {set(fla_kda.API[name]) - params}"
+    not_planned = {f"{fn}.{p}" for fn, table in fla_kda.API.items() for p, how in table.items() if how == "not planned"}
+    assert not_planned == set(fla_kda.NOT_PLANNED)
+
+    m, p, _, _ = planned
+    spec = fla_kda._check(m.spec())
+    tensors = fla_kda._Tensors(spec, "meta")
+    taken = {"chunk_kda": set(inspect.signature(chunk_kda).parameters) | {"A_log", "dt_bias", "chunk_size"},
+             "fused_recurrent_kda": set(inspect.signature(fused_recurrent_kda).parameters),
+             "fused_recurrent_kda_fwd": set(inspect.signature(fused_recurrent_kda_fwd).parameters)}
+    passed = {"chunk_kda": set().union(*(tensors.prefill(c) for c in fla_kda.prefills(spec)))}
+    for r in fla_kda.recurrents(spec):
+        fn = "fused_recurrent_kda" if r.mode == "returned" else "fused_recurrent_kda_fwd"
+        passed.setdefault(fn, set()).update(tensors.recurrent(r))
+    for fn, names in passed.items():
+        assert names <= taken[fn], f"{fn}: the provider passes {names - taken[fn]}, which fla does not take"
+    assert {"A_log", "dt_bias", "chunk_size"} <= passed["chunk_kda"]  # the **kwargs fla reads, as the table says

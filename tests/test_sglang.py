@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from closure_traffic import fresh_seed
-from prewarm import devices, tritoncompat
+from prewarm import tritoncompat
 from prewarm.backends import get_target
 from prewarm.manifest import load
 from prewarm.plan import Compile, expand_all, load_record, plan_for
@@ -31,18 +31,11 @@ CALLS_PER_SEED = 100
 
 @pytest.fixture(scope="module")
 def planned():
-    """The shipped manifest planned here under the H200 profile, and the key of each compile; afterwards torch.cuda
-    and Triton's driver are put back for the other tests."""
-    from triton.runtime.driver import driver
-
-    saved = driver._active
-    try:
-        m = load(MANIFEST)
-        p = plan_for(m, get_target("cuda", "sm_90", "offline", "H200"))
-        yield m, p, planned_keys(p.compiles)
-    finally:
-        devices.deactivate()
-        driver._active = saved
+    """The shipped manifest planned here under the H200 profile, and the key of each compile (conftest puts
+    torch.cuda and Triton's driver back after the module)."""
+    m = load(MANIFEST)
+    p = plan_for(m, get_target("cuda", "sm_90", "offline", "H200"))
+    return m, p, planned_keys(p.compiles)
 
 
 def runtime_compiles(spec: dict, calls) -> tuple[dict[str, Compile], list[str]]:

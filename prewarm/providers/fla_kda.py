@@ -54,6 +54,52 @@ PREFILL_STAGES = {
 }
 
 
+_QKV = "spec.dtypes.activation; shapes from spec.model, lengths by every class the kernels specialize"
+_FLAGS = {"use_qk_l2norm_in_kernel": "spec.serving.qk_l2norm_in_kernel", "use_gate_in_kernel":
+          "spec.serving.gate_in_kernel", "use_beta_sigmoid_in_kernel": "spec.serving.beta_sigmoid_in_kernel",
+          "allow_neg_eigval": "spec.model.allow_neg_eigval", "lower_bound": "spec.model.gate_lower_bound",
+          "state_v_first": "spec.serving.state_v_first", "output_final_state": "spec.serving.final_state"}
+_RECURRENT = {"q": _QKV, "k": _QKV, "v": _QKV, "g": "spec.dtypes.gate (raw, activated in-kernel) or activated",
+              "beta": "spec.dtypes.beta", "A_log": "spec.dtypes.gate_params", "dt_bias": "spec.dtypes.gate_params",
+              "scale": "spec.model.scale (a constexpr of the recurrent kernel)",
+              "initial_state": "spec.serving.initial_state / recurrent_state, spec.dtypes.state",
+              "cu_seqlens": "spec.serving.varlen, spec.dtypes.index", **_FLAGS}
+# Every parameter of fla's public KDA API and what plans it (:data:`NOT_PLANNED`: what does not). Written from fla's
+# signatures and docstrings; tests/test_fla.py compares it with ``inspect.signature`` of the installed fla, so a
+# parameter a new fla adds fails the tests instead of going unplanned.
+API = {
+    "chunk_kda": {
+        "q": _QKV, "k": _QKV, "v": _QKV, "beta": "spec.dtypes.beta", **_FLAGS,
+        "g": "spec.dtypes.gate (raw, activated in-kernel) or activated (fp32 or the raw dtype)",
+        "scale": "a runtime float of every chunk kernel: any value, no variant",
+        "initial_state": "spec.serving.initial_state (fp32: fla requires it)",
+        "safe_gate": "spec.serving.safe_gate", "disable_recompute": "spec.serving.disable_recompute",
+        "return_intermediate_states": "keeps h instead of freeing it (inference mode): no kernel sees it",
+        "cu_seqlens": "spec.serving.varlen, spec.dtypes.index",
+        "cu_seqlens_cpu": "passed with cu_seqlens (its host copy: no kernel argument)",
+        "cp_context": "not planned",
+        "use_graph": "spec.serving.use_graph", "max_num_seqs": "spec.serving.use_graph (the padded batch)",
+        "kwargs": "A_log, dt_bias (spec.dtypes.gate_params), chunk_size (spec.serving.chunk_size), "
+                  "transpose_state_layout (the deprecated name of state_v_first)",
+    },
+    "fused_recurrent_kda": {**_RECURRENT, "kwargs": "transpose_state_layout (the deprecated name of state_v_first)"},
+    "fused_recurrent_kda_fwd": {
+        **_RECURRENT, "inplace_final_state": "spec.serving.recurrent_state (in_place, indexed, indexed_spec)",
+        "ssm_state_indices": "spec.serving.recurrent_state (indexed: [N], indexed_spec: [N, D]), spec.dtypes.index",
+        "num_accepted_tokens": "spec.serving.recurrent_state indexed_spec, spec.dtypes.index",
+        "out": "not planned", "kwargs": "transpose_state_layout (the deprecated name of state_v_first)",
+    },
+    "fused_kda_gate": {"g": "spec.dtypes.gate", "A_log": "spec.dtypes.gate_params",
+                       "dt_bias": "spec.dtypes.gate_params", "lower_bound": "spec.model.gate_lower_bound",
+                       "output_dtype": "fp32 (fla's default) or the gate's dtype"},
+}
+NOT_PLANNED = {  # parameters planned only at fla's default: a call that passes them otherwise may compile
+    "chunk_kda.cp_context": "context parallelism (its own kernels, a process group): planned without it",
+    "fused_recurrent_kda_fwd.out": "planned as fla's default (zeros_like(v)); an out of another dtype than v is "
+                                   "another pointer type",
+}
+
+
 @dataclass
 class Launch:
     """One kernel launch as fla made it (what ``prewarm.plan`` reads from a provider)."""
@@ -107,7 +153,8 @@ def run(spec: dict, device: str = "cuda") -> None:
 
 def options(spec: dict) -> list[dict]:
     """Each of fla's API axes: its spec key, the values planned, every value fla accepts, whether the manifest set
-    it (a narrowed axis is planned on fewer values than fla accepts, by the manifest or by a documented default)."""
+    it (a narrowed axis is planned on fewer values than fla accepts, by the manifest or by a documented default);
+    then each parameter of :data:`NOT_PLANNED`, with why."""
     read = read_kda(spec)
     given = {table: set(spec.get(table, {}) if isinstance(spec.get(table), dict) else ())
              for table in ("serving", "dtypes", "model")}
@@ -116,9 +163,11 @@ def options(spec: dict) -> list[dict]:
     rows += [(f"dtypes.{role}", read["dtypes"][role], list(INDEX_DTYPES if role == "index" else DTYPES))
              for role in ("activation", "gate", "beta", "gate_params", "state", "index")]
     rows.append(("model.scale", read["scale"], None))  # any number: fla's default head_k_dim ** -0.5 unless listed
-    return [{"key": f"spec.{key}", "planned": planned, "accepted": accepted,
-             "given": key.split(".")[1] in given[key.split(".")[0]],
-             "narrowed": accepted is not None and planned != accepted} for key, planned, accepted in rows]
+    out = [{"key": f"spec.{key}", "planned": planned, "accepted": accepted,
+            "given": key.split(".")[1] in given[key.split(".")[0]],
+            "narrowed": accepted is not None and planned != accepted} for key, planned, accepted in rows]
+    return out + [{"key": f"fla.{name}", "planned": None, "accepted": None, "given": False, "narrowed": True,
+                   "why": why} for name, why in NOT_PLANNED.items()]
 
 
 def prefill_token_counts(heads: int, max_tokens: int) -> list[int]:
