@@ -100,9 +100,11 @@ def test_sigkill_at_20_random_points_leaves_a_cache_that_verifies_and_rerun_comp
     pack(new, tmp_path / "B")
     fingerprint.current()
     ctx = multiprocessing.get_context("fork")
-    t0 = time.monotonic()
-    install(str(tmp_path / "B"), tmp_path / "timing")
-    full = time.monotonic() - t0
+    full = float("inf")  # the fastest of 3 installs: the first of a process pays its imports, a busy box any one
+    for i in range(3):
+        t0 = time.monotonic()
+        install(str(tmp_path / "B"), tmp_path / f"timing{i}")
+        full = min(full, time.monotonic() - t0)
     rng = random.Random(20)
     node = tmp_path / "node"
     outcomes = []
