@@ -11,17 +11,17 @@ widths the runs together saw, and what they missed.
 
 For each seed: ``prewarm install BUNDLE`` into a fresh node dir, then a fresh process with ``TRITON_CACHE_DIR`` =
 that dir (and ``TRITON_CACHE_AUTOTUNING=1``, as deploy/prelaunch.sh exports it) counts every compile with Triton's
-compilation listener. sglang need not be installed: ``--sglang-path``
-(or PYTHONPATH) names a dir holding its package (the kernel modules; ``.ci/setup``'s ``build/sglang``). Calls that
-reach sglang's CUDA JIT packed decode (tvm_ffi + nvcc, not Triton: batches of 8 or more) are counted per run as
-``jit_calls``; where that kernel cannot be built (``JitKernelUnavailable`` from the test stand-in, or any error of
-sglang's JIT loader) the call is counted in ``jit_unavailable`` and the run goes on: nothing Triton would compile
-for it is hidden, because the JIT kernel replaces the Triton one for that call. ``first_step_s`` starts after torch,
-the CUDA context and triton are up and stops when sglang's kernels are imported and the first ``--calls`` calls
-have run and the device synchronized (an offline bundle without the manifest's autotune table includes the
-autotuner benchmarking each autotuned kernel once: ``autotune_s``). Writes ``{"runs": [{"seed", "compiles", ...}], "coverage": {...}}`` after every process;
-exits 1 if a process failed, and with ``--expect-zero`` if any process compiled or the runs missed a batch size or
-a draft width.
+compilation listener. sglang need not be installed: ``--sglang-path`` (or PYTHONPATH) names a dir holding its
+package (the kernel modules; ``.ci/setup``'s ``build/sglang``). Calls that reach sglang's CUDA JIT packed decode
+(tvm_ffi + nvcc, not Triton: batches of 8 or more) are counted per run as ``jit_calls``; where that kernel cannot be
+built (``JitKernelUnavailable`` from the test stand-in, or any error of sglang's JIT loader) the call is counted in
+``jit_unavailable`` and the run goes on: nothing Triton would compile for it is hidden, because the JIT kernel
+replaces the Triton one for that call. ``first_step_s`` starts after torch, the CUDA context and triton are up and
+stops when sglang's kernels are imported and the first ``--calls`` calls have run and the device synchronized (an
+offline bundle without the manifest's autotune table includes the autotuner benchmarking each autotuned kernel once:
+``autotune_s``). Writes ``{"runs": [{"seed", "compiles", ...}], "coverage": {...}}`` after every process; exits 1 if
+a process failed, and with ``--expect-zero`` if any process compiled or the runs missed a batch size or a draft
+width.
 """
 from __future__ import annotations
 

@@ -89,8 +89,7 @@ def tune(manifest_path: str | os.PathLike, output: str | os.PathLike, workers: i
     if not tunings:
         report.notes.append("no planned call is autotuned with results Triton can keep on disk (pinned configs, or "
                             "a Triton without cache_results): the table has no rows for this device")
-    scratch = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="prewarm-tune-", dir=work_dir))
-    cache = scratch if cache_dir is not None else scratch / "cache"
+    cache = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="prewarm-tune-", dir=work_dir))
     try:
         if measurable:
             built = build(m, cache, workers=workers, mode="device", use_table=False)
@@ -102,7 +101,7 @@ def tune(manifest_path: str | os.PathLike, output: str | os.PathLike, workers: i
         report.rows, report.not_measured = measured(tunings, cache, report.device)
     finally:
         if cache_dir is None:
-            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(cache, ignore_errors=True)
     table.rows += report.rows
     write_table(table)
     report.seconds = time.perf_counter() - start

@@ -337,7 +337,8 @@ def test_every_parameter_of_flas_public_api_is_planned_or_said_not_to_be(planned
         params = set(inspect.signature(fn).parameters)
         assert params == set(fla_kda.API[name]), f"{name}: not in the table {params - set(fla_kda.API[name])}, " \
                                                  f"no longer in fla {set(fla_kda.API[name]) - params}"
-    not_planned = {f"{fn}.{p}" for fn, table in fla_kda.API.items() for p, how in table.items() if how == "not planned"}
+    not_planned = {f"{fn}.{p}" for fn, table in fla_kda.API.items() for p, how in table.items()
+                   if how.startswith("not planned")}
     assert not_planned == set(fla_kda.NOT_PLANNED)
 
     m, p, _, _ = planned

@@ -54,6 +54,7 @@ PREFILL_STAGES = {
 }
 
 
+NOT = "not planned:"  # the mark of a parameter the table says is not planned
 _QKV = "spec.dtypes.activation; shapes from spec.model, lengths by every class the kernels specialize"
 _FLAGS = {"use_qk_l2norm_in_kernel": "spec.serving.qk_l2norm_in_kernel", "use_gate_in_kernel":
           "spec.serving.gate_in_kernel", "use_beta_sigmoid_in_kernel": "spec.serving.beta_sigmoid_in_kernel",
@@ -77,7 +78,7 @@ API = {
         "return_intermediate_states": "keeps h instead of freeing it (inference mode): no kernel sees it",
         "cu_seqlens": "spec.serving.varlen, spec.dtypes.index",
         "cu_seqlens_cpu": "passed with cu_seqlens (its host copy: no kernel argument)",
-        "cp_context": "not planned",
+        "cp_context": f"{NOT} context parallelism (its own kernels, a process group): planned without it",
         "use_graph": "spec.serving.use_graph", "max_num_seqs": "spec.serving.use_graph (the padded batch)",
         "kwargs": "A_log, dt_bias (spec.dtypes.gate_params), chunk_size (spec.serving.chunk_size), "
                   "transpose_state_layout (the deprecated name of state_v_first)",
@@ -87,17 +88,17 @@ API = {
         **_RECURRENT, "inplace_final_state": "spec.serving.recurrent_state (in_place, indexed, indexed_spec)",
         "ssm_state_indices": "spec.serving.recurrent_state (indexed: [N], indexed_spec: [N, D]), spec.dtypes.index",
         "num_accepted_tokens": "spec.serving.recurrent_state indexed_spec, spec.dtypes.index",
-        "out": "not planned", "kwargs": "transpose_state_layout (the deprecated name of state_v_first)",
+        "out": f"{NOT} planned as fla's default (zeros_like(v)); an out of another dtype than v is another "
+               "pointer type",
+        "kwargs": "transpose_state_layout (the deprecated name of state_v_first)",
     },
     "fused_kda_gate": {"g": "spec.dtypes.gate", "A_log": "spec.dtypes.gate_params",
                        "dt_bias": "spec.dtypes.gate_params", "lower_bound": "spec.model.gate_lower_bound",
                        "output_dtype": "fp32 (fla's default) or the gate's dtype"},
 }
-NOT_PLANNED = {  # parameters planned only at fla's default: a call that passes them otherwise may compile
-    "chunk_kda.cp_context": "context parallelism (its own kernels, a process group): planned without it",
-    "fused_recurrent_kda_fwd.out": "planned as fla's default (zeros_like(v)); an out of another dtype than v is "
-                                   "another pointer type",
-}
+# parameters planned only at fla's default (a call that passes them otherwise may compile), and why
+NOT_PLANNED = {f"{fn}.{param}": how.removeprefix(NOT).strip() for fn, table in API.items()
+               for param, how in table.items() if how.startswith(NOT)}
 
 
 @dataclass
