@@ -11,24 +11,30 @@ A_log / dt_bias, bf16 beta (our wrappers cast it to fp32: that cast is timed), q
   [N, D] (the D slots each sequence's per-token states go to, in place) and ``num_accepted_tokens`` (all 1: the
   start state is slot [n, 0]). Both read one state and write D per sequence.
 - prefill (H, T) at (32, 16384), (6, 65536), (16, 32768), (64, 4096): one packed sequence, state pool in, final
-  state out; ours ``chunk_kda_fwd``, fla ``chunk_kda`` (use_gate_in_kernel with A_log / dt_bias).
+  state out; ours ``chunk_kda_fwd``, fla ``chunk_kda`` (use_gate_in_kernel with A_log / dt_bias). Then ``--draws``
+  (default 4) points drawn at run time by a generator seeded with ``--seed`` (default: the clock; in the JSON):
+  H among those four, 1-24 packed sequences of random lengths, 1k-32k tokens in all, one state per sequence.
 
 Both implementations run in this process on the same tensors; warmup (compile, autotune) comes first; then
 ``triton.testing.do_bench`` medians are taken in interleaved rounds (ours, fla, ours, ...) and, for decode and
 verify, ``do_bench_cudagraph`` medians too (a server replays decode in CUDA graphs: host time is gone there, only
 GPU time counts). ratio = ours / fla. A point passes when every ratio measured for it is <= 1.0 (decode and verify:
-both the eager and the graph ratio). Per-kernel device times come from torch.profiler.
+both the eager and the graph ratio) and so is the summed device time of every kernel of one call (torch.profiler:
+what a CUDA graph replay costs, fla's host work and zero fills aside; its per-kernel breakdown is in the JSON).
 
 Compiles come from the library: ``kda_accuracy.prebuild`` runs ``prewarm build --mode offline`` for one manifest
 per head count into this process's fresh TRITON_CACHE_DIR (a cache filled by another bench holds autotune results
 tuned at other shapes; a token bucket's first call tunes it for every later one).
 
     PYTHONPATH=/tmp/site python bench/kda_speed.py [--out bench/results/kda_speed.json] [--reps 7] [--only ...]
+                                                   [--draws 4] [--seed N]
 """
 from __future__ import annotations
 
 import os
 import platform
+import random
+import itertools
 import statistics
 import sys
 import time
@@ -99,12 +105,25 @@ def recurrent_pair(N: int, D: int):
     return ours, fla, agreement
 
 
-def prefill_pair(H: int, T: int):
+def drawn_prefills(seed: int, n: int) -> list[tuple[int, list[int]]]:
+    """``n`` prefills (H, sequence lengths) no fixed point has: H among the fixed points' head counts (their
+    compiles are prebuilt), 1-24 sequences, 1,024-32,768 tokens cut at random places."""
+    rng = random.Random(seed)
+    points = []
+    for _ in range(n):
+        H, seqs, T = rng.choice([H for H, _ in PREFILL]), rng.randint(1, 24), rng.randint(1024, 32768)
+        cuts = sorted(rng.sample(range(1, T), seqs - 1))
+        points.append((H, [b - a for a, b in zip([0] + cuts, cuts + [T])]))
+    return points
+
+
+def prefill_pair(H: int, lens: list[int]):
     from fla.ops.kda import chunk_kda
-    t = layer_inputs(H, T, 1, seed=H + T)
-    cu_cpu = torch.tensor([0, T], dtype=torch.int32)
+    T, N = sum(lens), len(lens)
+    t = layer_inputs(H, T, N, seed=H + T + N)
+    cu_cpu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
     cu_gpu = cu_cpu.to("cuda", torch.long)
-    idx = torch.zeros(1, dtype=torch.int32, device="cuda")
+    idx = torch.arange(N, dtype=torch.int32, device="cuda")
 
     def ours():
         return chunk_kda_fwd(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["pool"],
@@ -168,12 +187,14 @@ def measure(label: str, ours, fla, agreement, reps: int, graphs: bool) -> dict:
         o, f = statistics.median(runs[m]["ours"]), statistics.median(runs[m]["fla"])
         point[m] = {"ours_ms": o, "fla_ms": f, "ratio": o / f, "ours_runs_ms": runs[m]["ours"],
                     "fla_runs_ms": runs[m]["fla"]}
-    point["pass"] = all(point[m]["ratio"] <= TARGET for m in modes)
     if graphs:
         point["host_us_per_call"] = {"ours": host_us(ours), "fla": host_us(fla)}
     point["kernel_ms_per_call"] = {"ours": kernel_breakdown(ours), "fla": kernel_breakdown(fla)}
+    o, f = (sum(point["kernel_ms_per_call"][who].values()) for who in ("ours", "fla"))
+    point["kernel_sum"] = {"ours_ms": round(o, 4), "fla_ms": round(f, 4), "ratio": o / f}
+    point["pass"] = all(point[m]["ratio"] <= TARGET for m in (*modes, "kernel_sum"))
     print(f"{label}: " + "; ".join(f"{m} ours {point[m]['ours_ms'] * 1e3:.1f} us fla {point[m]['fla_ms'] * 1e3:.1f} us"
-                                   f" ratio {point[m]['ratio']:.3f}" for m in modes)
+                                   f" ratio {point[m]['ratio']:.3f}" for m in (*modes, "kernel_sum"))
           + f" ({'PASS' if point['pass'] else 'FAIL'}); rel RMS vs fla o {agree['o']:.1e} state {agree['state']:.1e}"
           + (f"; host us/call ours {point['host_us_per_call']['ours']} fla {point['host_us_per_call']['fla']}"
              if graphs else ""), flush=True)
@@ -187,7 +208,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7, help="interleaved rounds per implementation and timing mode")
     ap.add_argument("--only", nargs="+", choices=("decode", "verify", "prefill"),
                     default=["decode", "verify", "prefill"])
+    ap.add_argument("--draws", type=int, default=4, help="prefill points drawn at run time, besides the fixed ones")
+    ap.add_argument("--seed", type=int, default=None, help="the draws' seed (default: from the clock)")
     args = ap.parse_args()
+    seed = time.time_ns() % 100_000 if args.seed is None else args.seed
     if cuda_missing():
         return 2
     t_start = time.time()
@@ -215,8 +239,12 @@ def main() -> int:
         cases += [("verify", f"verify draft={d} bs={bs}", dict(batch=bs, draft=d),
                    lambda d=d, bs=bs: recurrent_pair(bs, d)) for d, bs in VERIFY]
     if "prefill" in args.only:
-        cases += [("prefill", f"prefill H={H} T={T}", dict(H=H, T=T), lambda H=H, T=T: prefill_pair(H, T))
+        cases += [("prefill", f"prefill H={H} T={T}", dict(H=H, T=T, lens=[T]), lambda H=H, T=T: prefill_pair(H, [T]))
                   for H, T in PREFILL]
+        drawn = drawn_prefills(seed, args.draws)
+        cases += [("prefill", f"prefill H={H} T={sum(lens)} seqs={len(lens)} (drawn)",
+                   dict(H=H, T=sum(lens), lens=lens, drawn=True), lambda H=H, lens=lens: prefill_pair(H, lens))
+                  for H, lens in drawn]
     points, errors = [], []
     with torch.inference_mode():
         for kind, label, where, make in cases:
@@ -228,20 +256,21 @@ def main() -> int:
                 errors.append({"case": label, "error": repr(e), "traceback": traceback.format_exc()})
                 print(f"{label}: ERROR {e!r}", flush=True)
             torch.cuda.empty_cache()
-            write_json(args.out, report(points, errors, pre, fla_version, t_start))  # a killed run keeps its points
+            write_json(args.out, report(points, errors, pre, fla_version, t_start, seed))  # a killed run keeps its points
     ok = not errors and all(p["pass"] for p in points)
-    write_json(args.out, report(points, errors, pre, fla_version, t_start))
+    write_json(args.out, report(points, errors, pre, fla_version, t_start, seed))
     print(f"{'ALL PASS' if ok else 'NOT ALL PASS'}: " + ", ".join(
-        f"{p['label']} {'/'.join(f'{p[m]['ratio']:.2f}' for m in ('eager', 'cudagraph') if m in p)}" for p in points)
+        f"{p['label']} {'/'.join(f'{p[m]['ratio']:.2f}' for m in ('eager', 'cudagraph', 'kernel_sum') if m in p)}"
+        for p in points)
         + f"; wrote {args.out}")
     return 0 if ok else 1
 
 
-def report(points: list, errors: list, pre: dict, fla_version: str, t_start: float) -> dict:
+def report(points: list, errors: list, pre: dict, fla_version: str, t_start: float, seed: int) -> dict:
     """The JSON written after every point and at the end."""
-    return {"benchmark": "kda_speed", "target_ratio": TARGET,
-            "pass_rule": "every ratio of a point <= target: eager do_bench median, and for decode / verify also the "
-                         "do_bench_cudagraph median",
+    return {"benchmark": "kda_speed", "target_ratio": TARGET, "seed": seed,
+            "pass_rule": "every ratio of a point <= target: eager do_bench median, summed device time of the kernels "
+                         "of one call (profiler), and for decode / verify also the do_bench_cudagraph median",
             "baseline": f"fla-core {fla_version}: fused_recurrent_kda_fwd (decode, verify), chunk_kda (prefill)",
             "K": K, "V": V, "dtype": "bfloat16", "beta_dtype": "bfloat16", "gate": "raw bf16, fused (A_log, dt_bias)",
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -30,6 +30,7 @@ TOKEN_BUCKETS = (256, 1024, 4096, 16384, 65536)
 
 BT = 64  # chunk size
 BC = 16  # sub-chunk size of the intra-chunk kernels
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # G, the cumulative decay, is held in base 2 (cumsum.py)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 ALIGN = 16  # bytes: Triton specializes every pointer on data_ptr() % 16

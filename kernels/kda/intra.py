@@ -1,15 +1,16 @@
 """Intra-chunk matrices and the WY solve in two kernels (after fla's token-parallel intra + fused inter-solve).
 
-Aqk[i, j] = scale * sum_c q_ic k_jc exp(G_ic - G_jc) (i >= j) and Akk[i, j] = beta_i * sum_c k_ic k_jc exp(G_ic - G_jc)
-(i > j) over each 64-token chunk, in 16-token sub-chunks; the outputs are Aqk and Ainv = (I + Akk)^-1, both
+Aqk[i, j] = scale * sum_c q_ic k_jc 2^(G_ic - G_jc) (i >= j) and Akk[i, j] = beta_i * sum_c k_ic k_jc 2^(G_ic - G_jc)
+(i > j; G in base 2, see cumsum.py) over each 64-token chunk, in 16-token sub-chunks; the outputs are Aqk and Ainv = (I + Akk)^-1, both
 [B, T, H, 64] in k's dtype, zero above the diagonal. Everything is computed in fp32 and rounded once at the store.
 
 - "intra_token": the diagonal 16x16 blocks, one row token at a time: each row loops over the earlier tokens of its
   sub-chunk only (the causal triangle: about half the exps of a block-wide pass), for BH heads at once. It writes
   its 16-wide row of Aqk in place and its row of Akk's diagonal block to a [B, T, H, 16] fp32 buffer. A program
-  covers TB rows of one chunk: the grid is (chunks * 64 / TB, heads / BH). CUDA runs one row per program; the NPU
-  pins TB = 64: one program per chunk and head like every other chunk kernel, far below triton-ascend's
-  65,535-program grid limit.
+  covers TB rows of one chunk: the grid is (chunks * 64 / TB, heads / BH). CUDA runs one row per program and stores
+  each value as it is summed (like fla; gathering the row first took 0.56 ms, not 0.46, at H=32, T=16384 on the
+  H200); the NPU pins TB = 64: one program per chunk and head like every other chunk kernel, far below
+  triton-ascend's 65,535-program grid limit, each row gathered and stored as one vector.
 - "inter_solve": per chunk and head, the off-diagonal blocks of both matrices by dots over K tiles (reference point:
   the row sub-chunk's first token, so both factors are exponentials of non-positive numbers). Aqk's are stored;
   Akk's stay in registers. The diagonal blocks' inverses come from a product of four factors (no serial
@@ -66,48 +67,72 @@ def kda_intra_token_kernel(q, k, G, beta, q_rstd, k_rstd, Aqk, Akd, cu_seqlens, 
             b_g = tl.load(G + p_i, mask=m_hk, other=0.0)
             i_l = i % BC  # the row's place in its sub-chunk
             i_s = i - i_l
-            b_aqk = tl.zeros([BH, BC], dtype=tl.float32)
-            b_akk = tl.zeros([BH, BC], dtype=tl.float32)
-            for j in range(i_s, i + 1):
-                p_j = p_hk + j * HK
-                b_kj = tl.load(k + p_j, mask=m_hk, other=0.0).to(tl.float32)
-                b_gj = tl.load(G + p_j, mask=m_hk, other=0.0)
-                b_kje = b_kj * tl.exp(b_g - b_gj)  # G_i - G_j <= 0 for j <= i
-                m_col = (o_j == j - i_s)[None, :]
-                b_aqk = tl.where(m_col, tl.sum(b_q * b_kje, 1)[:, None], b_aqk)
-                b_akk = tl.where(m_col, tl.sum(b_k * b_kje, 1)[:, None], b_akk)
-            b_akk = tl.where((o_j < i_l)[None, :], b_akk, 0.0)  # Akk is strictly lower triangular
-            b_b = tl.load(beta + (bos + i) * H + o_h, mask=m_h, other=0.0).to(tl.float32)
-            b_aqk *= scale
-            b_akk *= b_b[:, None]
-            if NORM_QK:  # A is bilinear in rows and columns: apply the L2 norms to the row
-                m_cols = m_h[:, None] & (o_j <= i_l)[None, :]
-                rk_j = tl.load(k_rstd + (bos + i_s + o_j)[None, :] * H + o_h[:, None], mask=m_cols, other=0.0)
-                rq_i = tl.load(q_rstd + (bos + i) * H + o_h, mask=m_h, other=0.0)
-                rk_i = tl.load(k_rstd + (bos + i) * H + o_h, mask=m_h, other=0.0)
-                b_aqk *= rq_i[:, None] * rk_j
-                b_akk *= rk_i[:, None] * rk_j
-            m_row = m_h[:, None] & (o_j >= 0)[None, :]
-            p_row = ((bos + i) * H + o_h)[:, None]
-            tl.store(Aqk + p_row * BT + (i_s % BT + o_j)[None, :], b_aqk.to(Aqk.dtype.element_ty), mask=m_row)
-            tl.store(Akd + p_row * BC + o_j[None, :], b_akk, mask=m_row)
+            p_row = ((bos + i) * H + o_h)
+            f_q = tl.zeros([BH], dtype=tl.float32) + scale  # the row's factors: scale, beta, the L2 norms
+            f_k = tl.load(beta + (bos + i) * H + o_h, mask=m_h, other=0.0).to(tl.float32)
+            if NORM_QK:  # A is bilinear in rows and columns: the L2 norms apply to the row and column sums
+                f_q *= tl.load(q_rstd + (bos + i) * H + o_h, mask=m_h, other=0.0)
+                f_k *= tl.load(k_rstd + (bos + i) * H + o_h, mask=m_h, other=0.0)
+            if TB == 1:
+                # zeros right of the diagonal (Aqk) and from it on (Akk: strictly lower), then each earlier token's
+                # value as it is summed: a row gathered in registers costs a layout conversion per token
+                b_z = tl.zeros([BH, BC], dtype=tl.float32)
+                tl.store(Aqk + p_row[:, None] * BT + (i_s % BT + o_j)[None, :], b_z.to(Aqk.dtype.element_ty),
+                         mask=m_h[:, None] & (o_j > i_l)[None, :])
+                tl.store(Akd + p_row[:, None] * BC + o_j[None, :], b_z, mask=m_h[:, None] & (o_j >= i_l)[None, :])
+                for j in range(i_s, i + 1):
+                    p_j = p_hk + j * HK
+                    b_kj = tl.load(k + p_j, mask=m_hk, other=0.0).to(tl.float32)
+                    b_gj = tl.load(G + p_j, mask=m_hk, other=0.0)
+                    b_kje = b_kj * tl.exp2(b_g - b_gj)  # G_i - G_j <= 0 for j <= i
+                    s_q = tl.sum(b_q * b_kje, 1) * f_q
+                    s_k = tl.sum(b_k * b_kje, 1) * f_k
+                    if NORM_QK:
+                        rk_j = tl.load(k_rstd + (bos + j) * H + o_h, mask=m_h, other=0.0)
+                        s_q *= rk_j
+                        s_k *= rk_j
+                    tl.store(Aqk + p_row * BT + j % BT, s_q.to(Aqk.dtype.element_ty), mask=m_h)
+                    tl.store(Akd + p_row * BC + (j - i_s), s_k, mask=m_h & (j < i))
+            else:  # the NPU: the row gathered in registers, stored as one vector
+                b_aqk = tl.zeros([BH, BC], dtype=tl.float32)
+                b_akk = tl.zeros([BH, BC], dtype=tl.float32)
+                for j in range(i_s, i + 1):
+                    p_j = p_hk + j * HK
+                    b_kj = tl.load(k + p_j, mask=m_hk, other=0.0).to(tl.float32)
+                    b_gj = tl.load(G + p_j, mask=m_hk, other=0.0)
+                    b_kje = b_kj * tl.exp2(b_g - b_gj)
+                    m_col = (o_j == j - i_s)[None, :]
+                    b_aqk = tl.where(m_col, tl.sum(b_q * b_kje, 1)[:, None], b_aqk)
+                    b_akk = tl.where(m_col, tl.sum(b_k * b_kje, 1)[:, None], b_akk)
+                b_akk = tl.where((o_j < i_l)[None, :], b_akk, 0.0)
+                b_aqk *= f_q[:, None]
+                b_akk *= f_k[:, None]
+                if NORM_QK:
+                    m_cols = m_h[:, None] & (o_j <= i_l)[None, :]
+                    rk_j = tl.load(k_rstd + (bos + i_s + o_j)[None, :] * H + o_h[:, None], mask=m_cols, other=0.0)
+                    b_aqk *= rk_j
+                    b_akk *= rk_j
+                m_row = m_h[:, None] & (o_j >= 0)[None, :]
+                tl.store(Aqk + p_row[:, None] * BT + (i_s % BT + o_j)[None, :], b_aqk.to(Aqk.dtype.element_ty),
+                         mask=m_row)
+                tl.store(Akd + p_row[:, None] * BC + o_j[None, :], b_akk, mask=m_row)
 
 
 @triton.jit
 def _row_factor(G, o_c, m_c, o_k, m_k, i_r, HK):
-    """exp(G_row - G_ref) for the rows of one sub-chunk, ref = its first token; 0 on masked rows."""
+    """2^(G_row - G_ref) for the rows of one sub-chunk, ref = its first token; 0 on masked rows."""
     b_g = tl.load(G + o_c[:, None] * HK + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0.0)
     b_gn = tl.load(G + i_r * HK + o_k, mask=m_k, other=0.0)
-    return tl.exp(tl.where(m_c[:, None], b_g - b_gn[None, :], float("-inf"))), b_gn
+    return tl.exp2(tl.where(m_c[:, None], b_g - b_gn[None, :], float("-inf"))), b_gn
 
 
 @triton.jit
 def _col_t(k, G, o_c, o_k, m_k, b_gn, HK):
-    """(k_col * exp(G_ref - G_col))^T for an earlier sub-chunk (always complete): [BK, BC]."""
+    """(k_col * 2^(G_ref - G_col))^T for an earlier sub-chunk (always complete): [BK, BC]."""
     m = m_k[None, :] & (o_c[:, None] >= 0)
     b_k = tl.load(k + o_c[:, None] * HK + o_k[None, :], mask=m, other=0.0).to(tl.float32)
     b_g = tl.load(G + o_c[:, None] * HK + o_k[None, :], mask=m, other=0.0)
-    return tl.trans(b_k * tl.exp(b_gn[None, :] - b_g))
+    return tl.trans(b_k * tl.exp2(b_gn[None, :] - b_g))
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Output per chunk: o = scale * (q * exp(G)) h_c + Aqk v_new (Aqk already holds scale and the causal mask)."""
+"""Output per chunk: o = scale * (q * 2^G) h_c + Aqk v_new (Aqk already holds scale and the causal mask)."""
 from __future__ import annotations
 
 import torch
@@ -42,7 +42,7 @@ def kda_output_kernel(q, G, h, Aqk, v_new, q_rstd, o, cu_seqlens, chunk_indices,
         b_g = tl.load(G + p, mask=m, other=0.0)
         b_h = tl.load(h + (i_ch * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_o = tl.dot((b_q * tl.exp(b_g)).to(b_h.dtype), b_h, b_o)
+        b_o = tl.dot((b_q * tl.exp2(b_g)).to(b_h.dtype), b_h, b_o)
     b_A = tl.load(Aqk + base * BT + o_t[:, None] * (H * BT) + tl.arange(0, BT)[None, :],
                   mask=m_t[:, None], other=0.0)
     p_v = base * V + o_t[:, None] * (H * V) + o_v[None, :]

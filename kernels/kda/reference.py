@@ -1,6 +1,8 @@
 """Plain-PyTorch KDA, the test oracle: the token-by-token recurrence and the chunked stages, all in fp32."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -92,7 +94,8 @@ def chunk_stages_ref(q, k, v, g, beta, scale=None, initial_state=None, initial_s
             v_new = u - torch.einsum("ihk,hkv->ihv", w, S)
             o = torch.einsum("ihk,hkv->ihv", q[sl] * torch.exp(G) * scale, S) + torch.einsum("ihj,jhv->ihv", Aqk, v_new)
             S = S * torch.exp(G[-1])[:, :, None] + torch.einsum("ihk,ihv->hkv", kg, v_new)
-            for name, val in [("G", G), ("Aqk", Aqk), ("Akk", Akk), ("w", w), ("u", u), ("kg", kg),
+            # G as the kernels hold it: in base 2
+            for name, val in [("G", G / math.log(2)), ("Aqk", Aqk), ("Akk", Akk), ("w", w), ("u", u), ("kg", kg),
                               ("v_new", v_new), ("o", o)]:
                 out[name][b, c0:c1, :, : val.shape[-1]] = val
             out["Ainv"][b, c0:c1, :, :L] = Ainv.permute(1, 0, 2)

@@ -1,6 +1,6 @@
 """Chunk state recurrence, sequential over the chunks of each sequence, state in fp32 registers.
 
-For each chunk: store h_c (input dtype); v_new = u - w h; h <- exp(G_last) h + kg^T v_new. The initial state of
+For each chunk: store h_c (input dtype); v_new = u - w h; h <- 2^G_last h + kg^T v_new. The initial state of
 sequence n is pool[indices[n]] (zeros where the index is negative); the final state is always written, fp32. The
 kernel has one form: no initial state is a pool whose indices are all -1, a pool without indices is indexed by
 arange(N), and the final state is stored whether or not the caller keeps it (a write of N states, no new variant).
@@ -55,7 +55,7 @@ def kda_state_kernel(kg, w, u, G, h, v_new, h0, h0_indices, ht, cu_seqlens, chun
         i_last = tl.minimum(i_t * BT + BT, T) - 1
         b_gl = tl.load(G + ((bos + i_last) * H + i_h) * K + o_k, mask=m_k, other=0.0)
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0)
-        b_h = b_h * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype))
+        b_h = b_h * tl.exp2(b_gl)[:, None] + tl.dot(tl.trans(b_kg), b_vn.to(b_kg.dtype))
     tl.store(ht + (i_n * H + i_h) * K * V + p_kv, b_h, mask=m_kv)
 
 
