@@ -40,6 +40,7 @@ import json
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -543,14 +544,14 @@ def unpack_object(stream, entry: Entry, dest: str, final_dir: str, where: str,
             data += rest
         _check_object_hash(raw, entry, where, obj)  # every byte proven before one is parsed
         try:
-            tar = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read(entry.tar_size + 1)
+            tar = _decompressor().stream_reader(data).read(entry.tar_size + 1)
         except zstandard.ZstdError as e:
             raise IntegrityError(f"{where}: {obj} is not a valid zstd frame ({e})") from None
         if len(tar) > entry.tar_size:
             raise bomb()
         _unpack_tar(_View(tar).read, entry, files, dest, final_dir, where, obj)
         return raw.n
-    tar_stream = _Reader(zstandard.ZstdDecompressor().stream_reader(raw, read_size=CHUNK, closefd=False),
+    tar_stream = _Reader(_decompressor().stream_reader(raw, read_size=CHUNK, closefd=False),
                          entry.tar_size, bomb)
     try:
         _unpack_tar(tar_stream.read, entry, files, dest, final_dir, where, obj)
@@ -562,6 +563,17 @@ def unpack_object(stream, entry: Entry, dest: str, final_dir: str, where: str,
         raise IntegrityError(f"{where}: {obj} is not a valid zstd frame ({e})") from None
     _check_object_hash(raw, entry, where, obj)
     return raw.n
+
+
+_local = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor, reused object after object (each stream resets it): a new one per object costs
+    more than decompressing a small object."""
+    if (d := getattr(_local, "dctx", None)) is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
 
 
 def check_object(stream, entry: Entry, where: str) -> None:
@@ -639,14 +651,14 @@ def _pax_path(data: bytes, where: str) -> str:
 def _unpack_tar(read, entry: Entry, files: tuple[FileRecord, ...], dest: str, final_dir: str, where: str,
                 obj: str) -> None:
     os.mkdir(dest, 0o755)
-    dest_fd = os.open(dest, _DIR_FLAGS)  # every member created relative to it: no path walked per file
+    dest_fd = os.open(dest, DIR_FLAGS)  # every member created relative to it: no path walked per file
     try:
         _unpack_members(read, entry, files, dest, dest_fd, final_dir, where, obj)
     finally:
         os.close(dest_fd)
 
 
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _SPECIAL_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
 

@@ -27,8 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bundle import (CHUNK, KEY_RE, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index, is_group,
-                     open_regular, parse_index, read_bounded, relative_group)
+from .bundle import (CHUNK, DIR_FLAGS, KEY_RE, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index,
+                     is_group, open_regular, parse_index, read_bounded, relative_group)
 from .errors import FingerprintMismatch, IntegrityError, PrewarmError
 
 META = ".prewarm"
@@ -129,16 +129,17 @@ def _hash_fd(fd: int, size: int) -> tuple[str, int]:
 # --- stamps: has an entry changed? ----------------------------------------------------------------------------------
 
 
-def stamp(path: str | os.PathLike) -> str:
+def stamp(path: str | os.PathLike, *, dir_fd: int | None = None) -> str:
     """An entry dir's stamp: its inode, mtime and ctime (and those of each dir below it), no content, no file read.
     The same stamp means no file or dir was added, removed, renamed or replaced in it since: each of those moves the
     dir's mtime and ctime, and ctime cannot be set back (Triton and most tools write a file whole and rename it in).
     A file rewritten in place (same inode) does not show: ``prewarm verify`` hashes every file, ``install(recheck=
     True)`` too; and a change within the same clock tick as the stamp was taken may not show either (as git's "racy"
     files). One lstat per entry: a dir's link count is 2 + its subdirs on ext4, xfs and tmpfs, so only a dir with
-    subdirs (or on a filesystem that counts otherwise) is listed. '' where the path is not a directory."""
+    subdirs (or on a filesystem that counts otherwise) is listed. '' where the path is not a directory. ``dir_fd``:
+    ``path`` is relative to that open dir (as os.lstat's)."""
     try:
-        st = os.lstat(path)
+        st = os.lstat(path, dir_fd=dir_fd)
     except OSError:
         return ""
     if not stat.S_ISDIR(st.st_mode):
@@ -147,10 +148,16 @@ def stamp(path: str | os.PathLike) -> str:
     if st.st_nlink == 2:
         return own
     try:
-        subdirs = sorted(d.name for d in os.scandir(path) if d.is_dir(follow_symlinks=False))
+        fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
     except OSError:
         return ""
-    return "|".join([own] + [f"{name}/{stamp(os.path.join(path, name))}" for name in subdirs])
+    try:
+        subdirs = sorted(d.name for d in os.scandir(fd) if d.is_dir(follow_symlinks=False))
+        return "|".join([own] + [f"{name}/{stamp(name, dir_fd=fd)}" for name in subdirs])
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 # --- receipts -------------------------------------------------------------------------------------------------------
@@ -343,7 +350,10 @@ class CacheDir:
                     c.modified.append(f"{rel} (not a regular file)")
                     continue
                 if is_group(f.path):
-                    data, out = relative_group(os.read(fd, MAX_GROUP_BYTES + 1), key, names, path, base)
+                    # as much as it holds (a buffer of the bound per file costs more than hashing it), one byte
+                    # more: a file that grew shows
+                    data = os.read(fd, min(st.st_size, MAX_GROUP_BYTES) + 1)
+                    data, out = relative_group(data, key, names, path, base)
                     if out:  # reported as pointing outside, not also as modified
                         c.outside += [f"{rel} -> {p}" for p in out]
                         continue
@@ -373,8 +383,9 @@ class CacheDir:
             if "/" in name or not is_group(name):
                 continue
             try:
-                with open_regular(entry / name) as fh:
-                    children = json.loads(fh.read(MAX_GROUP_BYTES + 1))["child_paths"]
+                with open_regular(entry / name) as fh:  # as much as it holds, not a buffer of the bound each
+                    data = fh.read(min(os.fstat(fh.fileno()).st_size, MAX_GROUP_BYTES) + 1)
+                children = json.loads(data)["child_paths"]
                 if not isinstance(children, dict):
                     raise TypeError("child_paths is not an object")
             except (OSError, IntegrityError, ValueError, RecursionError, KeyError, TypeError):
