@@ -68,8 +68,10 @@ def test_head_dim_128(pk):
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_fused_gate_and_l2norm(pk, lower_bound):
-    """Raw gate + A_log + dt_bias activated in the cumsum kernel, q/k L2-normalised in-kernel."""
+@pytest.mark.parametrize("path", ["npu", "autotuned"])
+def test_fused_gate_and_l2norm(pk, lower_bound, path):
+    """Raw gate + A_log + dt_bias activated in the cumsum kernel, q/k L2-normalised in-kernel; on the NPU's pinned
+    configs (the token kernel gathers each row) and on CUDA's first autotune config (it stores each value)."""
     H, K, V = 3, 32, 32
     cu = _cu([65, 1, 63])
     q, k, v, _, beta, _ = pk.make_inputs(1, 129, H, K, V, seed=11)
@@ -79,7 +81,7 @@ def test_fused_gate_and_l2norm(pk, lower_bound):
     A_log = torch.randn(H, generator=gen) * 0.5 - 1.0
     dt_bias = torch.randn(H * K, generator=gen) * 0.5
     k = k * 3  # not normalised: the kernel must do it
-    with pk.backend.use("npu"):
+    with pk.backend.use("npu") if path == "npu" else pk.one_config(0):
         o, final = pk.chunk.chunk_kda_fwd(q, k, v, raw, beta, output_final_state=True, cu_seqlens=cu,
                                           use_qk_l2norm=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
         G = pk.cumsum.chunk_cumsum(raw, cu, A_log, dt_bias, lower_bound)
