@@ -10,6 +10,7 @@ those with ``preload``, so plan, build and check share one definition of "the re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import itertools
@@ -39,6 +40,11 @@ class Request:
     close_dtypes: tuple = ()  # recorded: ((pointer parameter, (dtype, ...)), ...) also compiled in (see other_dtypes)
     recorded: tuple[RecordedKey, ...] = field(default=(), compare=False)  # the keys its recording's processes saw
 
+    @functools.cached_property
+    def parsed(self) -> tritoncompat.Specialization:
+        """A recorded request's specialization data, parsed once: what closing and labels read."""
+        return tritoncompat.parse_specialization(self.specialization)
+
     @property
     def ident(self) -> str:
         """Content id: same kernel + arguments + options = same request, whatever its label."""
@@ -47,7 +53,7 @@ class Request:
 
     def describe(self) -> str:
         if self.specialization is not None:
-            return describe_specialization(self.specialization)
+            return describe_specialization(self.parsed)
         parts = [_short(a) for a in self.args] + [f"{k}={_short(v)}" for k, v in self.kwargs.items()]
         return ", ".join(parts)
 
@@ -196,10 +202,9 @@ def load_record(path: str, source: str | None = None, close: bool | tuple[str, .
                 f"{line.where}: kernel {line.kernel} was defined in a script run as __main__: expected kernels in an "
                 f"importable module (a build process must import it by name)"
             )
-        data = _this_hosts(line.specialization, line.where)
-        name = json.loads(data)["name"]
-        label = line.label or f"{name.rsplit('.', 1)[-1]} [{describe_specialization(data)}]"
-        req = Request(line.kernel, label, source or path, specialization=data, close_dtypes=close_dtypes)
+        spec = tritoncompat.parse_specialization(_this_hosts(line.specialization, line.where))
+        label = line.label or f"{spec.function} [{describe_specialization(spec)}]"
+        req = Request(line.kernel, label, source or path, specialization=spec.data, close_dtypes=close_dtypes)
         req = out.setdefault(req.ident, req)
         if line.key is not None and all(k.key != line.key.key for k in req.recorded):
             out[req.ident] = dataclasses.replace(req, recorded=(*req.recorded, line.key))
@@ -219,7 +224,7 @@ def closed_params(requests: list[Request], close: bool | tuple[str, ...]) -> dic
     named = set(close) if isinstance(close, tuple) else set()
     seen: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))  # kernel -> param -> classes
     for r in requests:
-        for param, cls in tritoncompat.int_args(r.specialization).items():
+        for param, cls in r.parsed.int_classes.items():
             seen[r.kernel][param].add(cls)
     return {kernel: tuple(p for p, classes in params.items() if len(classes) > 1 or p in named)
             for kernel, params in seen.items()}  # fmt: skip
@@ -394,9 +399,8 @@ def _short(v: Any) -> str:
     return repr(v)
 
 
-def describe_specialization(data: str) -> str:
+def describe_specialization(spec: tritoncompat.Specialization) -> str:
     """"BT=64 BK=32 warps=4 stages=3": the constexprs and options that tell one compile of a kernel from another."""
-    spec = tritoncompat.parse_specialization(data)
     parts = [f"{name}={a.value}" for name, a in spec.args.items() if a.type == "constexpr"]
     parts.append(f"warps={spec.options.get('num_warps')} stages={spec.options.get('num_stages')}")
     return " ".join(parts)
@@ -462,13 +466,13 @@ def expand_all(requests: list[Request]) -> list[Compile]:
 def expand(request: Request) -> list[Compile]:
     """The compiles Triton makes for ``request`` under the active target: one per autotune config, in order."""
     if request.specialization is not None:
-        variants = [("", request.specialization), *other_dtypes(request.specialization, request.close_dtypes)]
+        variants = [("", request.parsed), *other_dtypes(request.parsed, request.close_dtypes)]
         if request.close:
             kernel = resolve(request.kernel)
-            variants += [(f"{what} {ints}".strip(), closed) for what, data in variants
-                         for ints, closed in other_int_classes(kernel, data, request.close)]
+            variants += [(f"{what} {ints}".strip(), closed) for what, spec in variants
+                         for ints, closed in other_int_classes(kernel, spec, request.close)]
         return [Compile(request.ident, request.kernel, f"{request.label} [closed: {what}]" if what else request.label,
-                        data, what) for what, data in variants]  # fmt: skip
+                        spec.data, what) for what, spec in variants]  # fmt: skip
     kernel = resolve(request.kernel)
     args = tuple(decode(a) for a in request.args)
     kwargs = {k: decode(v) for k, v in request.kwargs.items()}
@@ -478,7 +482,8 @@ def expand(request: Request) -> list[Compile]:
     many = len(unique) > 1
     return [
         Compile(request.ident, request.kernel,
-                f"{request.label} [{describe_specialization(d)}]" if many else request.label, d)
+                f"{request.label} [{describe_specialization(tritoncompat.parse_specialization(d))}]" if many
+                else request.label, d)
         for d in unique
     ]  # fmt: skip
 
@@ -486,14 +491,14 @@ def expand(request: Request) -> list[Compile]:
 # --- closing recorded traffic ------------------------------------------------------------------------------------
 
 
-def other_dtypes(data: str, close_dtypes: tuple) -> list[tuple[str, str]]:
-    """``data`` (a recorded compile request) with the pointer parameters ``close_dtypes`` names in every other
-    combination of their listed dtypes (the recorded one included as a choice), as (description, specialization
-    data) pairs: one recording covers the dtypes a manifest declares. Each type is Triton's own name for a tensor
-    of that dtype (a const pointer stays const); parameters the kernel lacks, or recorded as no pointer, are left as
-    recorded. Constexprs a wrapper or heuristic derived from a dtype stay as recorded (the guard names such a miss);
+def other_dtypes(spec: tritoncompat.Specialization,
+                 close_dtypes: tuple) -> list[tuple[str, tritoncompat.Specialization]]:
+    """``spec`` (a recorded compile request) with the pointer parameters ``close_dtypes`` names in every other
+    combination of their listed dtypes (the recorded one included as a choice), as (description, request) pairs: one
+    recording covers the dtypes a manifest declares. Each type is Triton's own name for a tensor of that dtype (a
+    const pointer stays const); parameters the kernel lacks, or recorded as no pointer, are left as recorded. Constexprs a wrapper or heuristic derived from a dtype stay as recorded (the guard names such a miss);
     the in-memory ``key`` is kept, as :func:`other_int_classes` keeps it."""
-    pointers = tritoncompat.pointer_args(data)
+    pointers = spec.pointers
     axes = []  # (param, [recorded type, other types...])
     for param, names in close_dtypes:
         if param in pointers:
@@ -505,13 +510,13 @@ def other_dtypes(data: str, close_dtypes: tuple) -> list[tuple[str, str]]:
         changed = {param: ty for (param, types), ty in zip(axes, combo) if ty != types[0]}
         if changed:
             what = " ".join(f"{param}={ty}" for param, ty in changed.items())
-            out.append((what, tritoncompat.with_pointer_types(data, changed)))
+            out.append((what, tritoncompat.parse_specialization(spec.with_pointer_types(changed))))
     return out
 
 
 def _check_close_dtypes(manifest: Manifest, src: KernelSource, requests: list[Request]) -> None:
     """Every parameter ``close_dtypes`` names is a pointer of some recorded kernel (a typo closes nothing)."""
-    pointers = {p for r in requests for p in tritoncompat.pointer_args(r.specialization)}
+    pointers = {p for r in requests for p in r.parsed.pointers}
     for param, names in src.close_dtypes:
         if param not in pointers:
             raise ManifestError(
@@ -527,7 +532,7 @@ def _check_close(manifest: Manifest, src: KernelSource, requests: list[Request])
         return
     recorded: dict[str, set] = defaultdict(set)  # kernel -> its int arguments in the recording
     for r in requests:
-        recorded[r.kernel].update(tritoncompat.int_args(r.specialization))
+        recorded[r.kernel].update(r.parsed.int_classes)
     ints = {p for kernel, names in recorded.items() for p in specialized_ints(resolve(kernel)) if p in names}
     for param in src.close:
         if param not in ints:
@@ -548,13 +553,14 @@ def specialized_ints(kernel: Any) -> list[str]:
             if not (p.is_constexpr or p.do_not_specialize or getattr(p, "annotation_type", None))]  # fmt: skip
 
 
-def other_int_classes(kernel: Any, data: str, params: tuple[str, ...]) -> list[tuple[str, str]]:
-    """``data`` (a recorded compile request) with its int arguments ``params`` in every other combination of the
-    classes Triton tells apart (equal to 1: compiled in; a multiple of 16; neither), as (description, specialization
-    data) pairs, so a recording from one traffic sample also covers the next batch size. Arguments the kernel
-    declares ``do_not_specialize`` (fla's T and N), constexprs and annotated ones are left as recorded, and so is
-    triton 3.2 data (:func:`tritoncompat.int_args` gives none). The data's ``key`` is kept."""
-    recorded = tritoncompat.int_args(data)
+def other_int_classes(kernel: Any, spec: tritoncompat.Specialization,
+                      params: tuple[str, ...]) -> list[tuple[str, tritoncompat.Specialization]]:
+    """``spec`` (a recorded compile request) with its int arguments ``params`` in every other combination of the
+    classes Triton tells apart (equal to 1: compiled in; a multiple of 16; neither), as (description, request)
+    pairs, so a recording from one traffic sample also covers the next batch size. Arguments the kernel declares
+    ``do_not_specialize`` (fla's T and N), constexprs and annotated ones are left as recorded, and so is triton 3.2
+    data (its ``int_classes`` are empty). The data's ``key`` is kept."""
+    recorded = spec.int_classes
     specialized = set(specialized_ints(kernel))
     choices = []  # (param, width, classes, recorded class)
     for p in tritoncompat.jit_function(kernel).params:
@@ -570,5 +576,5 @@ def other_int_classes(kernel: Any, data: str, params: tuple[str, ...]) -> list[t
             continue  # the recorded request itself
         what = " ".join(f"{name}{_CLASS_LABELS[cls]}" for cls, (name, _, _, _) in zip(combo, choices))
         closed = {name: (width, cls) for cls, (name, width, _, _) in zip(combo, choices)}
-        out.append((what, tritoncompat.with_int_classes(data, closed)))
+        out.append((what, tritoncompat.parse_specialization(spec.with_int_classes(closed))))
     return out

@@ -452,17 +452,73 @@ class Arg:
 
 @dataclass(frozen=True)
 class Specialization:
-    """A compile request in version-free form: kernel name, arguments in parameter order, compile options."""
+    """A compile request in version-free form: kernel name, arguments in parameter order, compile options.
+
+    Parsed from request data, it also keeps that data, so closing (prewarm.plan) reads its pointer and int arguments
+    here and derives the requests Triton makes for other dtypes and int classes from it, without parsing again."""
 
     name: str  # as Triton records it: "module.qualname" (3.4+), the bare function name (3.2, key dirs)
     args: dict  # parameter name (tuple members "t[0]") -> Arg
     options: dict  # num_warps, num_stages, ... as the request / key dir holds them
     complete: bool = True  # False when rebuilt from a key dir: constexprs and args specialized to 1/None are gone
     context: dict = field(default_factory=dict)  # key dir only: "triton_version" and the env vars set at compile
+    data: str = field(default="", compare=False, repr=False)  # the request data it was parsed from ("": a key dir)
+    # upstream's layout (3.4+): int classes are read and rewritten by argument path. triton 3.2 keeps ints equal to 1
+    # among the constexprs by name: its data is not rewritten (int_classes is empty)
+    upstream: bool = field(default=False, compare=False)
 
     @property
     def function(self) -> str:
         return self.name.rsplit(".", 1)[-1]
+
+    @property
+    def pointers(self) -> dict[str, str]:
+        """The pointer parameters (not tuple members) and their types ("*fp32", "*kbf16")."""
+        return {n: a.type for n, a in self.args.items() if a.type.startswith("*") and "[" not in n}
+
+    @property
+    def int_classes(self) -> dict[str, tuple[str, str]]:
+        """The classed int arguments in parameter order, name -> (width, class); one recorded as the constexpr 1 is
+        an i32 ``INT_ONE`` (whether the kernel declared it constexpr is the caller's to tell from its params).
+        {} for triton 3.2 data."""
+        if not self.upstream:
+            return {}
+        out = {}
+        for n, a in self.args.items():
+            if "[" in n:
+                continue
+            if a.type == "constexpr" and a.value == 1:
+                out[n] = ("i32", INT_ONE)
+            elif a.type in INT_CLASSES:
+                out[n] = (a.type, INT_DIVISIBLE if tuple(_DIVISIBLE) in a.attrs else INT_OTHER)
+        return out
+
+    def with_pointer_types(self, types: dict[str, str]) -> str:
+        """The request data with the named pointer parameters of the given types, the rest as is."""
+        obj = json.loads(self.data)
+        return json.dumps({**obj, "signature": {**obj["signature"], **types}})
+
+    def with_int_classes(self, classes: dict[str, tuple[str, str]]) -> str:
+        """The request data (3.4+: names from :attr:`int_classes`) with the named int arguments in the given (width,
+        class), as Triton records a call with such values. The ``key`` (the in-memory cache key) is kept: Triton's
+        on-disk key does not read it."""
+        obj = json.loads(self.data)
+        index = {name: i for i, name in enumerate(obj["signature"])}
+        sig = dict(obj["signature"])
+        consts = {tuple(k): v for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
+        attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
+        for name, (width, cls) in classes.items():
+            path = (index[name],)
+            if cls == INT_ONE:
+                sig[name], consts[path] = "constexpr", 1
+                attrs.pop(path, None)
+            else:
+                sig[name] = width
+                consts.pop(path, None)
+                attrs[path] = [_DIVISIBLE] if cls == INT_DIVISIBLE else []
+        return json.dumps({**obj, "signature": sig,
+                           "constant_keys": [list(k) for k in sorted(consts)], "constant_vals": [consts[k] for k in sorted(consts)],
+                           "attrs_keys": [list(k) for k in sorted(attrs)], "attrs_vals": [attrs[k] for k in sorted(attrs)]})  # fmt: skip
 
 
 _CONSTEXPR_DICT = "constexpr"
@@ -487,7 +543,7 @@ def parse_specialization(data: str, arg_names: Sequence[str] | None = None) -> S
                 args[n] = Arg("constexpr", constants[n])
             elif n in sig:
                 args[n] = Arg(sig[n], None, (("tt.divisibility", 16),) if n in divisible else ())
-        return Specialization(obj["name"], args, options)
+        return Specialization(obj["name"], args, options, data=data)
     params = list(obj["signature"].items())
     flat: dict[tuple, tuple[str, str]] = {}  # argument path -> (display name, type)
 
@@ -509,7 +565,7 @@ def parse_specialization(data: str, arg_names: Sequence[str] | None = None) -> S
             args[n] = Arg("constexpr", v.get(_CONSTEXPR_DICT, v) if isinstance(v, dict) else v)
         else:
             args[n] = Arg(ty, None, attrs.get(path, ()))
-    return Specialization(obj["name"], args, options)
+    return Specialization(obj["name"], args, options, data=data, upstream=True)
 
 
 # MLIR element types as Triton's signature strings name them
@@ -709,8 +765,9 @@ def cache_key_parts(jit, specialization_data: str, target=None) -> tuple[str, di
 
 # --- rewriting compile requests -----------------------------------------------------------------------------------
 # Closing recorded traffic (plan.py) derives, from one recorded request, the ones Triton makes for other dtypes and
-# int classes. Triton (3.4+) puts a specialized int argument in one of three classes: equal to 1 (compiled in as the
-# constexpr 1), a multiple of 16 (tt.divisibility 16), neither; a 1 is an i32, so an i64 is in one of the last two.
+# int classes (Specialization.with_pointer_types / with_int_classes). Triton (3.4+) puts a specialized int argument in
+# one of three classes: equal to 1 (compiled in as the constexpr 1), a multiple of 16 (tt.divisibility 16), neither;
+# a 1 is an i32, so an i64 is in one of the last two.
 INT_ONE, INT_DIVISIBLE, INT_OTHER = "=1", "%16=0", "other"
 INT_CLASSES = {"i32": (INT_ONE, INT_DIVISIBLE, INT_OTHER), "i64": (INT_DIVISIBLE, INT_OTHER)}
 _DIVISIBLE = ["tt.divisibility", 16]
@@ -722,58 +779,6 @@ def pointer_type(dtype: str, const: bool = False) -> str:
     from triton.runtime.jit import mangle_type  # its second parameter differs between versions: not passed
 
     return ("*k" if const else "*") + mangle_type(torch.empty(0, dtype=getattr(torch, dtype), device="meta"))[1:]
-
-
-def pointer_args(data: str) -> dict[str, str]:
-    """The request's pointer parameters and their recorded types ("*fp32", "*kbf16"), either version's data."""
-    return {n: ty for n, ty in json.loads(data)["signature"].items() if isinstance(ty, str) and ty.startswith("*")}
-
-
-def with_pointer_types(data: str, types: dict[str, str]) -> str:
-    """The request ``data`` (either version) with the named pointer parameters of the given types, the rest as is."""
-    obj = json.loads(data)
-    return json.dumps({**obj, "signature": {**obj["signature"], **types}})
-
-
-def int_args(data: str) -> dict[str, tuple[str, str]]:
-    """The request's classed int arguments in parameter order, as name -> (width, class); one recorded as the
-    constexpr 1 is an i32 ``INT_ONE`` (whether the kernel declared it constexpr is the caller's to tell from its
-    params). triton 3.2 data gives {}: it keeps ints equal to 1 among the constexprs by name, and is not rewritten."""
-    obj = json.loads(data)
-    if "constant_keys" not in obj:
-        return {}
-    consts = {tuple(k): v for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
-    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
-    out = {}
-    for i, (name, ty) in enumerate(obj["signature"].items()):
-        if ty == "constexpr" and consts.get((i,)) == 1:
-            out[name] = ("i32", INT_ONE)
-        elif ty in INT_CLASSES:
-            out[name] = (ty, INT_DIVISIBLE if _DIVISIBLE in attrs.get((i,), []) else INT_OTHER)
-    return out
-
-
-def with_int_classes(data: str, classes: dict[str, tuple[str, str]]) -> str:
-    """The request ``data`` (3.4+: names from :func:`int_args`) with the named int arguments in the given (width,
-    class), as Triton records a call with such values. The ``key`` (the in-memory cache key) is kept: Triton's
-    on-disk key does not read it."""
-    obj = json.loads(data)
-    index = {name: i for i, name in enumerate(obj["signature"])}
-    sig = dict(obj["signature"])
-    consts = {tuple(k): v for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
-    attrs = {tuple(k): v for k, v in zip(obj["attrs_keys"], obj["attrs_vals"])}
-    for name, (width, cls) in classes.items():
-        path = (index[name],)
-        if cls == INT_ONE:
-            sig[name], consts[path] = "constexpr", 1
-            attrs.pop(path, None)
-        else:
-            sig[name] = width
-            consts.pop(path, None)
-            attrs[path] = [_DIVISIBLE] if cls == INT_DIVISIBLE else []
-    return json.dumps({**obj, "signature": sig,
-                       "constant_keys": [list(k) for k in sorted(consts)], "constant_vals": [consts[k] for k in sorted(consts)],
-                       "attrs_keys": [list(k) for k in sorted(attrs)], "attrs_vals": [attrs[k] for k in sorted(attrs)]})  # fmt: skip
 
 
 # --- triton-ascend versions ---------------------------------------------------------------------------------------

@@ -246,7 +246,8 @@ def test_close_true_closes_only_the_ints_that_took_several_classes(recorded):
     p = planned(manifest(recorded, "close.toml", extra="close = true\n"))
     assert [(c.kernel.split(":")[1], c.closing) for c in p.compiles] == [
         ("scaled_kernel", ""), ("strided_kernel", ""), ("strided_kernel", "n=1"), ("strided_kernel", "")]
-    assert {tritoncompat.int_args(c.specialization)["stride"] for c in p.compiles[1:]} == {("i32", "%16=0")}
+    assert {tritoncompat.parse_specialization(c.specialization).int_classes["stride"] for c in p.compiles[1:]} == \
+        {("i32", "%16=0")}
     # the recorded requests themselves are planned as recorded
     recorded_data = {tritoncompat.on_disk(e["specialization_data"]) for e in lines(recorded / "app.jsonl")}
     assert recorded_data == {tritoncompat.on_disk(c.specialization) for c in p.compiles if not c.closing}

@@ -104,17 +104,16 @@ def test_closing_a_recorded_request_gives_what_triton_makes_for_the_other_int_cl
     from prewarm_toy.kernels import add_kernel
 
     requests = {r.kernel.split(":")[1]: r for r in load_record(str(recorded / "local.jsonl"))}
-    closed = dict(other_int_classes(resolve("prewarm_toy.kernels:add_kernel"), requests["add_kernel"].specialization,
-                                    ("n",)))
+    closed = dict(other_int_classes(resolve("prewarm_toy.kernels:add_kernel"), requests["add_kernel"].parsed, ("n",)))
     made = {}
     for what, n in (("n=1", 1), ("n other", 4097)):  # the recording ran n = 4096 (a multiple of 16)
         with tritoncompat.compile_requests(skip=True) as captured:
             add_kernel.warmup(torch.float16, torch.float16, torch.float16, n, BLOCK=256, grid=(1,))
         made[what] = without_key(captured[0])
-    assert {k: without_key(v) for k, v in closed.items()} == made
+    assert {k: without_key(v.data) for k, v in closed.items()} == made
     # decode_kernel's int is do_not_specialize: nothing to close
     decode = next(r for r in load_record(str(recorded / "local.jsonl")) if r.kernel.endswith("decode_kernel"))
-    assert other_int_classes(resolve(decode.kernel), decode.specialization, ("n",)) == []
+    assert other_int_classes(resolve(decode.kernel), decode.parsed, ("n",)) == []
 
 
 def test_a_record_entry_with_close_builds_the_added_classes(recorded):

@@ -20,12 +20,12 @@ def test_a_closed_request_is_what_triton_ascend_makes_for_the_other_dtype():
     with tritoncompat.compile_requests(skip=True) as made:
         k.add_kernel.warmup(f32, f32, f32, 100, 4096, BS=64, grid=(1,))
         k.add_kernel.warmup(f32, bf16, f32, 100, 4096, BS=64, grid=(1,))
-    (what, closed), = other_dtypes(made[0], (("y", ("bfloat16", "float32")),))
+    (what, closed), = other_dtypes(tritoncompat.parse_specialization(made[0]), (("y", ("bfloat16", "float32")),))
 
     def without_key(data: str) -> dict:  # the in-memory key is not part of the on-disk key
         return {f: v for f, v in json.loads(data).items() if f != "key"}
 
-    assert what == "y=*bf16" and without_key(closed) == without_key(made[1])
+    assert what == "y=*bf16" and without_key(closed.data) == without_key(made[1])
 
 
 def test_int_classes_are_left_as_recorded_on_triton_ascend_3_2():
@@ -37,4 +37,5 @@ def test_int_classes_are_left_as_recorded_on_triton_ascend_3_2():
     npu.activate_offline(ARCH)
     with tritoncompat.compile_requests(skip=True) as made:
         k.add_kernel.warmup(torch.float32, torch.float32, torch.float32, 100, 4096, BS=64, grid=(1,))
-    assert tritoncompat.int_args(made[0]) == {} and other_int_classes(k.add_kernel, made[0], ("T", "n")) == []
+    spec = tritoncompat.parse_specialization(made[0])
+    assert spec.int_classes == {} and other_int_classes(k.add_kernel, spec, ("T", "n")) == []
