@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import os
 import platform
-import random
 import itertools
+import random
 import statistics
 import sys
 import time
@@ -239,8 +239,8 @@ def main() -> int:
         cases += [("verify", f"verify draft={d} bs={bs}", dict(batch=bs, draft=d),
                    lambda d=d, bs=bs: recurrent_pair(bs, d)) for d, bs in VERIFY]
     if "prefill" in args.only:
-        cases += [("prefill", f"prefill H={H} T={T}", dict(H=H, T=T, lens=[T]), lambda H=H, T=T: prefill_pair(H, [T]))
-                  for H, T in PREFILL]
+        cases += [("prefill", f"prefill H={H} T={T}", dict(H=H, T=T, lens=[T]),
+                   lambda H=H, T=T: prefill_pair(H, [T])) for H, T in PREFILL]
         drawn = drawn_prefills(seed, args.draws)
         cases += [("prefill", f"prefill H={H} T={sum(lens)} seqs={len(lens)} (drawn)",
                    dict(H=H, T=sum(lens), lens=lens, drawn=True), lambda H=H, lens=lens: prefill_pair(H, lens))
@@ -256,7 +256,8 @@ def main() -> int:
                 errors.append({"case": label, "error": repr(e), "traceback": traceback.format_exc()})
                 print(f"{label}: ERROR {e!r}", flush=True)
             torch.cuda.empty_cache()
-            write_json(args.out, report(points, errors, pre, fla_version, t_start, seed))  # a killed run keeps its points
+            # a killed run keeps its points
+            write_json(args.out, report(points, errors, pre, fla_version, t_start, seed))
     ok = not errors and all(p["pass"] for p in points)
     write_json(args.out, report(points, errors, pre, fla_version, t_start, seed))
     print(f"{'ALL PASS' if ok else 'NOT ALL PASS'}: " + ", ".join(

@@ -496,8 +496,9 @@ def other_dtypes(spec: tritoncompat.Specialization,
     """``spec`` (a recorded compile request) with the pointer parameters ``close_dtypes`` names in every other
     combination of their listed dtypes (the recorded one included as a choice), as (description, request) pairs: one
     recording covers the dtypes a manifest declares. Each type is Triton's own name for a tensor of that dtype (a
-    const pointer stays const); parameters the kernel lacks, or recorded as no pointer, are left as recorded. Constexprs a wrapper or heuristic derived from a dtype stay as recorded (the guard names such a miss);
-    the in-memory ``key`` is kept, as :func:`other_int_classes` keeps it."""
+    const pointer stays const); parameters the kernel lacks, or recorded as no pointer, are left as recorded.
+    Constexprs a wrapper or heuristic derived from a dtype stay as recorded (the guard names such a miss); the
+    in-memory ``key`` is kept, as :func:`other_int_classes` keeps it."""
     pointers = spec.pointers
     axes = []  # (param, [recorded type, other types...])
     for param, names in close_dtypes:
