@@ -8,10 +8,12 @@ import torch
 
 @dataclass(frozen=True)
 class ChunkIndex:
-    """``indices``: [NT, 2] int32 (sequence, chunk within it); ``offsets``: [N + 1] int32 first chunk per sequence."""
+    """``indices``: [NT, 2] int32 (sequence, chunk within it); ``offsets``: [N + 1] int32 first chunk per sequence;
+    ``longest_first``: [N] int32 the sequences by chunk count, most first (ties in batch order)."""
 
     indices: torch.Tensor
     offsets: torch.Tensor
+    longest_first: torch.Tensor
     num_chunks: int
 
 
@@ -39,4 +41,7 @@ def prepare_chunk_index(cu_seqlens: torch.Tensor, chunk_size: int, total: int) -
         pairs += [(seq, c) for c in range(n)]
         offsets.append(offsets[-1] + n)
     indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)
-    return ChunkIndex(indices, torch.tensor(offsets, dtype=torch.int32), offsets[-1])
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    longest_first = sorted(range(len(counts)), key=lambda n: -counts[n])
+    return ChunkIndex(indices, torch.tensor(offsets, dtype=torch.int32),
+                      torch.tensor(longest_first, dtype=torch.int32), offsets[-1])

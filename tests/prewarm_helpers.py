@@ -88,3 +88,16 @@ def concurrent_installs(source, cache: Path, n: int = 16, storage_options: dict 
         p.join(60)
     assert [p.exitcode for p in procs] == [0] * n
     return results
+
+
+def shipped_table_statuses(manifest, requests) -> dict[str, list[str]]:
+    """Each planned tuning key of ``manifest``'s requests against its shipped autotune table (``[target] tuned``),
+    as a build applies it: label lists by status ("in table", "absent", "stale", "unknown")."""
+    from prewarm import autotune
+
+    report = autotune.apply_table(autotune.table_path(manifest), autotune.manifest_device_name(manifest, "tuned"),
+                                  autotune.planned_tunings(requests), None)
+    out: dict[str, list[str]] = {}
+    for r in report.results:
+        out.setdefault(r.status, []).append(r.tuning.label)
+    return out

@@ -42,6 +42,16 @@ def planned():
     return m, p, compiles, planned_keys(compiles)
 
 
+def test_the_shipped_h200_table_covers_every_planned_tuning_key(planned):
+    """The offline bundle's autotune results come from the shipped table (see test_plan's test of the same name):
+    every planned tuning key has its row, measured over the configs the Autotuner benchmarks now."""
+    from prewarm_helpers import shipped_table_statuses
+
+    m, p, *_ = planned
+    statuses = shipped_table_statuses(m, p.requests)
+    assert set(statuses) == {"in table"}, {k: v[:3] for k, v in statuses.items() if k != "in table"}
+
+
 def test_the_plan_answers_as_the_h200_and_takes_fla_hopper_path(planned):
     import fla.utils.hardware as hw
 

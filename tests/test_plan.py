@@ -165,3 +165,16 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     per_activation = sum(configs[n] for n in ("l2norm", "intra_token", "inter_solve", "recompute", "state", "output"))
     expected = per_activation * A + configs["cumsum"] * G + configs["recurrent"] * (1 + D) * A * G * B
     assert len(expand_all(planned.requests)) == expected == 37 + 36 + 12
+
+
+def test_the_shipped_h200_table_covers_every_planned_tuning_key():
+    """An offline bundle's autotune results come from the shipped table: a kernel change that moves a tuning key (a
+    new argument, another config list) leaves rows unused and every node benchmarks again at its first prefill.
+    When this fails, re-run `prewarm tune manifests/kimi-linear-h200.toml -o manifests/kimi-linear-h200.tuned.toml`
+    on an H200."""
+    from prewarm_helpers import shipped_table_statuses
+
+    m = load(Path(__file__).resolve().parents[1] / "manifests" / "kimi-linear-h200.toml")
+    get_target(m.backend, m.arch, "offline").activate()
+    statuses = shipped_table_statuses(m, plan(m).requests)
+    assert set(statuses) == {"in table"} and len(statuses["in table"]) == 40, statuses

@@ -64,6 +64,16 @@ def not_planned(compiles: list[Compile], planned) -> str:
     return "\n".join(f"{c.label}\n  {explain(c.specialization, p.compiles, kernel=c.kernel)}" for c in missing[:8])
 
 
+def test_the_shipped_h200_table_covers_every_planned_tuning_key(planned):
+    """The offline bundle's autotune results come from the shipped table (see test_plan's test of the same name):
+    every planned tuning key has its row, measured over the configs the Autotuner benchmarks now."""
+    from prewarm_helpers import shipped_table_statuses
+
+    m, p, _ = planned
+    statuses = shipped_table_statuses(m, p.requests)
+    assert set(statuses) == {"in table"}, {k: v[:3] for k, v in statuses.items() if k != "in table"}
+
+
 def test_every_request_sglang_made_on_the_h200_is_planned(planned):
     """The real server's data, not ours: each of the 80 requests recorded around sglang's TritonKDAKernel on the H200
     (prefill, packed decode, decode, verify at four token buckets) has its key in the plan."""

@@ -84,6 +84,7 @@ class Layout:
     cu_seqlens: torch.Tensor  # on the tensors' device
     chunk_indices: torch.Tensor  # on the tensors' device
     chunk_offsets: torch.Tensor  # on the tensors' device
+    longest_first: torch.Tensor  # on the tensors' device
 
     @property
     def num_seqs(self) -> int:
@@ -109,7 +110,8 @@ def layout(k: torch.Tensor, v: torch.Tensor | None, cu_seqlens: torch.Tensor | N
     # following launches are issued
     dev = k.device
     return Layout(B, T, H, K, V, idx.num_chunks, idx, cu_seqlens.to(dev, torch.int32, non_blocking=True),
-                  idx.indices.to(dev, non_blocking=True), idx.offsets.to(dev, non_blocking=True))
+                  idx.indices.to(dev, non_blocking=True), idx.offsets.to(dev, non_blocking=True),
+                  idx.longest_first.to(dev, non_blocking=True))
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtypes) -> None:

@@ -118,4 +118,6 @@ def test_the_chunk_index_covers_every_token_once_and_skips_empty_sequences():
     assert idx.offsets.tolist() == [0, 0, 1, 2, 2, 4, 6]
     assert idx.indices.tolist() == [[1, 0], [2, 0], [4, 0], [4, 1], [5, 0], [5, 1]]
     assert sum(min(64, lens[s] - 64 * c) for s, c in idx.indices.tolist()) == sum(lens)
+    # the state kernel's launch order: every sequence once, by chunk count, most first, ties in batch order
+    assert idx.longest_first.dtype == torch.int32 and idx.longest_first.tolist() == [4, 5, 1, 2, 0, 3]
     assert prepare_chunk_index(_cu([0, 0]), 64, 0).indices.shape == (0, 2)
