@@ -103,7 +103,10 @@ fingerprint.current()
 t0 = time.perf_counter()
 r = install(bundle, node) if step == "install" else verify(node)
 seconds = time.perf_counter() - t0
-out = {"seconds": seconds, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+# VmHWM: this process image's own high-water mark. ru_maxrss is not: subprocess starts this process by vfork + exec,
+# and Linux carries the spawning process's resident set over the exec into ru_maxrss (the bench's own ~300-1100 MB)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+out = {"seconds": seconds, "peak_rss_mb": hwm / 1024,
        "children_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 out.update({"installed": r.installed, "noop": r.noop} if step == "install" else
            {"ok": r.ok, "bytes_hashed": r.bytes_hashed})
@@ -168,12 +171,16 @@ def main() -> None:
         t_pack, packed = min(packs, key=lambda r: r[0])
         bundle = work / "bundle"
         # interleaved pairs (baseline, ours), so that a burst of load from other users hits both sides alike. No tree
-        # is removed while they run: on ext4 without a journal (this box) a file created within minutes of a removal
-        # makes the kernel skip each recently freed inode (ialloc's recently_deleted), which made whichever step
-        # followed a removal up to 4x slower. Above 10,000 entries (800,000 files a tree) the trees do not fit on
-        # disk: each copy and each node but the first is removed at once, and the next step pays for it.
+        # is removed while they run if the disk holds them all: on ext4 without a journal (this box) a file created
+        # within minutes of a removal makes the kernel skip each recently freed inode (ialloc's recently_deleted),
+        # which made whichever step followed a removal up to 4x slower. Where the disk cannot hold the 3 * n trees
+        # still to come (100,000 entries: 800,000 files, ~3.5 GB of blocks a tree), each copy and each node but the
+        # first is removed at once, the next step pays for it, and the JSON says so.
+        tree = sum(p.lstat().st_blocks * 512 for p in cache.rglob("*"))
+        removing = shutil.disk_usage(work).free < 3 * n * tree * 1.1
+
         def drop(path: Path) -> None:
-            if entries > 10_000:
+            if removing:
                 shutil.rmtree(path)
 
         copies, durable_copies, installs, shas, verifies = [], [], [], [], []
@@ -207,7 +214,7 @@ def main() -> None:
             "cache": {"entries": entries, "files": files, "bytes": size, "scale": scale,
                       "bundle_bytes": packed.bytes_out, "compression_ratio": round(size / packed.bytes_out, 3)},
             "machine": {"cpus": cores, "python": sys.version.split()[0], "load_avg_1m": os.getloadavg()[0],
-                        "runs_per_measurement": n},
+                        "runs_per_measurement": n, "trees_removed_between_steps": removing},
             "baseline": {"copy_mb_s": round(copy_rate, 1), "copy_seconds": round(t_copy, 3),
                          "durable_copy_seconds": round(t_durable_copy, 3),
                          "sha256_single_core_mb_s": round(sha_rate, 1)},
