@@ -511,7 +511,7 @@ def other_dtypes(spec: tritoncompat.Specialization,
         changed = {param: ty for (param, types), ty in zip(axes, combo) if ty != types[0]}
         if changed:
             what = " ".join(f"{param}={ty}" for param, ty in changed.items())
-            out.append((what, tritoncompat.parse_specialization(spec.with_pointer_types(changed))))
+            out.append((what, spec.with_pointer_types(changed)))
     return out
 
 
@@ -577,5 +577,5 @@ def other_int_classes(kernel: Any, spec: tritoncompat.Specialization,
             continue  # the recorded request itself
         what = " ".join(f"{name}{_CLASS_LABELS[cls]}" for cls, (name, _, _, _) in zip(combo, choices))
         closed = {name: (width, cls) for cls, (name, width, _, _) in zip(combo, choices)}
-        out.append((what, tritoncompat.parse_specialization(spec.with_int_classes(closed))))
+        out.append((what, spec.with_int_classes(closed)))
     return out

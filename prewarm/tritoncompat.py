@@ -493,13 +493,13 @@ class Specialization:
                 out[n] = (a.type, INT_DIVISIBLE if tuple(_DIVISIBLE) in a.attrs else INT_OTHER)
         return out
 
-    def with_pointer_types(self, types: dict[str, str]) -> str:
-        """The request data with the named pointer parameters of the given types, the rest as is."""
+    def with_pointer_types(self, types: dict[str, str]) -> Specialization:
+        """This request with the named pointer parameters of the given types, the rest as is."""
         obj = json.loads(self.data)
-        return json.dumps({**obj, "signature": {**obj["signature"], **types}})
+        return parse_specialization(json.dumps({**obj, "signature": {**obj["signature"], **types}}))
 
-    def with_int_classes(self, classes: dict[str, tuple[str, str]]) -> str:
-        """The request data (3.4+: names from :attr:`int_classes`) with the named int arguments in the given (width,
+    def with_int_classes(self, classes: dict[str, tuple[str, str]]) -> Specialization:
+        """This request (3.4+: names from :attr:`int_classes`) with the named int arguments in the given (width,
         class), as Triton records a call with such values. The ``key`` (the in-memory cache key) is kept: Triton's
         on-disk key does not read it."""
         obj = json.loads(self.data)
@@ -516,9 +516,9 @@ class Specialization:
                 sig[name] = width
                 consts.pop(path, None)
                 attrs[path] = [_DIVISIBLE] if cls == INT_DIVISIBLE else []
-        return json.dumps({**obj, "signature": sig,
+        return parse_specialization(json.dumps({**obj, "signature": sig,
                            "constant_keys": [list(k) for k in sorted(consts)], "constant_vals": [consts[k] for k in sorted(consts)],
-                           "attrs_keys": [list(k) for k in sorted(attrs)], "attrs_vals": [attrs[k] for k in sorted(attrs)]})  # fmt: skip
+                           "attrs_keys": [list(k) for k in sorted(attrs)], "attrs_vals": [attrs[k] for k in sorted(attrs)]}))  # fmt: skip
 
 
 _CONSTEXPR_DICT = "constexpr"
