@@ -80,15 +80,28 @@ class Layout:
     K: int
     V: int
     NT: int  # chunks over all sequences
-    index: ChunkIndex
-    cu_seqlens: torch.Tensor  # on the tensors' device
-    chunk_indices: torch.Tensor  # on the tensors' device
-    chunk_offsets: torch.Tensor  # on the tensors' device
-    longest_first: torch.Tensor  # on the tensors' device
+    index: ChunkIndex  # on the CPU
+    on_device: ChunkIndex  # the same, on the tensors' device
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.on_device.cu_seqlens
+
+    @property
+    def chunk_indices(self) -> torch.Tensor:
+        return self.on_device.indices
+
+    @property
+    def chunk_offsets(self) -> torch.Tensor:
+        return self.on_device.offsets
+
+    @property
+    def longest_first(self) -> torch.Tensor:
+        return self.on_device.longest_first
 
     @property
     def num_seqs(self) -> int:
-        return len(self.index.offsets) - 1
+        return len(self.index.longest_first)
 
     @property
     def bucket(self) -> int:
@@ -106,12 +119,7 @@ def layout(k: torch.Tensor, v: torch.Tensor | None, cu_seqlens: torch.Tensor | N
     elif B != 1:
         raise ValueError(f"varlen (cu_seqlens given) needs B == 1 with sequences packed along T, got B={B}")
     idx = prepare_chunk_index(cu_seqlens, BT, B * T)
-    # non_blocking: a blocking host-to-device copy waits for the stream to drain, leaving the GPU idle while the
-    # following launches are issued
-    dev = k.device
-    return Layout(B, T, H, K, V, idx.num_chunks, idx, cu_seqlens.to(dev, torch.int32, non_blocking=True),
-                  idx.indices.to(dev, non_blocking=True), idx.offsets.to(dev, non_blocking=True),
-                  idx.longest_first.to(dev, non_blocking=True))
+    return Layout(B, T, H, K, V, idx.num_chunks, idx, idx.to(k.device))
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtypes) -> None:

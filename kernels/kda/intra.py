@@ -33,8 +33,10 @@ TOKEN_CONFIGS = [
     for BH, num_warps in [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4)]
 ]
 TOKEN_PINNED = {"TB": BT, "BH": 1, "num_warps": 4, "num_stages": 3}
-# tensor-core dots: tf32 for the block products (like fla), 3xtf32 (fp32-accurate) for the diagonal inverses;
-# triton-ascend has ieee and hf32 only
+# tensor-core dots: tf32 for the block products (like fla), 3xtf32 (fp32-accurate) for the diagonal inverses of an
+# fp16 / fp32 Ainv; a bf16 Ainv (8 bits kept) takes them in tf32 too: 0.36 instead of 0.42 ms on the H200 at H=32,
+# T=16384 (fla's kernel: 0.41 ms), accuracy bench unchanged (bench/results/kda_accuracy.json). triton-ascend has
+# ieee and hf32 only
 SOLVE_CONFIGS = [
     triton.Config({"BK": BK, "DOT_PREC": "tf32", "INV_PREC": "tf32x3"}, num_warps=num_warps, num_stages=2)
     for BK in [32, 64]
@@ -275,10 +277,16 @@ def kda_inter_solve_kernel(q, k, G, beta, q_rstd, k_rstd, Akd, Aqk, Ai, cu_seqle
     b_k32 *= b_b3[:, None]
 
     HBC = H * BC
-    b_i00 = _inv_diag(Akd, o_c0, m_c0, o_i, HBC, INV_PREC)
-    b_i11 = _inv_diag(Akd, o_c1, m_c1, o_i, HBC, INV_PREC)
-    b_i22 = _inv_diag(Akd, o_c2, m_c2, o_i, HBC, INV_PREC)
-    b_i33 = _inv_diag(Akd, o_c3, m_c3, o_i, HBC, INV_PREC)
+    if Ai.dtype.element_ty == tl.bfloat16:  # stored with 8 bits: DOT_PREC's error is far below that
+        b_i00 = _inv_diag(Akd, o_c0, m_c0, o_i, HBC, DOT_PREC)
+        b_i11 = _inv_diag(Akd, o_c1, m_c1, o_i, HBC, DOT_PREC)
+        b_i22 = _inv_diag(Akd, o_c2, m_c2, o_i, HBC, DOT_PREC)
+        b_i33 = _inv_diag(Akd, o_c3, m_c3, o_i, HBC, DOT_PREC)
+    else:
+        b_i00 = _inv_diag(Akd, o_c0, m_c0, o_i, HBC, INV_PREC)
+        b_i11 = _inv_diag(Akd, o_c1, m_c1, o_i, HBC, INV_PREC)
+        b_i22 = _inv_diag(Akd, o_c2, m_c2, o_i, HBC, INV_PREC)
+        b_i33 = _inv_diag(Akd, o_c3, m_c3, o_i, HBC, INV_PREC)
     # X_ij = -X_ii * sum_{j <= m < i} A_im X_mj
     b_i10 = -tl.dot(b_i11, tl.dot(b_k10, b_i00, input_precision=DOT_PREC), input_precision=DOT_PREC)
     b_i21 = -tl.dot(b_i22, tl.dot(b_k21, b_i11, input_precision=DOT_PREC), input_precision=DOT_PREC)

@@ -120,4 +120,12 @@ def test_the_chunk_index_covers_every_token_once_and_skips_empty_sequences():
     assert sum(min(64, lens[s] - 64 * c) for s, c in idx.indices.tolist()) == sum(lens)
     # the state kernel's launch order: every sequence once, by chunk count, most first, ties in batch order
     assert idx.longest_first.dtype == torch.int32 and idx.longest_first.tolist() == [4, 5, 1, 2, 0, 3]
+    assert idx.cu_seqlens.dtype == torch.int32 and idx.cu_seqlens.tolist() == [0, 0, 1, 65, 65, 130, 258]
+    # all of it one tensor (one host-to-device copy), each field 16-byte aligned in it: a kernel's pointer
+    # specialization is then that of a tensor of its own
+    for field in (idx.cu_seqlens, idx.indices, idx.offsets, idx.longest_first):
+        assert field.untyped_storage().data_ptr() == idx.packed.untyped_storage().data_ptr()
+        assert (field.data_ptr() - idx.packed.data_ptr()) % 16 == 0
+    moved = idx.to(torch.device("cpu"))
+    assert moved.indices.tolist() == idx.indices.tolist() and moved.longest_first.tolist() == [4, 5, 1, 2, 0, 3]
     assert prepare_chunk_index(_cu([0, 0]), 64, 0).indices.shape == (0, 2)
