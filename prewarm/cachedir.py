@@ -26,10 +26,14 @@ import stat
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .bundle import (CHUNK, DIR_FLAGS, KEY_RE, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index,
                      is_group, open_regular, parse_index, read_bounded, relative_group)
 from .errors import FingerprintMismatch, IntegrityError, PrewarmError
+
+if TYPE_CHECKING:  # annotations only: fingerprint is imported where a toolchain is judged
+    from .fingerprint import Mismatch
 
 META = ".prewarm"
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)

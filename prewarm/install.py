@@ -19,18 +19,19 @@ prewarm.nodestamp) -> take the dir's ``install_lock`` -> decide what is to do:
 
 Every entry's file records are checked before or as it is staged, so a malformed index or object adds nothing to
 the cache. Durability (``durable``), each flush where the order after a crash depends on it: the cache's filesystem
-is flushed once (``syncfs``) after staging and before the first rename, so that a key dir never becomes visible
-with data not on disk (a flusher writes back every quarter second while staging goes on, so that this flush finds
-little left); the cache dir is fsynced after the renames, so that they are on disk before the receipt that
-describes them; the receipt (the index beside it first, then the receipt itself, with the next sequence number,
-each entry's stamp and what is on disk where it differs from the bundle) is written atomically and fsynced. No
-fsync per file: one flush of the filesystem covers them all. A key dir is therefore either absent or complete: a
-crash (SIGKILL anywhere) leaves every previous entry intact and a re-run finishes the job. Entries from other
-sources are never touched. Nothing from the bundle is executed.
+is flushed once (``syncfs``) after staging and before the first rename, so that a key dir never becomes visible with
+data not on disk (a flusher writes back every quarter second while staging goes on, so that this flush finds little
+left); the cache dir is fsynced after the renames, so that they are on disk before the receipt that describes them;
+the receipt (the index beside it first, written while the entries stage, then the receipt itself, with the next
+sequence number, each entry's stamp and what is on disk where it differs from the bundle) is written atomically and
+fsynced. No fsync per file: one flush of the filesystem covers them all. A key dir is therefore either absent or
+complete: a crash (SIGKILL anywhere) leaves every previous entry intact and a re-run finishes the job. Entries from
+other sources are never touched. Nothing from the bundle is executed.
 
 Work is spread over the cores (prewarm.workers): a local bundle's entries by forked processes (tar parsing and file
-creation are Python), a remote store's by threads (its latency dominates). Memory is O(1) per entry: the index
-bytes, a few hundred bytes per entry, O(CHUNK) per worker; the parent lets the index go once its workers have it.
+creation are Python) in ranges that shrink towards the end (``_tasks``), a remote store's by threads (its latency
+dominates). Memory is O(1) per entry: the index bytes, a few hundred bytes per entry, O(CHUNK) per worker; the
+parent lets the index go once its workers have it.
 """
 from __future__ import annotations
 
@@ -430,7 +431,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         job = _Job(bundle, cache, entries, recorded, own.kept if own else {}, latest_owners(receipts), staging)
         processes = local and len(entries) >= workers_.PROCESSES_FROM and workers_.can_fork()
         n = _workers(workers, processes)
-        tasks = workers_.ranges(len(entries), max(1, min(64, len(entries) // (n * 16))) if processes else 1)
+        tasks = _tasks(len(entries), n) if processes else workers_.ranges(len(entries), 1)
         done = [0]
 
         def count(chunk: list) -> None:
@@ -441,11 +442,12 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         keys = [e.key for e in entries]
         objects = [e.object for e in entries]
         head = {"fingerprint": bundle.index.fingerprint, "manifest": bundle.index.manifest}
-        cache.write_receipt_index(bundle.digest, bundle.index_bytes, durable=durable)
         del entries
 
         def started(forked: bool) -> None:
             flusher.start()
+            # written (and fsynced) while the workers stage, not before they start: only the receipt needs it
+            cache.write_receipt_index(bundle.digest, bundle.index_bytes, durable=durable)
             if forked:  # the workers have their own copies: this process needs only keys and objects now
                 job.entries = ()
                 bundle.release()
@@ -467,7 +469,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
             return
         # from here on a key, an object name and a stamp per entry: the index is written beside the receipt
         head["bytes"] = size
-        del settled, job
+        settled = job = None  # let them go
         bundle.release()
         if durable:
             syncfs(staging)  # every staged file on disk before a rename makes it visible
@@ -484,6 +486,18 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _tasks(count: int, workers: int) -> list[tuple[int, int]]:
+    """Ranges of entries for forked workers, shrinking towards the end (each half a worker's share of what is left,
+    1 to 64 entries): few round trips, and the workers finish together instead of one idling through another's last
+    range."""
+    tasks, start = [], 0
+    while start < count:
+        step = max(1, min(64, (count - start) // (workers * 2)))
+        tasks.append((start, start + step))
+        start += step
+    return tasks
 
 
 def _latest_for_its_keys(own: Receipt, later: list[Receipt]) -> bool:

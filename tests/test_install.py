@@ -21,7 +21,7 @@ from prewarm import fingerprint
 from prewarm.bundle import INDEX, parse_index
 from prewarm.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError
-from prewarm.install import install
+from prewarm.install import _tasks, install
 from prewarm.pack import pack
 from prewarm.verify import verify
 
@@ -408,6 +408,15 @@ def test_a_changed_entry_is_found_among_many_and_only_it_is_repaired(many, tmp_p
     assert (r.noop, r.installed, r.replaced, r.present) == (False, 3, 3, 597)
     assert verify(node).ok
     assert install(str(many), node, durable=False).noop
+
+
+def test_forked_workers_get_ranges_that_tile_the_entries_and_shrink_to_single_entries():
+    """The workers finish together: no worker idles through another's last large range."""
+    for count in (1, 600, 2000, 100_000):
+        tasks = _tasks(count, 2)
+        assert [a for a, _ in tasks] == [0] + [b for _, b in tasks[:-1]] and tasks[-1][1] == count
+        sizes = [b - a for a, b in tasks]
+        assert sizes == sorted(sizes, reverse=True) and sizes[0] <= 64 and sizes[-4:] == [1] * min(4, count)
 
 
 def test_memory_is_bounded_per_entry_not_per_file(many):
