@@ -12,6 +12,9 @@ absolute child paths; ~265 KB per entry as measured on the H200 (~300 KB per com
 default for more than 10,000 entries: 0.01). Every figure is the fastest of ``--repeat`` runs, the baseline and the
 measured step interleaved so that a burst of load from other users of the box hits both alike. Install and verify
 run as fresh processes (so that their peak RSS, workers included, is theirs alone), timed around the call itself.
+Where the time goes, in CPU seconds (less sensitive than wall time to a noisy box): install's own and its workers',
+the plain copy's, and the checks install cannot skip done once on one core (every object's sha256, its zstd
+decompression and the sha256 of what it decompresses to: the files' bytes).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -78,6 +82,29 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
+def _cpu(fn) -> float:
+    """CPU seconds (user + system) this process spends in ``fn()``."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    fn()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+
+def checks(bundle: Path) -> int:
+    """What install must compute for every object, on one core: its sha256, its zstd decompression and the sha256 of
+    the tar that comes out (the files' bytes, plus their headers). Returns the tar bytes."""
+    import zstandard
+
+    n, dctx = 0, zstandard.ZstdDecompressor()
+    for obj in sorted((bundle / "objects").iterdir()):
+        data = obj.read_bytes()
+        hashlib.sha256(data).digest()
+        tar = dctx.stream_reader(data).read()
+        hashlib.sha256(tar).digest()
+        n += len(tar)
+    return n
+
+
 def sha256_tree(root: Path) -> int:
     n = 0
     for p in sorted(root.rglob("*")):
@@ -100,13 +127,16 @@ from prewarm.install import install
 from prewarm.verify import verify
 step, bundle, node = sys.argv[1:4]
 fingerprint.current()
+before = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 t0 = time.perf_counter()
 r = install(bundle, node) if step == "install" else verify(node)
 seconds = time.perf_counter() - t0
+after = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+user, system = (sum(getattr(b, f) - getattr(a, f) for a, b in zip(before, after)) for f in ("ru_utime", "ru_stime"))
 # VmHWM: this process image's own high-water mark. ru_maxrss is not: subprocess starts this process by vfork + exec,
 # and Linux carries the spawning process's resident set over the exec into ru_maxrss (the bench's own ~300-1100 MB)
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-out = {"seconds": seconds, "peak_rss_mb": hwm / 1024,
+out = {"seconds": seconds, "cpu_user_seconds": user, "cpu_system_seconds": system, "peak_rss_mb": hwm / 1024,
        "children_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 out.update({"installed": r.installed, "noop": r.noop} if step == "install" else
            {"ok": r.ok, "bytes_hashed": r.bytes_hashed})
@@ -183,9 +213,9 @@ def main() -> None:
             if removing:
                 shutil.rmtree(path)
 
-        copies, durable_copies, installs, shas, verifies = [], [], [], [], []
+        copies, durable_copies, installs, shas, verifies, copy_cpu, checks_cpu = [], [], [], [], [], [], []
         for i in range(n):
-            copies.append(_timed(lambda: shutil.copytree(cache, work / f"copy{i}"))[0])
+            copies.append(_timed(lambda: copy_cpu.append(_cpu(lambda: shutil.copytree(cache, work / f"copy{i}"))))[0])
             drop(work / f"copy{i}")
             # the same copy made as durable as install makes its entries: the filesystem flushed before it ends
             durable = work / f"durable-copy{i}"
@@ -196,6 +226,7 @@ def main() -> None:
                 drop(work / f"node{i}")
         for i in range(n):
             shas.append(_timed(lambda: sha256_tree(cache)))
+            checks_cpu.append(_cpu(lambda: checks(bundle)))
             verifies.append(_step("verify", bundle, work / "node0"))
         t_copy, t_durable_copy, t_sha = min(copies), min(durable_copies), min(t for t, _ in shas)
         inst = min(installs, key=lambda r: r["seconds"])
@@ -217,11 +248,15 @@ def main() -> None:
                         "runs_per_measurement": n, "trees_removed_between_steps": removing},
             "baseline": {"copy_mb_s": round(copy_rate, 1), "copy_seconds": round(t_copy, 3),
                          "durable_copy_seconds": round(t_durable_copy, 3),
-                         "sha256_single_core_mb_s": round(sha_rate, 1)},
+                         "sha256_single_core_mb_s": round(sha_rate, 1),
+                         "copy_cpu_seconds": round(min(copy_cpu), 3),
+                         "checks_cpu_seconds_one_core": round(min(checks_cpu), 3)},
             "pack": {"seconds": round(t_pack, 3), "mb_s": round(mb / t_pack, 1), "vs_copy": round(t_copy / t_pack, 3)},
             "install": {"seconds": round(t_inst, 3), "mb_s": round(mb / t_inst, 1), "entries_per_s": round(entries / t_inst),
                         "vs_copy": round(t_copy / t_inst, 3), "vs_durable_copy": round(t_durable_copy / t_inst, 3),
                         "durable_sync": True,
+                        "cpu_user_seconds": round(inst["cpu_user_seconds"], 3),
+                        "cpu_system_seconds": round(inst["cpu_system_seconds"], 3),
                         "peak_rss_mb": round(inst["peak_rss_mb"], 1),
                         "children_peak_rss_mb": round(inst["children_peak_rss_mb"], 1)},
             "verify": {"seconds": round(t_ver, 3), "mb_s": round(mb / t_ver, 1), "vs_sha256": round(t_sha / t_ver, 3),
