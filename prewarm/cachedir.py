@@ -60,8 +60,10 @@ def write_atomic(path: str | os.PathLike, data: bytes | list[bytes], *, durable:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # a write or a flush (a full disk): name the file
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     if durable:
         fsync_dir(path.parent)

@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -223,6 +224,23 @@ def test_sigkill_of_an_install_with_forked_workers_leaves_nothing_half_written(b
         rerun = install(str(wide), node, durable=False)  # waits for the orphans' lock, clears their staging
         assert rerun.installed + rerun.present == 600 and not CacheDir(node).staging_dirs()
         assert verify(node, check_fingerprint=False).ok
+
+
+def test_a_filesystem_filling_up_under_forked_workers_is_exit_11_and_keeps_the_cache(bundles, wide, tmpfs):
+    """The `prewarm install` process forks its workers (600 entries); one of them, or the parent writing the index
+    beside the receipt, meets ENOSPC partway: exit 11 naming it, the cache and its receipts as they were, no staging
+    dir left."""
+    a, _, _ = bundles
+    node = tmpfs / "node"
+    install(str(a), node)
+    before, receipts = snapshot(node), sorted(os.listdir(CacheDir(node).meta / "receipts"))
+    free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+    (tmpfs / "filler").write_bytes(b"\0" * max(0, free - (256 << 10)))  # room for a few of the 600 entries
+    p = run_cli("install", wide, "--cache-dir", node, check=EnvironmentProblem.exit_code)
+    message = " ".join(p.stderr.split())
+    assert re.search(rf"{node}/\S+: No space left on device", message) and "Traceback" not in message, message
+    assert snapshot(node) == before and sorted(os.listdir(CacheDir(node).meta / "receipts")) == receipts
+    assert not CacheDir(node).staging_dirs() and verify(node).ok
 
 
 def test_an_install_from_a_process_running_another_thread_settles_every_entry_in_threads(wide, tmp_path):
