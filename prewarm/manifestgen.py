@@ -10,10 +10,15 @@ version whose source it was read from. The servers' defaults below are theirs, n
   up to a max batch size that ``memory_hook`` picks from the device's memory and the TP size (capped by
   ``--max-running-requests`` when defaulted), the chunked-prefill size from the same table, DSPARK's
   ``max_running_requests`` 48; attention-TP = tp / attention-DP (``derive_attn_tp_size``).
-- vLLM (``vllm/config/vllm.py`` ``VllmConfig._set_cudagraph_sizes`` at commit 09f030e, ``EngineArgs.
-  get_batch_defaults``): capture sizes ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)`` with
-  max = min(max_num_seqs * (1 + speculative tokens) * 2, 512), max_num_seqs 1024 and max_num_batched_tokens 8192 on
-  a device of 70 GiB or more that is not an A100, else 256 and 2048.
+- vLLM 0.34.0 (``vllm/config/vllm.py`` ``VllmConfig._set_cudagraph_sizes``, ``vllm/engine/arg_utils.py``
+  ``EngineArgs.get_batch_defaults``, ``vllm/utils/argparse_utils.py``): capture sizes (tokens) ``[1, 2, 4] +
+  range(8, 256, 8) + range(256, top + 1, 16)`` (``--performance-mode interactivity``: every size up to 32 first) with
+  top = min(max_num_seqs * (1 + speculative tokens) * 2, 1024 on sm_10x else 512, max_num_batched_tokens), plus
+  max_num_batched_tokens and the uniform decode sizes (requests x (1 + speculative tokens)) that fit; the `vllm
+  serve` defaults max_num_seqs / max_num_batched_tokens 1024 / 16384 on a device of 160 GiB or more, 1024 / 8192 on
+  70 GiB or more that is not an A100, else 256 / 2048, both doubled by ``--performance-mode throughput``; no CUDA
+  graphs with ``--enforce-eager``, ``-O0`` or ``cudagraph_mode`` NONE (decode batches of every size then). Its
+  spellings: ``--a_b`` for ``--a-b``, ``-O3``, dotted ``-cc.key value`` / ``--speculative-config.key=value``.
 
 An argument that does not change the envelope (or that this table does not know) is ignored and listed; a value the
 manifest needs and no flag, field or default gives is a ManifestError naming the flag or field to add.
@@ -37,7 +42,7 @@ SERVERS = ("sglang", "vllm")
 KERNELS = {"own": "prewarm_kernels.kda.serving", "fla": "prewarm.providers.fla_kda",
            "sglang": "prewarm.providers.sglang_kda"}  # fmt: skip
 SGLANG = "sglang 0.5.23"
-VLLM = "vLLM 09f030e"
+VLLM = "vLLM 0.34.0"
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
                 "float": "float32"}  # fmt: skip
 _MIB, _GIB = 1 << 20, 1 << 30
@@ -230,11 +235,74 @@ def _parser(server: str) -> _Parser:
         p.add_argument("--tensor-parallel-size", "-tp", type=_ints)
         p.add_argument("--max-num-seqs", type=_ints)
         p.add_argument("--max-num-batched-tokens", type=_ints)
-        p.add_argument("--cuda-graph-sizes", type=_ints, nargs="+")
-        p.add_argument("--compilation-config", type=_json_object)
+        p.add_argument("--cudagraph-capture-sizes", type=_ints, nargs="+")
+        p.add_argument("--max-cudagraph-capture-size", type=_ints)
+        p.add_argument("--compilation-config", "-cc", type=_json_object)
         p.add_argument("--speculative-config", type=_json_object)
+        p.add_argument("--performance-mode", choices=("balanced", "interactivity", "throughput"))
+        p.add_argument("--optimization-level", choices=("0", "1", "2", "3"))
+        p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dtype", choices=("auto", *_DTYPE_NAMES))
     return p
+
+
+def _vllm_argv(argv: list[str]) -> list[str]:
+    """A vLLM launch line in the spelling ``_parser`` reads, as vLLM's FlexibleArgumentParser rewrites it first:
+    ``--a_b`` is ``--a-b``; ``-O3`` / ``-O=3`` / ``-O 3`` is ``--optimization-level 3``; dotted keys of a JSON flag
+    (``-cc.cudagraph_mode=NONE``, ``--speculative-config.num_speculative_tokens 3``, ``key+ a,b`` for a list) are
+    merged into that flag's object."""
+    if "--cuda-graph-sizes" in (w.split("=", 1)[0] for w in argv):
+        raise ManifestError(f"--cuda-graph-sizes: not a {VLLM} flag (vLLM renamed it --cudagraph-capture-sizes): "
+                            "use that spelling")
+    out: list[str] = []
+    dotted: dict[str, dict] = {}
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        i += 1
+        if word.startswith("--"):
+            key, eq, value = word.partition("=")
+            head, dot, tail = key[2:].partition(".")
+            word = "--" + head.replace("_", "-") + dot + tail + eq + value
+        if re.fullmatch(r"-O=?[0-3]", word):
+            out += ["--optimization-level", word[-1]]
+            continue
+        if word == "-O" and i < len(argv) and argv[i] in ("0", "1", "2", "3"):
+            word = "--optimization-level"
+        key, eq, value = word.partition("=")
+        if word.startswith("-") and "." in key:
+            if not eq:
+                if i >= len(argv):
+                    raise ManifestError(f"{word}: no value follows it")
+                value, i = argv[i], i + 1
+            flag, *path = key.rstrip("+").split(".")
+            flag = "--compilation-config" if flag == "-cc" else flag
+            try:
+                parsed = json.dumps(value.split(",")) if key.endswith("+") else value
+                parsed = json.loads(parsed)
+            except json.JSONDecodeError:
+                parsed = value
+            node = dotted.setdefault(flag, {})
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = parsed
+            continue
+        out.append(word)
+    for flag, doc in dotted.items():
+        given = next((j for j, w in enumerate(out) if w.split("=", 1)[0] == flag), None)
+        if given is None:
+            out += [flag, json.dumps(doc)]
+            continue
+        whole = out[given].partition("=")[2] if "=" in out[given] else out[given + 1]
+        try:
+            base = json.loads(whole)
+        except json.JSONDecodeError:
+            base = None
+        if not isinstance(base, dict):
+            raise ManifestError(f"{flag} {whole}: not a JSON object")
+        base.update(doc)
+        out[given:given + (1 if "=" in out[given] else 2)] = [flag, json.dumps(base)]
+    return out
 
 
 def _flag(argv: list[str], *names: str, many: bool = False) -> str:
@@ -268,7 +336,7 @@ def generate(model: str | Path, server: str, kernels: str, target: str, server_a
         raise ManifestError(f"--kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
     backend, arch, device, profile = _target(target)
     cfg = _Config(*read_model_config(model))
-    argv = list(server_args)
+    argv = _vllm_argv(list(server_args)) if server == "vllm" else list(server_args)
     args, unknown = _parser(server).parse_known_args(argv)
     ignored = []  # each unknown flag with the values after it, as the launch line has them
     for word in unknown:
@@ -298,7 +366,8 @@ def generate(model: str | Path, server: str, kernels: str, target: str, server_a
     gate = [activation.value, "float32"] if activation.value != "float32" else ["float32"]
     dtypes = {"activation": activation,
               "gate": Sourced(gate, "the raw gate in the activation dtype, or kept in fp32: both planned")}
-    serving, mrr, notes = (_sglang_serving if server == "sglang" else _vllm_serving)(args, argv, profile)
+    serving, mrr, notes = _sglang_serving(args, argv, profile) if server == "sglang" else \
+        _vllm_serving(args, argv, profile, arch)
     if mrr is not None:
         if kernels == "sglang":  # the provider that plans every eager decode batch size reads it
             serving["max_running_requests"] = mrr
@@ -461,22 +530,71 @@ def _sglang_serving(args, argv, profile):
     return serving, mrr, notes
 
 
-def _vllm_serving(args, argv, profile):
+def _vllm_defaults(profile, mode: str) -> tuple[int, int, str] | None:
+    """vLLM 0.34.0's `vllm serve` defaults (max_num_seqs, max_num_batched_tokens, why) for a device profile."""
+    memory = _memory(profile)
+    if memory is None:
+        return None
+    if memory >= 160 * _GIB:
+        seqs, tokens, tier = 1024, 16384, "160 GiB or more"
+    elif memory >= 70 * _GIB and "a100" not in profile.name.lower():
+        seqs, tokens, tier = 1024, 8192, "70 GiB or more, not an A100"
+    else:
+        seqs, tokens, tier = 256, 2048, "under 70 GiB or an A100"
+    if mode == "throughput":
+        return 2 * seqs, 2 * tokens, f"for the {profile.name} ({tier}), doubled by --performance-mode throughput"
+    return seqs, tokens, f"for the {profile.name} ({tier})"
+
+
+def _vllm_capture_sizes(top: int, tokens: int | None, seqs: int | None, query: int, mode: str,
+                        ceiling: int) -> list[int]:
+    """VllmConfig._set_cudagraph_sizes' default list (tokens) up to ``top``."""
+    sizes = list(range(1, min(top, 32) + 1)) if mode == "interactivity" else [s for s in (1, 2, 4) if s <= top]
+    sizes += [*range(8, min(top + 1, 256), 8), *range(256, top + 1, 16)]
+    if tokens is not None and tokens <= top:
+        sizes.append(tokens)
+    if seqs is not None:  # uniform decode batches: requests x query tokens, as many as fit
+        requests = min(seqs, ceiling)
+        counts = {n for n in (1, 2, 4) if n <= requests} | {*range(8, min(requests + 1, 256), 8),
+                                                             *range(256, requests + 1, 16), requests}
+        uniform = sorted(n * query for n in counts if n * query <= top) if query > 1 else \
+            ([seqs] if seqs <= top else [])
+        sizes += [s for s in uniform if tokens is None or s <= tokens]
+    return sorted(set(sizes))
+
+
+def _config_ints(compilation: dict, key: str, many: bool = False):
+    """--compilation-config's ``key``: a positive int (``many``: a list of them; a dotted ``key+ 1,2`` gives strings,
+    which vLLM's config then reads as ints)."""
+    if (value := compilation.get(key)) is None:
+        return None
+    values = value if many and isinstance(value, list) else [value] if not many else None
+    try:
+        ints = [int(v) if isinstance(v, str) and v.isdigit() else v for v in values or ()]
+    except ValueError:
+        ints = []
+    if not ints or not all(map(_positive_int, ints)):
+        raise ManifestError(f"--compilation-config {key} = {json.dumps(value)}: expected "
+                            f"{'a list of positive integers' if many else 'a positive integer'}")
+    return ints if many else ints[0]
+
+
+def _vllm_serving(args, argv, profile, arch: str):
     """The same from vLLM's flags: capture sizes are token counts, (1 + speculative tokens) per decode request."""
     notes: list[str] = []
     serving: dict[str, Sourced] = {}
-    memory = _memory(profile)
-    large = memory is not None and memory >= 70 * _GIB and "a100" not in profile.name.lower()
+    mode = args.performance_mode or "balanced"
+    defaults = _vllm_defaults(profile, mode)
     if args.max_num_seqs:
         seqs = Sourced(args.max_num_seqs, _flag(argv, "--max-num-seqs"))
-    elif memory is not None:
-        seqs = Sourced(1024 if large else 256, f"{VLLM}'s default max_num_seqs for the {profile.name}")
+    elif defaults:
+        seqs = Sourced(defaults[0], f"{VLLM}'s default max_num_seqs {defaults[2]}")
     else:
         seqs = None
     if args.max_num_batched_tokens:
         tokens = Sourced(args.max_num_batched_tokens, _flag(argv, "--max-num-batched-tokens"))
-    elif memory is not None:
-        tokens = Sourced(8192 if large else 2048, f"{VLLM}'s default max_num_batched_tokens for the {profile.name}")
+    elif defaults:
+        tokens = Sourced(defaults[1], f"{VLLM}'s default max_num_batched_tokens {defaults[2]}")
     else:
         tokens = None
         notes.append("prefill token budget: not written (vLLM's --max-num-batched-tokens default depends on the "
@@ -489,20 +607,37 @@ def _vllm_serving(args, argv, profile):
             raise ManifestError(f"--speculative-config {json.dumps(args.speculative_config)}: num_speculative_tokens "
                                 "is missing: add it (the verify width is num_speculative_tokens + 1)")
     compilation = args.compilation_config or {}
-    if args.cuda_graph_sizes or compilation.get("cudagraph_capture_sizes"):
-        sizes = sorted(set(args.cuda_graph_sizes or compilation["cudagraph_capture_sizes"]))
-        how = (_flag(argv, "--cuda-graph-sizes", many=True) if args.cuda_graph_sizes
+    graph_mode = str(compilation.get("cudagraph_mode", "")).upper()
+    eager = None  # what turns CUDA graphs off, if anything does
+    if args.enforce_eager:
+        eager = "--enforce-eager"
+    elif graph_mode == "NONE":
+        eager = "--compilation-config cudagraph_mode NONE"
+    elif not graph_mode and args.optimization_level == "0":
+        eager = "--optimization-level 0 (its cudagraph_mode is NONE)"
+    given = args.cudagraph_capture_sizes or _config_ints(compilation, "cudagraph_capture_sizes", many=True)
+    top = args.max_cudagraph_capture_size or _config_ints(compilation, "max_cudagraph_capture_size")
+    ceiling = 1024 if re.fullmatch(r"sm_10\d+a?", arch) else 512  # is_device_capability_family(100)
+    if eager:
+        if seqs is None:
+            raise ManifestError(f"decode batch buckets: {eager} runs decode batches of every size up to "
+                                "--max-num-seqs, whose default depends on the device: add --max-num-seqs N or name the "
+                                "device in --target BACKEND:ARCH:DEVICE")
+        sizes, how = list(range(1, seqs.value + 1)), f"{eager}: no CUDA graphs, eager decode batches of every size"
+    elif given:
+        sizes = sorted({s for s in given if tokens is None or s <= tokens.value})
+        how = (_flag(argv, "--cudagraph-capture-sizes", many=True) if args.cudagraph_capture_sizes
                else "--compilation-config cudagraph_capture_sizes")
     elif seqs is None:
         raise ManifestError("decode batch buckets: vLLM derives its CUDA-graph sizes from --max-num-seqs, whose "
-                            "default depends on the device: add --cuda-graph-sizes N ... or --max-num-seqs N to the "
-                            "launch arguments, or name the device in --target BACKEND:ARCH:DEVICE")
+                            "default depends on the device: add --cudagraph-capture-sizes N ... or --max-num-seqs N "
+                            "to the launch arguments, or name the device in --target BACKEND:ARCH:DEVICE")
     else:
-        top = compilation.get("max_cudagraph_capture_size") or min(seqs.value * (1 + drafts) * 2, 512)
+        top = top or min(seqs.value * (1 + drafts) * 2, ceiling)
         top = min(top, tokens.value) if tokens is not None else top
-        sizes = [s for s in (1, 2, 4) if s <= top] + [*range(8, min(top + 1, 256), 8), *range(256, top + 1, 16)]
-        how = f"{VLLM}'s default capture sizes up to {top}"
-    if drafts:  # uniform decode batches of (1 + K) tokens per request
+        sizes = _vllm_capture_sizes(top, tokens and tokens.value, seqs.value, 1 + drafts, mode, ceiling)
+        how = f"{VLLM}'s default capture sizes up to {top}" + (f" ({mode} mode)" if mode != "balanced" else "")
+    if drafts and not eager:  # uniform decode batches of (1 + K) tokens per request
         sizes = sorted({math.ceil(s / (1 + drafts)) for s in sizes})
         how += f", as requests of {1 + drafts} tokens"
     if seqs is not None:

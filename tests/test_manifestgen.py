@@ -164,7 +164,7 @@ def test_vllm_flags_and_defaults():
     """vLLM's capture sizes are token counts; with speculation a decode request is 1 + num_speculative_tokens."""
     gen = generate(KIMI_LINEAR, "vllm", "own", "cuda:sm_90:H200",
                    ["serve", "m", "-tp", "4", "--speculative-config", '{"num_speculative_tokens": 3}',
-                    "--cuda-graph-sizes", "1", "2", "4", "8", "16", "--max-num-batched-tokens", "4096"])
+                    "--cudagraph-capture-sizes", "1", "2", "4", "8", "16", "--max-num-batched-tokens", "4096"])
     spec = gen.spec_table()
     assert spec["parallel"] == {"tensor_parallel": 4, "attention_dp": 1}
     assert spec["serving"] == {"decode_batch_buckets": [1, 2, 4], "draft_widths": [4], "max_prefill_tokens": 4096}
@@ -173,6 +173,42 @@ def test_vllm_flags_and_defaults():
     assert VLLM in plain["serving"]["decode_batch_buckets"].source
     assert plain["serving"]["max_prefill_tokens"].value == 8192  # >= 70 GiB and not an A100
     assert plain["dtypes"]["activation"].value == "float16" and plain["dtypes"]["gate"].value == ["float16", "float32"]
+
+
+def test_vllm_0_34_defaults_spellings_and_eager_modes():
+    """vLLM 0.34.0 as `vllm serve` reads its line: the B200 tier (>= 160 GiB: 16384 tokens) and Blackwell's capture
+    ceiling (1024); max_num_batched_tokens and the uniform decode batch (requests x (1 + drafts)) captured where
+    they fit; --performance-mode; no CUDA graphs (--enforce-eager, -O0, cudagraph_mode NONE) means decode batches of
+    every size; its own spellings (--a_b, -O0, dotted -cc.key); the flag it renamed is refused, not ignored."""
+    def vllm(*args, target="cuda:sm_90:H200"):
+        return generate(KIMI_LINEAR, "vllm", "own", target, list(args)).spec["serving"]
+
+    b200 = vllm(target="cuda:sm_100:B200")
+    assert b200["decode_batch_buckets"].value == [1, 2, 4, *range(8, 256, 8), *range(256, 1025, 16)]
+    assert b200["max_prefill_tokens"].value == 16384 and "160 GiB" in b200["max_prefill_tokens"].source
+    # 100 tokens cap the grid at 100 and are captured themselves; 512 requests do not fit under it
+    assert vllm("--max-num-batched-tokens", "100", "--max-num-seqs", "512")["decode_batch_buckets"].value == \
+        [1, 2, 4, *range(8, 97, 8), 100]
+    # 51 requests of 2 tokens: 102 tokens, off the grid's stride, captured as the widest uniform decode batch
+    spec = vllm("--max-num-seqs", "51", "--speculative-config.num_speculative_tokens", "1")
+    assert spec["draft_widths"].value == [2] and spec["decode_batch_buckets"].value[-2:] == [48, 51]
+    assert vllm("--performance-mode", "interactivity", "--max-num-seqs", "64")["decode_batch_buckets"].value == \
+        [*range(1, 33), 40, 48, 56, 64]
+    throughput = vllm("--performance-mode", "throughput")
+    assert throughput["max_prefill_tokens"].value == 16384 and "doubled" in throughput["max_prefill_tokens"].source
+    for eager in (["--enforce-eager"], ["-O0"], ["-O", "0"], ["-cc.cudagraph_mode=NONE"],
+                  ["--compilation-config", '{"cudagraph_mode": "NONE"}']):
+        assert vllm(*eager, "--max_num_seqs=6")["decode_batch_buckets"].value == [1, 2, 3, 4, 5, 6], eager
+    assert vllm("-O0", "-cc.cudagraph_mode", "FULL", "--max-num-seqs", "6")["decode_batch_buckets"].value == \
+        [1, 2, 4, 6]  # a mode given outright overrides the level's
+    assert vllm("-cc.max_cudagraph_capture_size", "16")["decode_batch_buckets"].value == [1, 2, 4, 8, 16]
+    assert vllm("-cc.cudagraph_capture_sizes+", "3,1")["decode_batch_buckets"].value == [1, 3]
+    with pytest.raises(ManifestError, match="renamed it --cudagraph-capture-sizes"):
+        vllm("--cuda-graph-sizes", "1", "2")
+    with pytest.raises(ManifestError, match="max_cudagraph_capture_size = \"x\": expected a positive integer"):
+        vllm("-cc.max_cudagraph_capture_size=x")
+    with pytest.raises(ManifestError, match="add --max-num-seqs N"):
+        vllm("--enforce-eager", target="cuda:sm_90")
 
 
 def test_the_k3_config_nests_its_text_model_and_the_sglang_kernels_get_the_request_cap(tmp_path):
