@@ -246,6 +246,9 @@ def _parser(server: str) -> _Parser:
     return p
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
+
+
 def _vllm_argv(argv: list[str]) -> list[str]:
     """A vLLM launch line in the spelling ``_parser`` reads, as vLLM's FlexibleArgumentParser rewrites it first:
     ``--a_b`` is ``--a-b``; ``-O3`` / ``-O=3`` / ``-O 3`` is ``--optimization-level 3``; dotted keys of a JSON flag
@@ -270,7 +273,7 @@ def _vllm_argv(argv: list[str]) -> list[str]:
         if word == "-O" and i < len(argv) and argv[i] in ("0", "1", "2", "3"):
             word = "--optimization-level"
         key, eq, value = word.partition("=")
-        if word.startswith("-") and "." in key:
+        if word.startswith("-") and "." in key and not _NUMBER.fullmatch(word):  # (a negative value is no flag)
             if not eq:
                 if i >= len(argv):
                     raise ManifestError(f"{word}: no value follows it")
@@ -340,7 +343,7 @@ def generate(model: str | Path, server: str, kernels: str, target: str, server_a
     args, unknown = _parser(server).parse_known_args(argv)
     ignored = []  # each unknown flag with the values after it, as the launch line has them
     for word in unknown:
-        if word.startswith("-") or not ignored:
+        if word.startswith("-") and not _NUMBER.fullmatch(word) or not ignored:
             ignored.append(word)
         else:
             ignored[-1] += f" {word}"

@@ -203,6 +203,9 @@ def test_vllm_0_34_defaults_spellings_and_eager_modes():
         [1, 2, 4, 6]  # a mode given outright overrides the level's
     assert vllm("-cc.max_cudagraph_capture_size", "16")["decode_batch_buckets"].value == [1, 2, 4, 8, 16]
     assert vllm("-cc.cudagraph_capture_sizes+", "3,1")["decode_batch_buckets"].value == [1, 3]
+    # a negative number is a value, not a dotted flag
+    assert generate(KIMI_LINEAR, "vllm", "own", "cuda:sm_90:H200", ["--some-bias", "-1.5", "--max-num-seqs", "2"]
+                    ).ignored == ("--some-bias -1.5",)
     with pytest.raises(ManifestError, match="renamed it --cudagraph-capture-sizes"):
         vllm("--cuda-graph-sizes", "1", "2")
     with pytest.raises(ManifestError, match="max_cudagraph_capture_size = \"x\": expected a positive integer"):
