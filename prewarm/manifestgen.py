@@ -9,7 +9,10 @@ version whose source it was read from. The servers' defaults below are theirs, n
 - sglang 0.5.23 (``sglang/srt/arg_groups``): decode CUDA-graph batch sizes ``generate_decode_cuda_graph_batch_sizes``
   up to a max batch size that ``memory_hook`` picks from the device's memory and the TP size (capped by
   ``--max-running-requests`` when defaulted), the chunked-prefill size from the same table, DSPARK's
-  ``max_running_requests`` 48; attention-TP = tp / attention-DP (``derive_attn_tp_size``).
+  ``max_running_requests`` 48; attention-TP = tp / attention-DP (``derive_attn_tp_size``); without a decode graph
+  (``--disable-cuda-graph``, ``--disable-decode-cuda-graph``, ``--cuda-graph-backend-decode disabled``, or
+  ``--cuda-graph-config``'s decode object, which wins over the flags: ``_parse_cuda_graph_config``) decode batches
+  of every size up to ``--max-running-requests``.
 - vLLM 0.34.0 (``vllm/config/vllm.py`` ``VllmConfig._set_cudagraph_sizes``, ``vllm/engine/arg_utils.py``
   ``EngineArgs.get_batch_defaults``, ``vllm/utils/argparse_utils.py``): capture sizes (tokens) ``[1, 2, 4] +
   range(8, 256, 8) + range(256, top + 1, 16)`` (``--performance-mode interactivity``: every size up to 32 first) with
@@ -225,6 +228,10 @@ def _parser(server: str) -> _Parser:
         p.add_argument("--cuda-graph-bs", "--cuda-graph-bs-decode", type=_ints, nargs="+")
         p.add_argument("--cuda-graph-max-bs", "--cuda-graph-max-bs-decode", type=_ints)
         p.add_argument("--disable-cuda-graph-padding", action="store_true")
+        p.add_argument("--disable-cuda-graph", action="store_true")
+        p.add_argument("--disable-decode-cuda-graph", action="store_true")
+        p.add_argument("--cuda-graph-backend-decode", choices=("full", "breakable", "disabled"))
+        p.add_argument("--cuda-graph-config", type=_json_object)
         p.add_argument("--max-running-requests", type=_ints)
         p.add_argument("--speculative-algorithm")
         p.add_argument("--speculative-num-draft-tokens", type=_ints)
@@ -466,6 +473,39 @@ def _memory(profile) -> int | None:
     return profile.total_memory if profile is not None and profile.total_memory else None
 
 
+def _sglang_decode_graph(args, argv) -> SimpleNamespace:
+    """sglang 0.5.23's decode CUDA-graph settings (``_parse_cuda_graph_config``): ``--cuda-graph-config``'s decode
+    object wins over the per-phase flags, which win over the off-switches; each as (value, its source) or None."""
+    given = (args.cuda_graph_config or {}).get("decode", {})
+    if not isinstance(given, dict):
+        raise ManifestError(f"--cuda-graph-config decode = {json.dumps(given)}: expected a JSON object")
+    where = "--cuda-graph-config decode"
+    backend, backend_source = None, None
+    if "backend" in given:
+        backend, backend_source = given["backend"], f"{where}.backend {json.dumps(given['backend'])}"
+        if backend not in ("full", "breakable", "disabled"):
+            raise ManifestError(f"{backend_source}: expected one of full, breakable, disabled")
+    elif args.cuda_graph_backend_decode:
+        backend, backend_source = args.cuda_graph_backend_decode, _flag(argv, "--cuda-graph-backend-decode")
+    elif args.disable_decode_cuda_graph or args.disable_cuda_graph:
+        backend = "disabled"
+        backend_source = "--disable-decode-cuda-graph" if args.disable_decode_cuda_graph else "--disable-cuda-graph"
+    bs = max_bs = None
+    if "bs" in given:
+        if not isinstance(given["bs"], list) or not given["bs"] or not all(map(_positive_int, given["bs"])):
+            raise ManifestError(f"{where}.bs {json.dumps(given['bs'])}: expected a list of positive integers")
+        bs = given["bs"], f"{where}.bs {json.dumps(given['bs'])}"
+    elif args.cuda_graph_bs:
+        bs = args.cuda_graph_bs, _flag(argv, "--cuda-graph-bs", "--cuda-graph-bs-decode", many=True)
+    if "max_bs" in given:
+        if not _positive_int(given["max_bs"]):
+            raise ManifestError(f"{where}.max_bs {json.dumps(given['max_bs'])}: expected a positive integer")
+        max_bs = given["max_bs"], f"{where}.max_bs {given['max_bs']}"
+    elif args.cuda_graph_max_bs:
+        max_bs = args.cuda_graph_max_bs, _flag(argv, "--cuda-graph-max-bs", "--cuda-graph-max-bs-decode")
+    return SimpleNamespace(backend=backend, backend_source=backend_source, bs=bs, max_bs=max_bs)
+
+
 def _sglang_serving(args, argv, profile):
     """Decode buckets, draft widths, the prefill budget (sglang's spelling and defaults), the running-request cap."""
     notes: list[str] = []
@@ -480,13 +520,21 @@ def _sglang_serving(args, argv, profile):
     else:
         mrr = None
 
-    if args.cuda_graph_bs:  # captured as given: the kernels run at each size at capture, whatever the request cap
-        serving["decode_batch_buckets"] = Sourced(sorted(set(args.cuda_graph_bs)), _flag(
-            argv, "--cuda-graph-bs", "--cuda-graph-bs-decode", many=True))
+    decode = _sglang_decode_graph(args, argv)
+    if decode.backend == "disabled":  # no decode graph: eager batches of every size up to the request cap
+        if mrr is None:
+            raise ManifestError(f"decode batch buckets: {decode.backend_source} runs decode batches of every size up to "
+                                "the running-request cap, which sglang sizes from its KV pool at startup: add "
+                                "--max-running-requests N to the launch arguments")
+        serving["decode_batch_buckets"] = Sourced(list(range(1, mrr.value + 1)), (
+            f"{decode.backend_source}: no decode CUDA graph, eager batches of every size up to {mrr.value} "
+            f"({mrr.source})"))
+    elif decode.bs:  # captured as given: the kernels run at each size at capture, whatever the request cap
+        serving["decode_batch_buckets"] = Sourced(sorted(set(decode.bs[0])), decode.bs[1])
     else:
         tp = args.tp_size or 1
-        if args.cuda_graph_max_bs:
-            max_bs, how = args.cuda_graph_max_bs, _flag(argv, "--cuda-graph-max-bs", "--cuda-graph-max-bs-decode")
+        if decode.max_bs:
+            max_bs, how = decode.max_bs
         elif by_memory:
             max_bs = by_memory[2] if tp < 4 else by_memory[3]
             how = f"max {max_bs} for the {profile.name}'s memory at TP {tp}"

@@ -160,6 +160,28 @@ def test_sglang_defaults_come_from_its_source_and_name_the_version():
         {"tensor_parallel": 8, "attention_dp": 1}  # replicas, not DP attention
 
 
+def test_sglang_without_a_decode_graph_plans_every_batch_size_up_to_the_request_cap():
+    """sglang 0.5.23 turns the decode graph off with --disable-cuda-graph (deprecated), --disable-decode-cuda-graph,
+    --cuda-graph-backend-decode disabled or --cuda-graph-config's decode.backend, whose JSON wins over the flags (the
+    order of its _parse_cuda_graph_config); decode then runs eager at every batch size up to the request cap."""
+    def buckets(*args):
+        return sglang(*args).spec["serving"]["decode_batch_buckets"]
+
+    for off in (["--disable-cuda-graph"], ["--disable-decode-cuda-graph"], ["--cuda-graph-backend-decode", "disabled"],
+                ["--cuda-graph-config", '{"decode": {"backend": "disabled"}}']):
+        got = buckets(*off, "--max-running-requests", "5")
+        assert got.value == [1, 2, 3, 4, 5] and "no decode CUDA graph" in got.source, off
+    # the JSON wins over the flags: a graph, at its own sizes
+    assert buckets("--disable-cuda-graph", "--cuda-graph-bs", "1", "--cuda-graph-config",
+                   '{"decode": {"backend": "full", "bs": [8, 2]}}').value == [2, 8]
+    assert buckets("--cuda-graph-max-bs", "64", "--cuda-graph-config", '{"decode": {"max_bs": 16}}').value == \
+        [1, 2, 4, 8, 12, 16]
+    with pytest.raises(ManifestError, match="add --max-running-requests N"):
+        sglang("--disable-decode-cuda-graph")
+    with pytest.raises(ManifestError, match='decode.backend "off": expected one of full, breakable, disabled'):
+        sglang("--cuda-graph-config", '{"decode": {"backend": "off"}}')
+
+
 def test_vllm_flags_and_defaults():
     """vLLM's capture sizes are token counts; with speculation a decode request is 1 + num_speculative_tokens."""
     gen = generate(KIMI_LINEAR, "vllm", "own", "cuda:sm_90:H200",
