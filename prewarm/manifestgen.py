@@ -597,17 +597,22 @@ def _vllm_defaults(profile, mode: str) -> tuple[int, int, str] | None:
     return seqs, tokens, f"for the {profile.name} ({tier})"
 
 
+def _vllm_grid(top: int) -> list[int]:
+    """vLLM's stride grid up to ``top``: 1, 2, 4, then every 8th below 256, then every 16th (capture sizes in
+    tokens, and the request counts of uniform decode batches alike)."""
+    return [*(s for s in (1, 2, 4) if s <= top), *range(8, min(top + 1, 256), 8), *range(256, top + 1, 16)]
+
+
 def _vllm_capture_sizes(top: int, tokens: int | None, seqs: int | None, query: int, mode: str,
                         ceiling: int) -> list[int]:
     """VllmConfig._set_cudagraph_sizes' default list (tokens) up to ``top``."""
-    sizes = list(range(1, min(top, 32) + 1)) if mode == "interactivity" else [s for s in (1, 2, 4) if s <= top]
-    sizes += [*range(8, min(top + 1, 256), 8), *range(256, top + 1, 16)]
+    fine = list(range(1, min(top, 32) + 1)) if mode == "interactivity" else []  # every small size first
+    sizes = fine + _vllm_grid(top)
     if tokens is not None and tokens <= top:
         sizes.append(tokens)
     if seqs is not None:  # uniform decode batches: requests x query tokens, as many as fit
         requests = min(seqs, ceiling)
-        counts = {n for n in (1, 2, 4) if n <= requests} | {*range(8, min(requests + 1, 256), 8),
-                                                             *range(256, requests + 1, 16), requests}
+        counts = {*_vllm_grid(requests), requests}
         uniform = sorted(n * query for n in counts if n * query <= top) if query > 1 else \
             ([seqs] if seqs <= top else [])
         sizes += [s for s in uniform if tokens is None or s <= tokens]
@@ -619,11 +624,8 @@ def _config_ints(compilation: dict, key: str, many: bool = False):
     which vLLM's config then reads as ints)."""
     if (value := compilation.get(key)) is None:
         return None
-    values = value if many and isinstance(value, list) else [value] if not many else None
-    try:
-        ints = [int(v) if isinstance(v, str) and v.isdigit() else v for v in values or ()]
-    except ValueError:
-        ints = []
+    ints = [int(v) if isinstance(v, str) and v.isdecimal() else v for v in (value if many else [value])] \
+        if isinstance(value, list) == many else []
     if not ints or not all(map(_positive_int, ints)):
         raise ManifestError(f"--compilation-config {key} = {json.dumps(value)}: expected "
                             f"{'a list of positive integers' if many else 'a positive integer'}")
