@@ -1,6 +1,7 @@
 """Ship benchmark: pack, install and verify on a synthetic Triton-like cache, against baselines measured in the same
 run on the same bytes (a plain recursive copy, and the same copy flushed to disk as install flushes its entries;
-single-core hashlib sha256), plus a repeated (no-op) install, in process and as a fresh `prewarm install` process,
+single-core hashlib sha256), the same install without its C member loop (as where prewarm was installed without a C
+compiler), plus a repeated (no-op) install, in process and as a fresh `prewarm install` process,
 and each install's peak memory. Prints one JSON document.
 
     python bench/ship.py [--small] [--out bench/results/ship.json]              # 2,000 entries of ~265 KB
@@ -123,10 +124,13 @@ from prewarm import fingerprint
 from prewarm.install import install
 from prewarm.verify import verify
 step, bundle, node = sys.argv[1:4]
+if step == "install-python":  # as where prewarm was installed without a C compiler
+    import prewarm.bundle
+    prewarm.bundle._fastunpack = None
 fingerprint.current()
 before = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 t0 = time.perf_counter()
-r = install(bundle, node) if step == "install" else verify(node)
+r = install(bundle, node) if step.startswith("install") else verify(node)
 seconds = time.perf_counter() - t0
 after = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 user, system = (sum(getattr(b, f) - getattr(a, f) for a, b in zip(before, after)) for f in ("ru_utime", "ru_stime"))
@@ -135,7 +139,7 @@ user, system = (sum(getattr(b, f) - getattr(a, f) for a, b in zip(before, after)
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 out = {"seconds": seconds, "cpu_user_seconds": user, "cpu_system_seconds": system, "peak_rss_mb": hwm / 1024,
        "children_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
-out.update({"installed": r.installed, "noop": r.noop} if step == "install" else
+out.update({"installed": r.installed, "noop": r.noop} if step.startswith("install") else
            {"ok": r.ok, "bytes_hashed": r.bytes_hashed})
 print(json.dumps(out))
 """
@@ -200,17 +204,17 @@ def main() -> None:
         # interleaved pairs (baseline, ours), so that a burst of load from other users hits both sides alike. No tree
         # is removed while they run if the disk holds them all: on ext4 without a journal (this box) a file created
         # within minutes of a removal makes the kernel skip each recently freed inode (ialloc's recently_deleted),
-        # which made whichever step followed a removal up to 4x slower. Where the disk cannot hold the 3 * n trees
+        # which made whichever step followed a removal up to 4x slower. Where the disk cannot hold the 4 * n trees
         # still to come (100,000 entries: 800,000 files, ~3.5 GB of blocks a tree), each copy and each node but the
         # first is removed at once, the next step pays for it, and the JSON says so.
         tree = sum(p.lstat().st_blocks * 512 for p in cache.rglob("*"))
-        removing = shutil.disk_usage(work).free < 3 * n * tree * 1.1
+        removing = shutil.disk_usage(work).free < 4 * n * tree * 1.1
 
         def drop(path: Path) -> None:
             if removing:
                 shutil.rmtree(path)
 
-        copies, durable_copies, installs, shas, verifies, copy_cpu, checks_cpu = [], [], [], [], [], [], []
+        copies, durable_copies, installs, python_installs, shas, verifies, copy_cpu, checks_cpu = ([] for _ in range(8))
         for i in range(n):
             seconds, cpu = _timed(lambda: _cpu(lambda: shutil.copytree(cache, work / f"copy{i}")))
             copies.append(seconds)
@@ -223,12 +227,15 @@ def main() -> None:
             installs.append(_step("install", bundle, work / f"node{i}"))
             if i:
                 drop(work / f"node{i}")
+            python_installs.append(_step("install-python", bundle, work / f"python-node{i}"))
+            drop(work / f"python-node{i}")
         for i in range(n):
             shas.append(_timed(lambda: sha256_tree(cache)))
             checks_cpu.append(_cpu(lambda: checks(bundle)))
             verifies.append(_step("verify", bundle, work / "node0"))
         t_copy, t_durable_copy, t_sha = min(copies), min(durable_copies), min(t for t, _ in shas)
         inst = min(installs, key=lambda r: r["seconds"])
+        python_inst = min(python_installs, key=lambda r: r["seconds"])
         ver = min(verifies, key=lambda r: r["seconds"])
         assert inst["installed"] == entries and all(h == size for _, h in shas)
         assert ver["ok"] and ver["bytes_hashed"] == packed.bytes_in, ver
@@ -257,7 +264,12 @@ def main() -> None:
                         "cpu_user_seconds": round(inst["cpu_user_seconds"], 3),
                         "cpu_system_seconds": round(inst["cpu_system_seconds"], 3),
                         "peak_rss_mb": round(inst["peak_rss_mb"], 1),
-                        "children_peak_rss_mb": round(inst["children_peak_rss_mb"], 1)},
+                        "children_peak_rss_mb": round(inst["children_peak_rss_mb"], 1),
+                        # the same install without the C member loop (prewarm/_fastunpack.c not built)
+                        "python_reader_seconds": round(python_inst["seconds"], 3),
+                        "python_reader_vs_copy": round(t_copy / python_inst["seconds"], 3),
+                        "python_reader_cpu_user_seconds": round(python_inst["cpu_user_seconds"], 3),
+                        "python_reader_cpu_system_seconds": round(python_inst["cpu_system_seconds"], 3)},
             "verify": {"seconds": round(t_ver, 3), "mb_s": round(mb / t_ver, 1), "vs_sha256": round(t_sha / t_ver, 3),
                        "vs_sha256_per_core": round(t_sha / t_ver / cores, 3),
                        "peak_rss_mb": round(ver["peak_rss_mb"], 1)},

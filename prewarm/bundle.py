@@ -39,6 +39,7 @@ import io
 import json
 import os
 import re
+import shutil
 import stat
 import threading
 from dataclasses import dataclass
@@ -49,6 +50,11 @@ import zstandard
 
 from . import __version__
 from .errors import IntegrityError, PrewarmError, UnsafeBundleError
+
+try:
+    from . import _fastunpack
+except ImportError:  # not built (no C compiler where prewarm was installed): the Python reader does it all
+    _fastunpack = None
 
 FORMAT = 1
 INDEX = "index.json"
@@ -524,9 +530,11 @@ def unpack_object(stream, entry: Entry, dest: str, final_dir: str, where: str,
     a plain regular file without setuid/setgid/sticky bits at a safe path, listed in the index, of the listed size
     and sha256; the members are exactly the listed files. Group files must be in relative form and are written
     pointing at ``final_dir`` (where the entry will live). Files are created with O_EXCL|O_NOFOLLOW. An object of at
-    most CHUNK bytes both ways (most of a Triton cache) is read, hashed and decompressed whole first; a larger one is
-    streamed. Any failure leaves a partial ``dest``: the caller stages into a dir it removes. A corrupted object is
-    reported as such (its hash) rather than by whatever its corruption broke first.
+    most CHUNK bytes both ways (most of a Triton cache) is read, hashed and decompressed whole first, and its members
+    written by the C member loop (prewarm/_fastunpack.c, where it is built), which hands anything but the plain form
+    pack writes to the Python reader; a larger one is streamed through the Python reader. Any failure leaves a
+    partial ``dest``: the caller stages into a dir it removes. A corrupted object is reported as such (its hash)
+    rather than by whatever its corruption broke first.
     """
     where = f"{where} (entry {entry.key})"
     obj = f"object {entry.object}"
@@ -549,7 +557,9 @@ def unpack_object(stream, entry: Entry, dest: str, final_dir: str, where: str,
             raise IntegrityError(f"{where}: {obj} is not a valid zstd frame ({e})") from None
         if len(tar) > entry.tar_size:
             raise bomb()
-        _unpack_tar(_View(tar).read, entry, files, dest, final_dir, where, obj)
+        if _fastunpack is None or len(tar) != entry.tar_size or not _write_plain(tar, entry, files, dest, final_dir,
+                                                                                   where):
+            _unpack_tar(_View(tar).read, entry, files, dest, final_dir, where, obj)
         return raw.n
     tar_stream = _Reader(_decompressor().stream_reader(raw, read_size=CHUNK, closefd=False),
                          entry.tar_size, bomb)
@@ -719,11 +729,7 @@ def _unpack_members(read, entry: Entry, files: tuple[FileRecord, ...], dest: str
                     raise UnsafeBundleError(f"{where}: group {path} is {size} bytes (at most {MAX_GROUP_BYTES})")
                 data = bytes(_member_data(read, size, where, obj, path))
                 sha.update(data)
-                rel, outside = relative_group(data, entry.key, names, f"{where}: {path}")
-                if outside or rel != data:
-                    why = f"points outside its entry: {', '.join(outside)}" if outside else "is not in relative form"
-                    raise UnsafeBundleError(f"{where}: group {path} {why}")
-                _write_all(fd, absolute_group(data, final_dir))
+                _write_all(fd, _installed_group(data, entry, names, path, final_dir, where))
             else:
                 left = size
                 while left:
@@ -746,6 +752,49 @@ def _unpack_members(read, entry: Entry, files: tuple[FileRecord, ...], dest: str
         raise UnsafeBundleError(f"{where}: {obj} decompresses to {offset} bytes, the index declares {entry.tar_size}")
     if missing := sorted(set(expected) - seen):
         raise IntegrityError(f"{where}: {obj} lacks {', '.join(missing)}")
+
+
+def _installed_group(data: bytes, entry: Entry, names: set[str], path: str, final_dir: str, where: str) -> bytes:
+    """A group file as it is written: checked to be in relative form and inside its entry, pointing at ``final_dir``."""
+    rel, outside = relative_group(data, entry.key, names, f"{where}: {path}")
+    if outside or rel != data:
+        why = f"points outside its entry: {', '.join(outside)}" if outside else "is not in relative form"
+        raise UnsafeBundleError(f"{where}: group {path} {why}")
+    return absolute_group(data, final_dir)
+
+
+def _write_plain(tar: bytes, entry: Entry, files: tuple[FileRecord, ...], dest: str, final_dir: str,
+                 where: str) -> bool:
+    """The C member loop (prewarm/_fastunpack.c) for an object whose every byte is proven, group files here. False,
+    with ``dest`` removed again, where the object is not the plain form pack writes or a file is not as listed: the
+    Python reader then reads it again and says what is wrong."""
+    listed = {f.path.encode(): (i, f.size, bytes.fromhex(f.sha256), is_group(f.path)) for i, f in enumerate(files)}
+    os.mkdir(dest, 0o755)
+    dest_fd = os.open(dest, DIR_FLAGS)
+    try:
+        try:
+            groups = _fastunpack.write_members(tar, dest_fd, listed)
+        except OSError as e:  # named by its file in dest, as the Python reader's errors are by dest
+            e.filename = os.path.join(dest, e.filename)
+            raise
+        names = {f.path.rsplit("/", 1)[-1] for f in files}
+        for name, start, size, executable in groups or ():
+            data, path = tar[start:start + size], name.decode()
+            if size > MAX_GROUP_BYTES or hashlib.sha256(data).digest() != listed[name][2]:
+                groups = None
+                break
+            installed = _installed_group(data, entry, names, path, final_dir, where)
+            fd = os.open(path, _CREATE, 0o755 if executable else 0o644, dir_fd=dest_fd)
+            try:
+                _write_all(fd, installed)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dest_fd)
+    if groups is None:
+        shutil.rmtree(dest)
+        return False
+    return True
 
 
 def _member_data(read, n: int, where: str, obj: str, path: str) -> bytes:

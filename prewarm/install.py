@@ -28,8 +28,8 @@ fsynced. No fsync per file: one flush of the filesystem covers them all. A key d
 complete: a crash (SIGKILL anywhere) leaves every previous entry intact and a re-run finishes the job. Entries from
 other sources are never touched. Nothing from the bundle is executed.
 
-Work is spread over the cores (prewarm.workers): a local bundle's entries by forked processes (tar parsing and file
-creation are Python) in ranges that shrink towards the end (``_tasks``), a remote store's by threads (its latency
+Work is spread over the cores (prewarm.workers): a local bundle's entries by forked processes (per-entry work is
+Python; the member loop of most objects is C: bundle.unpack_object) in ranges that shrink towards the end (``_tasks``), a remote store's by threads (its latency
 dominates). Memory is O(1) per entry: the index bytes, a few hundred bytes per entry, O(CHUNK) per worker; the
 parent lets the index go once its workers have it.
 """

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import random
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from prewarm import bundle as bundle_module
 from prewarm import fingerprint
 from prewarm.bundle import INDEX, OBJECTS, SIGNATURE, Entry, FileRecord, Index, _with_checksum, parse_index
 from prewarm.cachedir import META, CacheDir
@@ -35,13 +37,14 @@ def member(name: str, data: bytes = b"", *, type=tarfile.REGTYPE, mode=0o644, li
 
 
 def forge(bundle: Path, members: list[tuple], *, files: list[FileRecord] | None = None, key: str = KEY,
-          tar_size: int | None = None) -> Path:
-    """A well-formed bundle (valid hashes, valid checksum) around whatever members an attacker chose."""
+          tar_size: int | None = None, edit=lambda raw: raw) -> Path:
+    """A well-formed bundle (valid hashes, valid checksum) around whatever members an attacker chose (and whatever
+    ``edit`` makes of the tar they form)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for ti, data in members:
             tar.addfile(ti, io.BytesIO(data) if ti.type == tarfile.REGTYPE else None)
-    raw = buf.getvalue()
+    raw = edit(buf.getvalue())
     obj = zstandard.ZstdCompressor().compress(raw)
     name = hashlib.sha256(obj).hexdigest() + ".tar.zst"
     (bundle / OBJECTS).mkdir(parents=True, exist_ok=True)
@@ -64,6 +67,18 @@ def node(tmp_path) -> Path:
     return synthetic_cache(tmp_path / "node", 2, seed=42, scale=0.02)
 
 
+@pytest.fixture(params=["C member loop", "Python reader"])
+def reader(request, monkeypatch) -> str:
+    """Each object-level case twice: through install's C member loop (prewarm/_fastunpack.c), which must hand every
+    object that is not the plain form pack writes to the Python reader, and through the Python reader alone (where
+    prewarm was installed without a C compiler)."""
+    if request.param == "Python reader":
+        monkeypatch.setattr(bundle_module, "_fastunpack", None)
+    else:
+        assert bundle_module._fastunpack is not None, "prewarm/_fastunpack.c is not built: run pip install -e ."
+    return request.param
+
+
 def refused(bundle: Path, node: Path, error: type, match: str) -> None:
     before = snapshot(node)
     with pytest.raises(error, match=match):
@@ -80,7 +95,7 @@ def test_absolute_and_escaping_paths_in_index(tmp_path, node, path):
 
 
 @pytest.mark.parametrize("path", ["/etc/cron.d/evil", "../evil"])
-def test_escaping_member_names_in_object(tmp_path, node, path):
+def test_escaping_member_names_in_object(tmp_path, node, reader, path):
     forge(tmp_path / "b", [member(path, b"x")], files=[FileRecord("k.json", hashlib.sha256(b"x").hexdigest(), 1)])
     refused(tmp_path / "b", node, UnsafeBundleError, "unsafe path")
 
@@ -102,13 +117,13 @@ def test_escaping_entry_keys(tmp_path, node, key):
         (member("k.cubin", b"\x7fELF", mode=0o2755), "setgid"),
     ],
 )
-def test_links_devices_and_setuid_bits(tmp_path, node, m, what):
+def test_links_devices_and_setuid_bits(tmp_path, node, reader, m, what):
     forge(tmp_path / "b", [member("k.json", b"{}"), m], files=[
         FileRecord("k.json", hashlib.sha256(b"{}").hexdigest(), 2), FileRecord("k.cubin", hashlib.sha256(b"").hexdigest(), 0)])
     refused(tmp_path / "b", node, UnsafeBundleError, what)
 
 
-def test_member_not_listed_in_index(tmp_path, node):
+def test_member_not_listed_in_index(tmp_path, node, reader):
     forge(tmp_path / "b", [member("k.json", b"{}"), member("extra.so", b"\x7fELF")],
           files=[FileRecord("k.json", hashlib.sha256(b"{}").hexdigest(), 2)])
     refused(tmp_path / "b", node, UnsafeBundleError, "not listed")
@@ -121,7 +136,7 @@ def test_object_decompressing_far_beyond_declared_size(tmp_path, node):
     refused(tmp_path / "b", node, UnsafeBundleError, "decompresses to more than 4096 bytes")
 
 
-def test_group_in_bundle_pointing_outside(tmp_path, node):
+def test_group_in_bundle_pointing_outside(tmp_path, node, reader):
     grp = b'{"child_paths": {"k.cubin": "/etc/passwd"}}'
     forge(tmp_path / "b", [member("__grp__k.json", grp), member("k.cubin", b"\x7fELF")])
     refused(tmp_path / "b", node, UnsafeBundleError, "points outside")
@@ -203,11 +218,47 @@ def test_nothing_from_the_bundle_is_executed(tmp_path, node):
 # --- issue 13: per-file hashes, bounded reads, and no traceback for any input ------------------------------------
 
 
-def test_a_file_whose_bytes_disagree_with_the_index_hash_is_refused_while_unpacking(tmp_path, node):
+def test_a_file_whose_bytes_disagree_with_the_index_hash_is_refused_while_unpacking(tmp_path, node, reader):
     """A well-formed object (its own sha256 right) whose member is not the file the index lists."""
     forge(tmp_path / "b", [member("k.cubin", b"\x7fELF evil")],
           files=[FileRecord("k.cubin", hashlib.sha256(b"\x7fELF good").hexdigest(), 9)])
     refused(tmp_path / "b", node, IntegrityError, r"k\.cubin has sha256 .*, the index lists")
+
+
+def test_a_bad_file_after_good_ones_leaves_nothing_staged(tmp_path, node, reader):
+    """The C loop writes each file once its size and sha256 are proven, then meets one that is not as listed: the
+    entry's staging dir goes, and the refusal is the Python reader's."""
+    files = [FileRecord("a.ptx", hashlib.sha256(b"ptx").hexdigest(), 3),
+             FileRecord("b.cubin", hashlib.sha256(b"\x7fELF good").hexdigest(), 9)]
+    forge(tmp_path / "b", [member("a.ptx", b"ptx"), member("b.cubin", b"\x7fELF evil")], files=files)
+    refused(tmp_path / "b", node, IntegrityError, r"b\.cubin has sha256 .*, the index lists")
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda raw: raw + b"\x01", UnsafeBundleError, "holds data after the tar end marker"),
+    (lambda raw: raw[:1024], IntegrityError, "ends without the tar end marker: truncated"),
+    (lambda raw: raw[:600] + b"\x01" + raw[601:], IntegrityError, "tar padding is not zeros"),
+    (lambda raw: raw[:257] + b"gnu   " + raw[263:], IntegrityError, "has no POSIX tar header"),
+    (lambda raw: raw[:124] + b"0000000000x\0" + raw[136:], IntegrityError, "field size .* is not octal"),
+], ids=["data after the end", "truncated", "padding not zeros", "not ustar", "size not octal"])
+def test_a_tar_not_as_pack_writes_it_is_refused(tmp_path, node, reader, edit, error, match):
+    forge(tmp_path / "b", [member("k.cubin", b"\x7fELF")], edit=edit)
+    refused(tmp_path / "b", node, error, match)
+
+
+def test_the_forms_pack_does_not_write_that_are_still_valid_install_alike(tmp_path, reader):
+    """A long name (a pax header), a file in a subdir, executable bits: outside the C loop's plain form, so the Python
+    reader writes them, the same files either way."""
+    long = "k" * 150 + ".cubin"
+    members = [member(long, b"\x7fELF 1"), member("sub/k.ptx", b"ptx"), member("run.sh", b"#!", mode=0o755),
+               member("__grp__k.json", json.dumps({"child_paths": {"k.cubin": long}}).encode())]
+    forge(tmp_path / "b", members)
+    install(str(tmp_path / "b"), tmp_path / "node")
+    entry = tmp_path / "node" / KEY
+    assert {p.relative_to(entry).as_posix(): p.read_bytes() for p in entry.rglob("*") if p.is_file()} == {
+        long: b"\x7fELF 1", "sub/k.ptx": b"ptx", "run.sh": b"#!",
+        "__grp__k.json": json.dumps({"child_paths": {"k.cubin": str(entry / long)}}).encode()}
+    assert os.stat(entry / "run.sh").st_mode & 0o777 == 0o755 and os.stat(entry / long).st_mode & 0o777 == 0o644
 
 
 def _listing(root: Path) -> set[str]:

@@ -75,6 +75,35 @@ def test_install_merges_and_replaces_only_incomplete_entries(toy_bundle, tmp_pat
     assert report.ok and report.other_entries == 3 and report.entries_ok == 5
 
 
+def test_the_c_member_loop_writes_every_plain_object_as_the_python_reader_does(triton_cache, tmp_path, monkeypatch):
+    """Install's C member loop (prewarm/_fastunpack.c) writes every object pack wrote, a real Triton cache's included,
+    without handing one to the Python reader, and the node gets the same files, modes and group files."""
+    from prewarm import bundle
+
+    assert bundle._fastunpack is not None, "prewarm/_fastunpack.c is not built: run pip install -e ."
+    cache = synthetic_cache(tmp_path / "cache", 3, seed=5, scale=0.05)
+    shutil.copytree(triton_cache, cache, dirs_exist_ok=True)
+    next(cache.glob("*/k.cubin")).chmod(0o755)
+    pack(cache, tmp_path / "bundle")
+
+    def python_reader(*args):
+        raise AssertionError("an object pack wrote went to the Python reader")
+
+    monkeypatch.setattr(bundle, "_unpack_members", python_reader)
+    install(str(tmp_path / "bundle"), tmp_path / "c")
+    monkeypatch.undo()
+    monkeypatch.setattr(bundle, "_fastunpack", None)
+    install(str(tmp_path / "bundle"), tmp_path / "python")
+
+    def files(node: Path) -> dict[str, tuple[bytes, int]]:
+        return {p.relative_to(node).as_posix(): (p.read_bytes().replace(str(node).encode(), b"NODE"), p.stat().st_mode)
+                for p in node.rglob("*") if p.is_file() and META not in p.relative_to(node).parts}
+
+    written = files(tmp_path / "c")
+    assert written == files(tmp_path / "python") and len(written) == len(files(cache))
+    assert sum(mode & 0o111 != 0 for _, mode in written.values()) >= 1
+
+
 def test_cache_dir_defaults_to_triton_cache_dir(toy_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "from-env"))
     out = json.loads(run_cli("install", toy_bundle, "--json").stdout)
