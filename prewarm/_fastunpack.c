@@ -129,7 +129,11 @@ static PyObject *write_members(PyObject *self, PyObject *args) {
             char name[101];
             memcpy(name, h, name_len);
             name[name_len] = 0;
-            if (write_file(dir_fd, name, (mode & 0111) != 0, tar + start, size) < 0) {
+            int written;
+            Py_BEGIN_ALLOW_THREADS  /* a remote store's install stages in threads: they go on while this one writes */
+            written = write_file(dir_fd, name, (mode & 0111) != 0, tar + start, size);
+            Py_END_ALLOW_THREADS
+            if (written < 0) {
                 PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
                 goto error;
             }
