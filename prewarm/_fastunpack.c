@@ -87,7 +87,11 @@ static PyObject *write_members(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*iO!", &buf, &dir_fd, &PyDict_Type, &files)) return NULL;
     const unsigned char *tar = buf.buf;
     Py_ssize_t len = buf.len, pos = 0, count = PyDict_GET_SIZE(files), found = 0;
-    if (!(seen = PyMem_Calloc(count ? count : 1, 1)) || !(groups = PyList_New(0))) goto error;
+    if (!(seen = PyMem_Calloc(count ? count : 1, 1))) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    if (!(groups = PyList_New(0))) goto error;
     for (;;) {
         if (pos + BLOCK > len) goto bail;
         const unsigned char *h = tar + pos;
