@@ -103,6 +103,24 @@ def checks(bundle: Path) -> None:
         hashlib.sha256(dctx.stream_reader(data).read()).digest()
 
 
+def memory_state() -> dict:
+    """The VM's memory, which decides what each new page-cache page costs, and so a plain copy's speed, more than
+    anything prewarm does: CI's box pages out page cache unused for a minute (DAMON, ``pageout``) and reports free
+    pages to its host (virtio-balloon free page reporting), so that a page taken from free memory is usually a fault
+    on the host. The same copy took 0.95-2.5 s there within an hour (README, ship row)."""
+    info = {k: int(v.split()[0]) // 1024 for k, v in (line.split(":", 1) for line in
+                                                       Path("/proc/meminfo").read_text().splitlines())}
+    reporting = None
+    for dev in Path("/sys/bus/virtio/devices").glob("*"):
+        if (dev / "device").read_text().strip() == "0x0005":  # the balloon; feature bit 5: free page reporting
+            reporting = (dev / "features").read_text()[5:6] == "1"
+    damon = Path("/sys/kernel/mm/damon/admin/kdamonds/0")
+    pageout = (damon / "state").exists() and (damon / "state").read_text().strip() == "on" and any(
+        a.read_text().strip() == "pageout" for a in damon.glob("contexts/*/schemes/*/action"))
+    return {"mem_free_mb": info["MemFree"], "page_cache_mb": info["Cached"], "free_page_reporting": reporting,
+            "damon_pageout": pageout}
+
+
 def sha256_tree(root: Path) -> int:
     n = 0
     for p in sorted(root.rglob("*")):
@@ -198,6 +216,7 @@ def main() -> None:
         mb = size / 1e6
 
         n = args.repeat
+        memory_before = memory_state()
         packs = [_timed(lambda: pack(cache, work / "bundle")) for _ in range(n if entries <= 10_000 else 1)]
         t_pack, packed = min(packs, key=lambda r: r[0])
         bundle = work / "bundle"
@@ -244,6 +263,7 @@ def main() -> None:
         assert noop.noop
         first_cli = _cli_noop(bundle, work / "node0")  # compiles the CLI's bytecode, as pip would have
         t_noop_cli = min(_cli_noop(bundle, work / "node0") for _ in range(n))
+        memory_after = memory_state()
 
         copy_rate, sha_rate = mb / t_copy, mb / t_sha
         t_inst, t_ver = inst["seconds"], ver["seconds"]
@@ -251,7 +271,8 @@ def main() -> None:
             "cache": {"entries": entries, "files": files, "bytes": size, "scale": scale,
                       "bundle_bytes": packed.bytes_out, "compression_ratio": round(size / packed.bytes_out, 3)},
             "machine": {"cpus": cores, "python": sys.version.split()[0], "load_avg_1m": os.getloadavg()[0],
-                        "runs_per_measurement": n, "trees_removed_between_steps": removing},
+                        "runs_per_measurement": n, "trees_removed_between_steps": removing,
+                        "memory_before": memory_before, "memory_after": memory_after},
             "baseline": {"copy_mb_s": round(copy_rate, 1), "copy_seconds": round(t_copy, 3),
                          "durable_copy_seconds": round(t_durable_copy, 3),
                          "sha256_single_core_mb_s": round(sha_rate, 1),
@@ -260,6 +281,8 @@ def main() -> None:
             "pack": {"seconds": round(t_pack, 3), "mb_s": round(mb / t_pack, 1), "vs_copy": round(t_copy / t_pack, 3)},
             "install": {"seconds": round(t_inst, 3), "mb_s": round(mb / t_inst, 1), "entries_per_s": round(entries / t_inst),
                         "vs_copy": round(t_copy / t_inst, 3), "vs_durable_copy": round(t_durable_copy / t_inst, 3),
+                        # each round's copy against the install that followed it: how far the VM's state moves them
+                        "vs_copy_each_round": [round(c / i["seconds"], 3) for c, i in zip(copies, installs)],
                         "durable_sync": True,
                         "cpu_user_seconds": round(inst["cpu_user_seconds"], 3),
                         "cpu_system_seconds": round(inst["cpu_system_seconds"], 3),

@@ -12,7 +12,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,41 @@ def test_the_c_member_loop_writes_every_plain_object_as_the_python_reader_does(t
     written = files(tmp_path / "c")
     assert written == files(tmp_path / "python") and len(written) == len(files(cache))
     assert sum(mode & 0o111 != 0 for _, mode in written.values()) >= 1
+
+
+def test_without_a_c_compiler_prewarm_builds_and_installs_through_the_python_reader(toy_bundle, tmp_path):
+    """The C member loop is optional (setup.py): where no C compiler works (a node image without one or without
+    Python's headers), building prewarm still succeeds, the wheel holds no extension, and that prewarm installs a
+    bundle and verifies it, every object through the Python reader."""
+    root, src = Path(__file__).resolve().parents[1], tmp_path / "src"
+    for part in ("prewarm", "kernels"):
+        shutil.copytree(root / part, src / part, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(root / name, src / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                            str(tmp_path / "wheel"), str(src)], env={**os.environ, "CC": "false"},
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    # a fresh environment: prewarm's dependencies from this one (a path entry, so its editable prewarm is not loaded)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python*/site-packages"))
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    with zipfile.ZipFile(next((tmp_path / "wheel").glob("prewarm-*.whl"))) as wheel:
+        assert "prewarm/bundle.py" in wheel.namelist()
+        assert not [n for n in wheel.namelist() if n.endswith(".so")]
+        wheel.extractall(site)
+
+    def prewarm(*args: str) -> str:
+        return subprocess.run([str(venv / "bin" / "python"), *args], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout  # not the checkout in cwd
+
+    assert prewarm("-c", "import prewarm.bundle as b; print(b.__file__, b._fastunpack)").split() == [
+        str(site / "prewarm" / "bundle.py"), "None"]
+    out = json.loads(prewarm("-m", "prewarm.cli", "install", str(toy_bundle), "--cache-dir", str(tmp_path / "node"),
+                             "--json"))
+    assert out["installed"] == 5
+    prewarm("-m", "prewarm.cli", "verify", "--cache-dir", str(tmp_path / "node"))
 
 
 def test_cache_dir_defaults_to_triton_cache_dir(toy_bundle, tmp_path, monkeypatch):
