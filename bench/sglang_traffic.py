@@ -2,9 +2,9 @@
 
     python3 bench/sglang_traffic.py --bundle BUNDLE [--sglang-path DIR] [--seeds 1,2,3,4,5] [--expect-zero] [--out JSON]
 
-The traffic is ``prewarm.providers.sglang_traffic.calls``: TritonKDAKernel's public methods called as sglang
+The traffic is ``prewarm.providers.sglang.traffic.calls``: TritonKDAKernel's public methods called as sglang
 0.5.23's KDA backend and Kimi-Linear's layer call them, written independently of the provider's call builder
-(``prewarm.providers.sglang_kda``); ``tests/test_sglang.py`` runs the same generator on fake tensors against the plan.
+(``prewarm.providers.sglang.cuda``); ``tests/test_sglang.py`` runs the same generator on fake tensors against the plan.
 Every process draws its batch sizes as seeded permutations of 1..the manifest's largest batch, so a process of
 enough calls (the default: 4 steps of 64) sees every size; the JSON's ``coverage`` says which batch sizes and draft
 widths the runs together saw, and what they missed.
@@ -45,8 +45,8 @@ DEFAULT_SGLANG_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
 
 
 def child(args) -> dict:
-    from prewarm.providers.sglang_env import jit_skipped
-    from prewarm.providers.sglang_traffic import calls
+    from prewarm.providers.sglang.common import jit_skipped
+    from prewarm.providers.sglang.traffic import calls
 
     torch = init_device()
     probes = Probes()
@@ -117,7 +117,7 @@ class _counting_jit:
 
 def coverage(runs: list[dict], spec: dict) -> dict:
     """Which batch sizes and draft widths the runs saw together, against the manifest's envelope."""
-    from prewarm.providers.sglang_env import read_spec
+    from prewarm.providers.sglang.common import read_spec
 
     s = read_spec(spec)
     batches = set().union(*(r.get("batch_sizes", []) for r in runs))

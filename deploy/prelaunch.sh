@@ -9,11 +9,21 @@
 # Install takes a lock and is a no-op when already done, so all ranks of a node may run this at once.
 #
 # Settings (environment):
-#   TRITON_CACHE_DIR       the node's cache dir the server will use            (default /var/cache/triton)
+#   TRITON_CACHE_DIR       the node's cache dir the server will use            (default /var/cache/triton: only a
+#                          server exec'd by this script gets the default; one started apart must be given it too)
+#   PREWARM_SERVER         sglang: verify also runs the server's own import in a child process with the server's
+#                          environment (this job's as given, TRITON_CACHE_DIR unset if it was; with a command: the one
+#                          exec'd) and fails (exit 14, naming TRITON_CACHE_DIR) when that process would read Triton's
+#                          cache elsewhere: `import sglang` sets ~/.cache/sglang/triton where it is unset (default: none)
 #   PREWARM_MANIFEST       the manifest the server is planned by               (default: the image's manifest)
 #   PREWARM_SOURCE         bundle to install: a dir, a bundle name in the default store, or any fsspec URL
 #                          (s3://..., sftp://...; credentials via FSSPEC_S3 / FSSPEC_SFTP) (default: the image's)
-#   PREWARM_TRUST          a public key: require the bundle to be signed by it  (default: none)
+#   PREWARM_TRUST          a public key: require the bundle to be signed by it, and verify the node in signed
+#                          mode: every entry covered by a receipt whose kept index that key signed (a receipt
+#                          edited, deleted or forged is exit 6; an entry nothing signed covers is exit 13)
+#                                                                              (default: none)
+#   PREWARM_ALLOW_UNVERIFIED  1 = in signed mode, list entries no signed bundle covers (device builds, the
+#                          runtime's own compiles) instead of refusing to start          (default 0)
 #   PREWARM_BUILD_ON_NODE  1 = compile here instead of installing (Ascend: the cache can only be completed on a
 #                          node with an NPU). The result is packed into PREWARM_SOURCE and, if PREWARM_PUSH
 #                          names store URLs, pushed there so the other nodes install it. Run it once per node
@@ -43,7 +53,14 @@ TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/var/cache/triton}"
 PREWARM_MANIFEST="${PREWARM_MANIFEST:-/opt/prewarm/src/manifests/kimi-linear-h200.toml}"
 PREWARM_SOURCE="${PREWARM_SOURCE:-/opt/prewarm/bundle}"
 TRITON_CACHE_AUTOTUNING="${TRITON_CACHE_AUTOTUNING:-1}"  # read at each kernel module's import: set before both
-export TRITON_CACHE_DIR TRITON_CACHE_AUTOTUNING
+export TRITON_CACHE_AUTOTUNING
+if [ "$#" -gt 0 ]; then
+    export TRITON_CACHE_DIR  # the server exec'd below reads the dir installed here; one started apart, its own
+fi
+SERVER=""
+if [ -n "${PREWARM_SERVER:-}" ]; then
+    SERVER="--server $PREWARM_SERVER"
+fi
 AUTOTUNE=""
 if [ "${PREWARM_REQUIRE_AUTOTUNE:-0}" = 1 ]; then
     AUTOTUNE="--require-autotune"
@@ -51,6 +68,10 @@ fi
 LAUNCHERS=""
 if [ "${PREWARM_REQUIRE_LAUNCHERS:-0}" = 1 ]; then
     LAUNCHERS="--require-launchers"
+fi
+UNVERIFIED=""
+if [ "${PREWARM_ALLOW_UNVERIFIED:-0}" = 1 ]; then
+    UNVERIFIED="--allow-unverified"
 fi
 
 if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
@@ -60,13 +81,13 @@ if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
         # shellcheck disable=SC2086  # a space-separated list of URLs
         prewarm push "$PREWARM_SOURCE" $PREWARM_PUSH
     fi
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS $SERVER
 elif [ -n "${PREWARM_TRUST:-}" ]; then
     prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR" --trust "$PREWARM_TRUST" --require-signature
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" --trust "$PREWARM_TRUST" --require-signature $AUTOTUNE $LAUNCHERS $SERVER $UNVERIFIED
 else
     prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR"
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS $SERVER
 fi
 
 PREWARM_GUARD="${PREWARM_GUARD:-warn}"

@@ -16,6 +16,13 @@ or TRITON_CACHE_AUTOTUNING=1 when its module was imported), and then benchmarks 
 - The table (TOML, one ``[[tuned]]`` per device, kernel and tuning key, every config with its timings; written by
   ``prewarm tune`` (prewarm.tune), reviewed like code) and :func:`apply_table`: the fastest config of each planned key, written as
   Triton's own result file under the key dir Triton computes, through the cache dir's atomic writer.
+- Pins (``[[pinned]]`` rows of the same table: one config per device and kernel, chosen and reviewed by hand, with
+  where the choice comes from and no timings): for a Triton that keeps no results (triton-ascend 3.2 has no
+  ``cache_results``: every process benchmarks at its first call of each key) and for choices made without a device
+  to measure on. The plan expands a pinned kernel's calls into that config alone (:func:`pins_for`, used by
+  prewarm.plan), and the guard gives the kernel's Autotuner that config alone before its first call in every
+  serving process (:func:`pin_chooser`): an Autotuner with one config runs it without benchmarking, on every
+  Triton. Where it reads them: the manifest's ``[target] tuned`` table, the manifest being PREWARM_GUARD_PLAN.
 - :func:`measured`: the rows of what Triton's Autotuner kept in a cache dir for the planned keys (``prewarm.tune``
   measures on the device that way).
 """
@@ -29,19 +36,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import devices, tritoncompat
+from . import tritoncompat
 from .cachedir import write_atomic
 from .errors import ManifestError
 from .manifest import Manifest
-from .plan import Request, decode, manifest_device, resolve
+from .pins import PinnedRow, parse_pins, pinned_config
+from .plan import Request, decode, resolve
 from .probe import Probe, ProbeCacheManager
 
 TABLE_HEADER = """\
-# Autotune results measured by `prewarm tune` on the device named in each row (re-run it; do not edit by hand).
-# One [[tuned]] per device, kernel and Triton's tuning key (the key arguments' values, then each tensor argument's
-# dtype): every config Triton benchmarked after its pruning, as str(config), with its time in ms (median, 20th and
-# 80th percentile). `prewarm build` writes the fastest as Triton's own result file for every planned key.
+# Autotune table: what each autotuned kernel runs on the device named in each row.
+# [[pinned]]: one config per device and kernel, chosen by hand and reviewed (source: where the choice comes from; no
+# timings). The plan compiles that config alone, and the guard (PREWARM_GUARD with PREWARM_GUARD_PLAN = the manifest
+# naming this table) gives the kernel's Autotuner that config alone before its first call in every serving process,
+# for every tuning key: it never benchmarks. config: the meta-parameters the kernel's configs set, and num_warps,
+# num_stages, num_ctas, maxnreg.
+# [[tuned]]: measured by `prewarm tune` (re-run it; do not edit by hand), one per device, kernel and Triton's tuning
+# key (the key arguments' values, then each tensor argument's dtype): every config Triton benchmarked after its
+# pruning, as str(config), with its time in ms (median, 20th and 80th percentile). `prewarm build` writes the fastest
+# as Triton's own result file for every planned key (Triton 3.4+; triton-ascend 3.2 keeps no results: pin instead).
 """
+
+
 
 
 # --- the tuning keys a plan makes --------------------------------------------------------------------------------
@@ -232,13 +248,17 @@ class Table:
     path: Path
     rows: list[TunedRow] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    pinned: list[PinnedRow] = field(default_factory=list)
 
     def find(self, device: str, kernel: str, tuning_key: str) -> TunedRow | None:
         return next((r for r in self.rows if (r.device, r.kernel, r.tuning_key) == (device, kernel, tuning_key)),
                     None)
 
+    def find_pin(self, device: str, kernel: str) -> PinnedRow | None:
+        return next((r for r in self.pinned if (r.device, r.kernel) == (device, kernel)), None)
+
     def devices(self) -> list[str]:
-        return sorted({r.device for r in self.rows})
+        return sorted({r.device for r in [*self.rows, *self.pinned]})
 
 
 def read_table(path: str | os.PathLike) -> Table:
@@ -250,13 +270,14 @@ def read_table(path: str | os.PathLike) -> Table:
         raise ManifestError(f"{path}: cannot read the autotune table: {e.strerror}") from e
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path}: not valid TOML: {e}") from e
-    extra = sorted(set(doc) - {"meta", "tuned"})
+    extra = sorted(set(doc) - {"meta", "tuned", "pinned"})
     if extra:
-        raise ManifestError(f"{path}: {extra[0]}: no such key in an autotune table (expected [meta] and [[tuned]])")
+        raise ManifestError(f"{path}: {extra[0]}: no such key in an autotune table (expected [meta], [[pinned]] and "
+                            f"[[tuned]])")
     meta, rows = doc.get("meta", {}), doc.get("tuned", [])
     if not isinstance(meta, dict) or not isinstance(rows, list):
         raise ManifestError(f"{path}: expected a [meta] table and an array of [[tuned]] tables")
-    table = Table(path, meta=meta)
+    table = Table(path, meta=meta, pinned=parse_pins(path, doc.get("pinned", [])))
     seen = set()
     for i, row in enumerate(rows):
         where = f"{path}: tuned[{i}]"
@@ -285,6 +306,9 @@ def read_table(path: str | os.PathLike) -> Table:
             raise ManifestError(f"{where}: a second row for device {ident[0]!r}, kernel {ident[1]}, tuning key "
                                 f"{ident[2]}: expected one row per device, kernel and tuning key")
         seen.add(ident)
+        if table.find_pin(ident[0], ident[1]) is not None:
+            raise ManifestError(f"{where}: kernel {ident[1]} is pinned for device {ident[0]!r} too: expected a kernel "
+                                f"pinned or measured on a device, not both")
         table.rows.append(TunedRow(*ident, parsed, row.get("label", "")))
     return table
 
@@ -305,6 +329,11 @@ def format_table(table: Table) -> str:
     """The table as TOML, rows sorted by device, kernel and tuning key: a re-tune diffs row by row."""
     lines = [TABLE_HEADER, "[meta]"]
     lines += [f"{k} = {_toml(v)}" for k, v in sorted(table.meta.items())]
+    for p in sorted(table.pinned, key=lambda r: (r.device, r.kernel)):
+        config = ", ".join(f"{k if k.isidentifier() else _toml(k)} = {_toml(v)}" for k, v in p.config.items())
+        lines += ["", "[[pinned]]", f"device = {_toml(p.device)}", f"kernel = {_toml(p.kernel)}",
+                  f"config = {{ {config} }}", f"source = {_toml(p.source)}"]
+        lines += [f"reason = {_toml(p.reason)}"] if p.reason else []
     for r in sorted(table.rows, key=lambda r: (r.device, r.kernel, r.tuning_key)):
         lines += ["", "[[tuned]]", f"device = {_toml(r.device)}", f"kernel = {_toml(r.kernel)}",
                   f"tuning_key = {_toml(r.tuning_key)}"]
@@ -330,12 +359,13 @@ class TunedResult:
     """One planned tuning key against the table."""
 
     tuning: PlannedTuning
-    status: str  # "written" | "present" | "in table" (a plan: nothing written) | "absent" | "stale" | "unknown"
+    status: str  # "written" | "present" | "in table" (a plan: nothing written) | "pinned" | "absent" | "stale" |
+    # "unknown"
     detail: str
 
     @property
     def covered(self) -> bool:
-        return self.status in ("written", "present", "in table")
+        return self.status in ("written", "present", "in table", "pinned")
 
     def to_json(self) -> dict:
         return {**self.tuning.to_json(), "status": self.status, "detail": self.detail}
@@ -363,7 +393,10 @@ class TableReport:
             return (f"autotune table {self.path}: no such file (make it with `prewarm tune {self.manifest} -o "
                     f"{self.path}` on a node with the device, {self.device}): the node benchmarks all {n} planned "
                     f"tuning keys")
-        done = {s: sum(r.status == s for r in self.results) for s in ("written", "present", "in table")}
+        if not n:
+            return (f"autotune table {self.path} ({self.device}): no planned call makes a tuning key Triton keeps "
+                    f"results for (pinned kernels are listed apart)")
+        done = {s: sum(r.status == s for r in self.results) for s in ("written", "present", "in table", "pinned")}
         text = f"autotune table {self.path} ({self.device}): {n - len(self.uncovered)} of {n} planned tuning keys"
         text += "".join(f", {v} {s}" for s, v in done.items() if v)
         if self.uncovered:
@@ -382,17 +415,6 @@ class TableReport:
 def table_path(manifest: Manifest, override: str | os.PathLike | None = None) -> Path | None:
     """The table a build of ``manifest`` uses: ``override`` (``--tuned``), else ``[target] tuned``, else none."""
     return Path(override).resolve() if override is not None else manifest.tuned
-
-
-def manifest_device_name(manifest: Manifest, where: str) -> str:
-    """The device name a manifest's rows are looked up under (its ``[target] device`` profile's name); a table
-    without a device to select its rows is refused (exit 3)."""
-    profile = manifest_device(manifest)
-    if profile is None:
-        raise ManifestError(f"{manifest.path}: {where} names an autotune table, but target.device is missing: "
-                            f"expected the device the table was measured on (e.g. device = \"H200\"): its rows are "
-                            f"keyed by device")
-    return devices.lookup(profile, f"{manifest.path}: target").name
 
 
 def result_file(t: PlannedTuning, timings: dict[str, list[float]]) -> bytes:
@@ -416,8 +438,12 @@ def apply_table(path: Path, device: str, tunings: list[PlannedTuning], cache_dir
     table = read_table(path)
     for d in table.devices():
         if d != device:
-            report.other_devices[d] = sum(r.device == d for r in table.rows)
+            report.other_devices[d] = sum(r.device == d for r in [*table.rows, *table.pinned])
     for t in tunings:
+        pin = table.find_pin(device, t.kernel)
+        if pin is not None:  # its Autotuner runs one config under the guard: no result file to write or read
+            report.results.append(TunedResult(t, "pinned", f"pinned: {pin.describe()} ({pin.source})"))
+            continue
         if t.problem:
             report.results.append(TunedResult(t, "unknown", t.problem))
             continue
@@ -447,6 +473,55 @@ def apply_table(path: Path, device: str, tunings: list[PlannedTuning], cache_dir
         report.results.append(TunedResult(t, "written", f"fastest: {best}"))
     return report
 
+
+@dataclass
+class AutotunedKernel:
+    """One autotuned kernel a plan calls: its pin, or what a node does without one."""
+
+    kernel: str  # "module:qualname"
+    label: str  # the first planned call of it
+    configs: list  # its Autotuner's configs (before any pruning)
+    pin: PinnedRow | None
+    keeps: bool  # this Triton can keep its results on disk (3.4+); triton-ascend 3.2 cannot
+
+    @property
+    def candidate(self) -> bool:
+        """Is the pinned config one of the kernel's own configs (Triton's text of it)?"""
+        return self.pin is not None and str(self.pin.triton_config()) in {str(c) for c in self.configs}
+
+    def describe(self) -> str:
+        n = len(self.configs)
+        if self.pin is not None:
+            which = "one of its" if self.candidate else "not one of its"
+            return (f"runs {self.pin.describe()} alone under the guard ({which} {n} configs; {self.pin.source}): "
+                    f"{n - self.candidate} configs not planned")
+        if self.keeps:
+            return f"{n} configs: tuned per key through the autotune table's results (prewarm tune)"
+        return (f"not pinned: the node benchmarks its {n} configs at the first call of each tuning key, in every "
+                f"process (this Triton keeps no autotune results): pin it ([[pinned]] in the manifest's autotune "
+                f"table)")
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "label": self.label, "configs": len(self.configs),
+                "pinned": self.pin.describe() if self.pin else None, "source": self.pin.source if self.pin else None,
+                "candidate": self.candidate, "keeps_results": self.keeps}  # fmt: skip
+
+
+def autotuned_kernels(requests: list[Request], pins: dict[str, PinnedRow]) -> list[AutotunedKernel]:
+    """Every autotuned kernel the requests call, once, in plan order, with its pin (checked: ManifestError where
+    it does not fit the kernel)."""
+    found: dict[str, AutotunedKernel] = {}
+    for r in requests:
+        tuner = tritoncompat.find_autotuner(resolve(r.kernel))
+        if tuner is None:
+            continue
+        ref = tritoncompat.kernel_ref(tuner)
+        if ref not in found:
+            pin = pins.get(ref)
+            if pin is not None:
+                pinned_config(tuner, pin)
+            found[ref] = AutotunedKernel(ref, r.label, list(tuner.configs), pin, tritoncompat.can_keep_results(tuner))
+    return list(found.values())
 
 
 def measured(tunings: list[PlannedTuning], cache_dir: str | os.PathLike,

@@ -5,7 +5,9 @@ cache (the will-hit probe: no compile); only the missing ones go to a process po
 replays them with ``JITFunction.preload`` into the cache dir. A second build of the same manifest therefore
 compiles nothing (the pool's forkserver is still started in the background while the parent plans: it cannot know
 before probing that nothing is missing, and starting it late would put its imports back on the critical path).
-The cache dir's build info (``CacheDir.build_info``) records what was built (the packer reads it).
+The cache dir's build info (``CacheDir.build_info``) records what was built (the packer reads it). A kernel this
+Triton cannot key (``plan.WillFail``) cannot be built: everything else is, and the report lists it (the CLI then
+exits 12), so a container build step loses nothing it could have built.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from .backends import Target, npu
 from .cachedir import CacheDir
 from .errors import EnvironmentProblem, FingerprintMismatch, ManifestError
 from .manifest import Manifest, load
-from .plan import Compile, manifest_device, plan_for, resolve
+from .plan import Compile, WillFail, manifest_device, manifest_device_name, plan_for, resolve
 from .probe import probe_all
 
 
@@ -55,6 +57,7 @@ class BuildReport:
     seconds: float = 0.0
     autotune: TableReport | None = None  # the plan's tuning keys against the autotune table, results written
     key_drift: list[keys.KeyDrift] = field(default_factory=list)  # recorded requests keyed otherwise here (allowed)
+    will_fail: list[WillFail] = field(default_factory=list)  # planned kernels this Triton cannot key: not built
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -84,6 +87,7 @@ class BuildReport:
             "results": [asdict(r) for r in self.results],
             "autotune": self.autotune.to_json() if self.autotune is not None else None,
             "key_drift": [d.to_json() for d in self.key_drift],
+            "will_fail": [w.to_json() for w in self.will_fail],
         }
 
 
@@ -192,6 +196,7 @@ def build(
         target.toolchain()  # computed once here, handed to every worker with the target
         compiles = planned.compiles
         report = BuildReport(m.name, m.digest, cache, target.describe(), workers, len(planned.requests))
+        report.will_fail = planned.will_fail
         report.notes = target.notes()
         results: list[CompileResult | None] = [None] * len(compiles)
         done = 0
@@ -223,7 +228,7 @@ def build(
         providers = [importlib.import_module(k.ref) for k in m.kernels if k.kind == "provider"]
         table = autotune.table_path(m, tuned) if use_table else None
         if report.ok and table is not None:
-            device = autotune.manifest_device_name(m, "--tuned" if tuned is not None else "target.tuned")
+            device = manifest_device_name(m, "--tuned" if tuned is not None else "target.tuned")
             report.autotune = autotune.apply_table(table, device, autotune.planned_tunings(planned.requests), cache,
                                                    str(m.path))
             report.notes.append(report.autotune.summary())
@@ -249,6 +254,7 @@ def _build_socs(m: Manifest, cache_dir: str | os.PathLike, workers: int | None, 
     for soc, r in zip(npu.socs(m), reports):
         out.results += [replace(x, label=f"{soc}: {x.label}") for x in r.results]
         out.key_drift += r.key_drift
+        out.will_fail += [w for w in r.will_fail if w not in out.will_fail]  # a kernel's key holds no SoC
         out.notes += [n for n in r.notes if n not in out.notes]
         out.seconds += r.seconds
     return out

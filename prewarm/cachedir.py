@@ -7,8 +7,11 @@ is written whole.
     <cache>/.prewarm/install.lock                   one install at a time (every rank of a node may start one)
     <cache>/.prewarm/staging-<pid>-<rand>/<KEY>/    an install's staged entries: same filesystem, one rename into place
     <cache>/.prewarm/receipts/<index sha256>.json   what each install put here (verify and `prewarm ls` read them):
-                                                    its entries with their object and stamp, what it kept
+                                                    its entries with their object and stamp, what it kept, and the
+                                                    install history (every earlier install's number and index)
     <cache>/.prewarm/receipts/<index sha256>.index  the installed bundle's index, verbatim (its sha256 is its name)
+    <cache>/.prewarm/receipts/<index sha256>.sig    its signature, where install checked one (--trust): the proof
+                                                    `verify --trust` checks the index by, whoever can write here
     <cache>/.prewarm/node.json                      this node's fingerprint and the stamp of what it was computed from
     <cache>/.prewarm/toolchain.json                 the Ascend toolchain the dir is claimed for (Triton's key misses it)
 
@@ -176,7 +179,8 @@ MAX_RECEIPT_BYTES = MAX_INDEX_BYTES  # ~200 bytes per entry
 class Receipt:
     """What one install left: a sequence number (later installs win where bundles share a key), each entry's object
     and stamp as the install left it, the entries it found on disk and kept with other bytes than the bundle's
-    (runtime-built C modules), and the bundle's index beside it (``index``: read when needed)."""
+    (runtime-built C modules), the install history (so that a deleted receipt is noticed by a later one), and the
+    bundle's index beside it (``index``: read when needed) with its signature where install checked one."""
 
     path: Path
     seq: int
@@ -187,21 +191,33 @@ class Receipt:
     manifest: dict | None
     size: int  # the listed files' bytes
     doc: dict  # the whole receipt (source, signed_by, installed_at: for people)
+    history: dict[int, str] = field(default_factory=dict)  # install number -> its index digest ("": not known)
+
+    @property
+    def signature_path(self) -> Path:
+        return self.path.with_suffix(".sig")
 
     @functools.cached_property
-    def index(self) -> Index:
-        """The installed index, read from beside the receipt (its sha256 must be the receipt's name)."""
+    def index_bytes(self) -> bytes:
+        """The installed index's bytes, read from beside the receipt; IntegrityError unless their sha256 is the
+        receipt's name. Let go once ``index`` is parsed."""
         if (embedded := self.doc.get("index")) is not None:  # receipts of prewarm 0.1 held it inline
-            return parse_index(embedded.encode(), f"install receipt {self.path}", check_files=False)
+            return embedded.encode()
         where = f"install receipt {self.path}: its index {self.path.with_suffix('.index')}"
         try:
             data = read_bounded(open_regular(self.path.with_suffix(".index"), where), MAX_INDEX_BYTES, where)
         except OSError as e:
-            raise IntegrityError(f"{where} is unreadable ({e.strerror}): re-install its bundle, or delete the "
-                                 "receipt if that bundle is gone") from None
+            raise IntegrityError(f"{where} is unreadable ({e.strerror}): {_REINSTALL}") from None
         if hashlib.sha256(data).hexdigest() != self.digest:
-            raise IntegrityError(f"{where} does not hold index {self.digest}: corrupted; re-install its bundle")
-        return parse_index(data, where, check_files=False)  # checked whole when it was installed
+            raise IntegrityError(f"{where} does not hold index {self.digest}: edited or corrupted; {_REINSTALL}")
+        return data
+
+    @functools.cached_property
+    def index(self) -> Index:
+        """The installed index, read from beside the receipt (its sha256 must be the receipt's name)."""
+        index = parse_index(self.index_bytes, f"install receipt {self.path}: its index", check_files=False)
+        self.__dict__.pop("index_bytes", None)  # parsed: the bytes are not needed again
+        return index
 
     @functools.cached_property
     def _by_key(self) -> dict[str, Entry]:
@@ -215,9 +231,29 @@ class Receipt:
         """The files this install recorded for ``key``: as kept on disk, else the bundle's."""
         return self.kept[key] if key in self.kept else self._by_key[key].files
 
+    def listed(self, key: str) -> tuple[FileRecord, ...]:
+        """The files the bundle's index lists for ``key`` (what its signature covers)."""
+        return self._by_key[key].files
+
     def identity(self, key: str) -> tuple:
         """What this install recorded for ``key``, comparable across receipts without reading an index."""
         return self.entries[key][0], self.kept.get(key)
+
+
+def install_history(receipts: list[Receipt], seq: int) -> dict[str, str]:
+    """What a new receipt numbered ``seq`` records of the other installs: every number a receipt or a receipt's
+    history names, with its index digest, and "" for a number below ``seq`` that none names (vacated before receipts
+    kept a history). A receipt deleted later is still named by this one (verify reports it)."""
+    known: dict[int, str] = {}
+    for r in receipts:
+        for n, digest in r.history.items():
+            if digest or n not in known:
+                known[n] = digest
+    known.update((r.seq, r.digest) for r in receipts if r.seq > 0)  # receipts of prewarm 0.1 have no number
+    known.pop(seq, None)
+    for n in range(1, seq):
+        known.setdefault(n, "")
+    return {str(n): digest for n, digest in sorted(known.items())}
 
 
 def latest_owners(receipts: list[Receipt]) -> dict[str, Receipt]:
@@ -234,6 +270,9 @@ def _records(files, what: str) -> tuple[FileRecord, ...]:
         raise TypeError(f"{what} is not a list of file records")
     return tuple(FileRecord(f["path"], f["sha256"], f["size"]) for f in files)
 
+
+_REINSTALL = ("re-install its bundle; if that bundle is gone, empty the cache dir (verify reports a deleted "
+              "receipt)")
 
 # A receipt carries the sha256 of its own bytes with that field zeroed: its first field, so no re-encoding is needed
 # to check it, and any flipped byte shows.
@@ -280,11 +319,14 @@ def _load_receipt(path: Path) -> Receipt:
             if k not in r.entries:
                 raise ValueError(f"kept entry {k!r} is not in its index")
             r.kept[k] = _records(files, f"kept entry {k!r}")
+        history = doc.get("history", {})  # receipts written before the history: none
+        if type(history) is not dict or not all(n.isdigit() and type(d) is str for n, d in history.items()):
+            raise TypeError("history")
+        r.history = {int(n): d for n, d in history.items()}
     except PrewarmError as e:
-        raise IntegrityError(f"{e}: re-install its bundle, or delete the receipt if that bundle is gone") from None
+        raise IntegrityError(f"{e}: {_REINSTALL}") from None
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
-        raise IntegrityError(f"{where} is unreadable ({type(e).__name__}: {e}): re-install its bundle, or delete "
-                             "the receipt if that bundle is gone") from None
+        raise IntegrityError(f"{where} is unreadable ({type(e).__name__}: {e}): {_REINSTALL}") from None
     return r
 
 
@@ -444,23 +486,40 @@ class CacheDir:
             known = self._loaded[path] = key, _load_receipt(path)
         return known[1]
 
-    def receipts(self, *, strict: bool = True) -> list[Receipt]:
-        """The install receipts in install order. An unreadable one is an IntegrityError naming it (``strict``) or
-        skipped (install: it rewrites its own, and checks content, not receipts)."""
+    def receipts(self, *, strict: bool = True, faults: list[str] | None = None) -> list[Receipt]:
+        """The install receipts in install order. An unreadable one is an IntegrityError naming it (``strict``),
+        its message appended to ``faults`` (verify: it reports them all), or skipped (install: it rewrites its own,
+        and checks content, not receipts)."""
         out = []
         for p in sorted(self.receipts_dir.glob("*.json")):
             try:
                 out.append(self._receipt(p))
-            except IntegrityError:
-                if strict:
+            except IntegrityError as e:
+                if faults is not None:
+                    faults.append(str(e))
+                elif strict:
                     raise
         return sorted(out, key=lambda r: (r.seq, r.path.name))
 
-    def write_receipt_index(self, index_digest: str, index_bytes: bytes, *, durable: bool = True) -> None:
-        """The installed index, beside where its receipt will be (written first: a receipt never names an index that
-        is not there; an index without its receipt is only a leftover, replaced by the next install of it)."""
+    def write_receipt_index(self, index_digest: str, index_bytes: bytes, signature: bytes | None = None, *,
+                            durable: bool = True) -> None:
+        """The installed index (and its checked signature), beside where its receipt will be (written first: a
+        receipt never names an index that is not there; an index without its receipt is only a leftover, replaced by
+        the next install of it)."""
         self.receipts_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.receipt(index_digest).with_suffix(".index"), index_bytes, durable=durable)
+        self.keep_signature(index_digest, signature, durable=durable)
+
+    def keep_signature(self, index_digest: str, signature: bytes | None, *, durable: bool = True) -> None:
+        """The signature install checked for this index, beside it (written only where it differs: a repeated
+        install stays a no-op that writes nothing); None: nothing to keep."""
+        path = self.receipt(index_digest).with_suffix(".sig")
+        try:  # never blocking on a FIFO put there: anything but the same bytes is replaced
+            same = signature is None or read_bounded(open_regular(path), len(signature), str(path)) == signature
+        except (OSError, IntegrityError):
+            same = False
+        if not same:
+            write_atomic(path, signature, durable=durable)
 
     def write_receipt(self, index_digest: str, doc: dict, rows, *, durable: bool = True) -> None:
         """The receipt: ``doc`` and each entry's (key, object, stamp) from ``rows``, written in pieces (keys, object

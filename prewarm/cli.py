@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from .errors import PrewarmError, StoreError, WillMissError
+from .errors import CacheDirMismatch, PrewarmError, StoreError, WillFailError, WillMissError
 
 # Piped into a job's log, rich would wrap every line at 80 columns, splitting the error and result lines operators
 # grep for: there, a message stays one line and a table as wide as its cells (COLUMNS, when set, still wins).
@@ -64,6 +64,7 @@ def progress_bar(args):
 def cmd_plan(args) -> int:
     from rich.table import Table
 
+    from .autotune import autotuned_kernels
     from .backends import npu
     from .manifest import load
     from .plan import Plan
@@ -77,9 +78,12 @@ def cmd_plan(args) -> int:
     for planned, why in plans:  # one per SoC of a multi-SoC npu manifest
         p = Plan(planned.manifest, planned.requests)
         coverage = _table_coverage(planned.manifest, p.requests, args) if why is None else None
+        tuned = autotuned_kernels(planned.requests, planned.pins) if why is None else []
         if args.json:
             docs.append({**p.to_json(), "counts": _counts_json(planned, why),
-                         "autotune": coverage.to_json() if coverage is not None else None})
+                         "autotune": coverage.to_json() if coverage is not None else None,
+                         "autotuned_kernels": [k.to_json() for k in tuned],
+                         "will_fail": [w.to_json() for w in planned.will_fail]})
             continue
         pm = p.manifest
         t = Table(title=f"{pm.name}: {len(p.requests)} requests for {pm.backend} {pm.arch}")
@@ -91,11 +95,38 @@ def cmd_plan(args) -> int:
         _print_counts(planned, why)
         _print_options(pm)
         _print_table_coverage(coverage)
+        _print_pins(tuned, planned.pins)
+        _print_will_fail(planned.will_fail)
     if args.json:
         emit_json(docs[0] if len(docs) == 1 else {"manifest": str(m.path), "socs": docs})
     else:
         out.print("autotuned kernels compile once per config: `prewarm plan --compiles` lists Triton's own requests")
-    return 0
+    return _will_fail_exit([w for planned, _ in plans for w in planned.will_fail], args)
+
+
+def _print_will_fail(will_fail) -> None:
+    """Each planned kernel this Triton cannot key (plan.WillFail): kernel, file:line and reason on one line, then
+    what the node does, the fix and the requests that reach it. Plan, lower, build and verify print the same rows."""
+    for w in will_fail:
+        out.print(f"[red]will-fail[/] {escape(w.kernel)} ({escape(w.file)}:{w.line}): {escape(w.triton)} cannot key "
+                  f"it: {escape(w.error)}: {escape(w.reason)}", highlight=False)
+        labels = [r.label for r in w.requests]
+        out.print(f"  node: {escape(w.node)}\n  fix: {escape(w.fix)}\n  {len(labels)} planned requests reach it: "
+                  + escape(", ".join(labels[:3]) + (", ... (--json has all)" if len(labels) > 3 else "")),
+                  highlight=False)
+
+
+def _will_fail_exit(will_fail, args) -> int:
+    """After a verb's report: exit 12 where a planned kernel will fail (an error line naming each; --json: the code
+    alone, its one document lists them), else 0."""
+    if not will_fail:
+        return 0
+    if args.json:
+        return WillFailError.exit_code
+    kernels = list(dict.fromkeys(will_fail))  # one per kernel (a multi-SoC plan lists each per SoC)
+    names = "; ".join(f"{w.kernel} ({w.file}:{w.line}): {w.error}: {w.reason}" for w in kernels)
+    raise WillFailError(f"{len(kernels)} planned kernel(s) cannot be keyed by this Triton: a node running it crashes "
+                        f"at its first call of each (listed above with the fix): {names}")
 
 
 def _plans(m, args) -> list:
@@ -161,11 +192,12 @@ def _table_coverage(m, requests, args):
     """The plan's tuning keys against the manifest's autotune table (or --tuned), nothing written; None: no table.
     The target must be active."""
     from . import autotune
+    from .plan import manifest_device_name
 
     table = autotune.table_path(m, args.tuned)
     if table is None:
         return None
-    device = autotune.manifest_device_name(m, "--tuned" if args.tuned else "target.tuned")
+    device = manifest_device_name(m, "--tuned" if args.tuned else "target.tuned")
     return autotune.apply_table(table, device, autotune.planned_tunings(requests), None, str(m.path))
 
 
@@ -181,6 +213,18 @@ def _print_table_coverage(coverage) -> None:
                   f"tuning key {escape(r.tuning.tuning_key or '-')}: {escape(r.detail)}", highlight=False)
     if len(rows) > 20:
         out.print(f"[yellow]...[/] {len(rows) - 20} more (--json has all)")
+
+
+def _print_pins(tuned, pins) -> None:
+    """Each pinned kernel the plan narrows to its one config, each autotuned kernel a node would benchmark in every
+    process (no pin, and a Triton that keeps no results), and each pin naming no planned kernel: never silent."""
+    for k in tuned:
+        if k.pin is not None or not k.keeps:
+            colour = "[green]pinned[/]" if k.pin is not None else "[yellow]benchmarks[/]"
+            out.print(f"{colour} {escape(k.kernel)}: {escape(k.describe())}", highlight=False)
+    for kernel in sorted(set(pins) - {k.kernel for k in tuned}):
+        out.print(f"[yellow]pin unused[/] {escape(kernel)}: the autotune table pins it, the plan does not call it",
+                  highlight=False)
 
 
 def _print_compiles(plans, args) -> int:
@@ -201,7 +245,8 @@ def _print_compiles(plans, args) -> int:
         p = Plan(m, planned.requests)
         if args.json:
             docs.append({**p.to_json(), "target_mode": target.mode, "compiles": [c.to_json() for c in compiles],
-                         "counts": _counts_json(planned, None), "key_drift": [d.to_json() for d in drift]})
+                         "counts": _counts_json(planned, None), "key_drift": [d.to_json() for d in drift],
+                         "will_fail": [w.to_json() for w in planned.will_fail]})
             continue
         t = Table(title=f"{m.name}: {len(compiles)} compiles from {len(p.requests)} requests for {target.describe()}")
         for c in ("#", "request", "label", "kernel"):
@@ -212,6 +257,7 @@ def _print_compiles(plans, args) -> int:
         _print_counts(planned, None)
         for d in drift:
             out.print(f"[red]key drift[/] {escape(d.label)}: {escape(d.summary())}", highlight=False)
+        _print_will_fail(planned.will_fail)
     code = FingerprintMismatch.exit_code if drifted else 0
     if args.json:
         emit_json(docs[0] if len(docs) == 1 else {"socs": docs})
@@ -219,7 +265,7 @@ def _print_compiles(plans, args) -> int:
         err.print(f"[bold red]error[/]: {drifted} recorded requests would not be found by the recording's node: "
                   f"this host computes other cache keys (each part named above); a build refuses them unless "
                   f"--allow-key-drift", highlight=False)
-    return code
+    return code or _will_fail_exit([w for planned, _ in plans for w in planned.will_fail], args)
 
 
 def cmd_build(args) -> int:
@@ -252,17 +298,20 @@ def cmd_build(args) -> int:
             t = Table(title=f"[red]failed[/] {escape(f.label)} ({f.kernel})", show_header=False)
             t.add_row(escape(f.message))
             out.print(t)
+        _print_will_fail(r.will_fail)
         out.print(f"{r.manifest} -> {r.cache_dir} ({r.target}, {r.workers} workers): {r.requests} requests, "
                   f"{len(r.results)} compiles: [green]{r.count('compiled')} compiled[/], "
                   f"{r.count('present')} already present, "
-                  f"{'[red]' if r.failed else ''}{len(r.failed)} failed{'[/]' if r.failed else ''} "
-                  f"in {r.seconds:.1f} s")
+                  f"{'[red]' if r.failed else ''}{len(r.failed)} failed{'[/]' if r.failed else ''}"
+                  + (f", [red]{len(r.will_fail)} kernels will fail[/] (cannot be keyed: not built)" if r.will_fail
+                     else "")
+                  + f" in {r.seconds:.1f} s")
     if r.failed and args.json:
         return BuildError.exit_code  # the report above is the one JSON document
     if r.failed:
         raise BuildError(f"{len(r.failed)} of {len(r.results)} compiles failed (first: {r.failed[0].label}: "
                          f"{r.failed[0].message.splitlines()[0] if r.failed[0].message else 'no message'})")
-    return 0
+    return _will_fail_exit(r.will_fail, args)
 
 
 def cmd_tune(args) -> int:
@@ -372,28 +421,57 @@ def cmd_install(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .verify import verify
+    from .verify import judge_plan, verify
 
-    r = verify(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust,
-               require_signature=args.require_signature, check_fingerprint=not args.no_fingerprint)
+    r = verify(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust, require_signature=args.require_signature,
+               allow_unverified=args.allow_unverified, check_fingerprint=not args.no_fingerprint)
     hit = None
     if args.plan:
         from .willhit import check
 
         hit = check(args.plan, r.cache_dir)
+        judge_plan(r, hit)
+    dirs = None
+    if args.server:
+        from .serverenv import server_cache_dirs
+
+        dirs = server_cache_dirs(args.server, r.cache_dir)
     missed = hit is not None and (not hit.ok or (args.require_autotune and any(not a.present for a in hit.autotune))
                                   or any(a.unread for a in hit.autotune)
                                   or (args.require_launchers and any(not m.present for m in hit.modules)))
-    code = r.exit_code or (WillMissError.exit_code if missed else 0)
+    will_fail = hit.will_fail if hit is not None else []
+    code = r.exit_code or (CacheDirMismatch.exit_code if dirs is not None and not dirs.ok else 0) or (
+        WillMissError.exit_code if missed else WillFailError.exit_code if will_fail else 0)
     if args.json:
         emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code,
-                   "ok": code == 0})
+                   "ok": code == 0, "server_cache_dirs": _server_dirs_json(dirs)})
         return code
     (_print_verify_tables if args.details else _print_verify_summary)(r, hit, args)
+    _print_server_dirs(dirs)
     absent = sum(not a.present for a in hit.autotune) if hit is not None else 0
     note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and not code else ""
     out.print(("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})") + note)
     return code
+
+
+def _server_dirs_json(dirs) -> dict | None:
+    from dataclasses import asdict
+
+    return None if dirs is None else {**asdict(dirs), "ok": dirs.ok, "problem": None if dirs.ok else dirs.problem()}
+
+
+def _print_server_dirs(dirs) -> None:
+    """`verify --server`: where a server process would read Triton's cache; the variable to set when not here."""
+    from .serverenv import VARIABLE
+
+    if dirs is None:
+        return
+    out.print(f"{'server dirs':<14}" + ("[green]ok[/]      " + escape(dirs.summary()) if dirs.ok else
+                                       "[red]PROBLEM[/] " + escape(dirs.problem())), highlight=False)
+    moved = ", ".join(f"{k}={v}" for k, v in sorted(dirs.set_by_import.items()) if k != VARIABLE)
+    if moved:
+        out.print(f"{'':<14}[yellow]info[/]    " + escape(f"`import {dirs.server}` also set {moved} (not checked: "
+                                                           "a bundle holds Triton's cache only)"), highlight=False)
 
 
 def _print_verify_summary(r, hit, args) -> None:
@@ -409,6 +487,7 @@ def _print_verify_summary(r, hit, args) -> None:
     line("integrity", ok if r.integrity_ok else bad,
          f"{r.entries_ok}/{r.entries} entries, {r.files} files, {r.bytes_hashed / 1e6:.1f} MB hashed; "
          f"{r.other_entries} other entries (not from a bundle)")
+    line("trust", bad if not r.trust_ok else ok if r.signed and not r.unverified else info, _trust_text(r))
     if r.factors:
         mismatch = [f for f in r.factors if f.status == "mismatch"]
         differs = [f.factor for f in r.factors if f.status == "differs"]
@@ -419,14 +498,21 @@ def _print_verify_summary(r, hit, args) -> None:
         line("compatibility", bad if mismatch else ok, text)
     if hit is not None:
         line("will-hit", ok if hit.ok else bad, f"{hit.hits}/{len(hit.results)} planned compiles hit ({hit.target})")
+        if hit.will_fail:
+            line("will-fail", bad, f"{len(hit.will_fail)} planned kernels this Triton cannot key "
+                                   f"({sum(len(w.requests) for w in hit.will_fail)} requests): the node crashes at "
+                                   f"its first call of each, whatever the cache holds")
         if hit.key_drift:
             line("recorded keys", info, f"{len(hit.key_drift)} recorded requests keyed otherwise here than in the "
                                         f"process that recorded them (each part named in their rows)")
         if hit.autotune:
             kept = sum(a.present for a in hit.autotune)
             unread = sum(a.unread for a in hit.autotune)
+            pinned = sum(bool(a.pinned) for a in hit.autotune)
             status = ok if kept == len(hit.autotune) else (bad if args.require_autotune else info)
-            line("autotune", bad if unread else status, f"{kept} kept, {len(hit.autotune) - kept} absent"
+            line("autotune", bad if unread else status, f"{kept - pinned} kept, "
+                 + (f"{pinned} kernels pinned (the guard runs their config alone), " if pinned else "")
+                 + f"{len(hit.autotune) - kept} absent"
                  + (f", {unread} kept but not read in this environment (TRITON_CACHE_AUTOTUNING unset)" if unread
                     else "")
                  + ("" if args.require_autotune or kept == len(hit.autotune) else
@@ -436,18 +522,25 @@ def _print_verify_summary(r, hit, args) -> None:
             line("C modules", ok if have == len(hit.modules) else (bad if args.require_launchers else info),
                  f"{have} of {len(hit.modules)} in the cache (a launcher per kernel signature, and "
                  + ("npu_utils and the precompiled header)" if hit.target.startswith("npu") else "cuda_utils)"))
-    for name, items in (("modified", r.modified), ("missing", r.missing), ("unexpected", r.unexpected),
-                        ("group pointing outside", r.groups_outside)):
+    # each unverified entry where it fails or keys were given; else the trust line's count (--json has them all)
+    unverified = [f"{u.key}: {u.why}" for u in r.unverified] if r.signed or not r.trust_ok else []
+    for name, items, style in (("tampered receipt", r.tampered_receipts, "red"),
+                               ("missing receipt", r.missing_receipts, "red"),
+                               ("modified", r.modified, "red"), ("missing", r.missing, "red"),
+                               ("unexpected", r.unexpected, "red"), ("group pointing outside", r.groups_outside, "red"),
+                               ("planned compile from an unverified entry", r.planned_unverified, "red"),
+                               ("unverified", unverified, "yellow" if r.trust_ok else "red")):
         for item in items[:20]:
-            out.print(f"[red]{name}[/]: {escape(item)}", highlight=False)
+            out.print(f"[{style}]{name}[/]: {escape(item)}", highlight=False)
         if len(items) > 20:
-            out.print(f"[red]{name}[/]: ... {len(items) - 20} more (--json has all)")
+            out.print(f"[{style}]{name}[/]: ... {len(items) - 20} more (--json has all)")
     for f in r.factors:
         if f.status == "mismatch":
             out.print(f"[red]mismatch[/] {f.factor}: bundle {escape(f.bundle)}, node {escape(f.node)}: "
                       f"{escape(f.why)}", highlight=False)
     if hit is None:
         return
+    _print_will_fail(hit.will_fail)
     for x in hit.results:
         if not x.hit:
             out.print(f"[red]MISS[/] {escape(x.label)} ({escape(x.kernel.rsplit(':', 1)[-1])}) key {x.key or '-'}: "
@@ -467,22 +560,45 @@ def _print_verify_summary(r, hit, args) -> None:
                       f"at first launch, about a second, no kernel compile", highlight=False)
 
 
+def _trust_text(r) -> str:
+    """verify's trust line: what a verified receipt means here, how many entries none covers, what fails them."""
+    text = ("verified: listed by an index a trusted key signed (--trust)" if r.signed else
+            "verified: listed by --bundle or by an index that matches its receipt (without --trust nothing proves "
+            "who wrote it)")
+    if not r.unverified:
+        return text + "; every entry verified"
+    text += f"; {len(r.unverified)} entries unverified"
+    if r.planned_unverified:
+        text += f", {len(r.planned_unverified)} planned compiles would be served from them"
+    if r.allow_unverified:
+        return text + " (allowed: --allow-unverified)"
+    return text + ("" if not r.trust_ok else
+                   " (listed; they fail with --require-signature, or when a planned compile would come from one)")
+
+
 def _print_verify_tables(r, hit, args) -> None:
     """Every row of every check (`verify --details`)."""
     from rich.table import Table
 
     against = ", ".join(r.against) or "no install receipt: only group files checked; will-hit below"
     t = Table(title=f"integrity of {r.cache_dir} (against {against})")
-    t.add_column("check")
+    t.add_column("check", overflow="fold")  # folded, never cut: a path or key must be findable
     t.add_column("count", justify="right")
-    t.add_column("files")
+    t.add_column("files", overflow="fold")
     t.add_row("entries ok", f"{r.entries_ok}/{r.entries}", f"{r.files} files, {r.bytes_hashed / 1e6:.1f} MB hashed")
     for name, items in (("modified", r.modified), ("missing", r.missing), ("unexpected", r.unexpected),
                         ("groups pointing outside", r.groups_outside)):
         t.add_row(f"[red]{name}[/]" if items else name, str(len(items)),
                   escape("\n".join(items[:20])) + (f"\n... {len(items) - 20} more" if len(items) > 20 else ""))
     t.add_row("other entries (not from a bundle)", str(r.other_entries), "")
+    for name, items in (("tampered receipts", r.tampered_receipts), ("missing receipts", r.missing_receipts),
+                        ("unverified entries", [f"{u.key}: {u.why}" for u in r.unverified]),
+                        ("planned, from unverified entries", r.planned_unverified)):
+        more = f"\n... {len(items) - 20} more" if len(items) > 20 else ""
+        t.add_row(f"[red]{name}[/]" if items and (name != "unverified entries" or not r.trust_ok) else name,
+                  str(len(items)), escape("\n".join(items[:20])) + more)
     out.print(t)
+    out.print(escape(f"trust: {_trust_text(r)}"), highlight=False)
     if r.factors:
         t = Table(title="compatibility (bundle fingerprint vs this node)")
         for c in ("factor", "bundle", "node", "status", "why"):
@@ -499,6 +615,7 @@ def _print_verify_tables(r, hit, args) -> None:
             t.add_row(escape(x.label), escape(x.kernel.rsplit(":", 1)[-1]), x.key or "-",
                       "[green]hit[/]" if x.hit else "[red]MISS[/]", escape(x.detail))
         out.print(t)
+        _print_will_fail(hit.will_fail)
         if hit.autotune:
             kept = sum(a.present for a in hit.autotune)
             absent = "[red]absent[/]" if args.require_autotune else "[yellow]absent[/]"
@@ -508,7 +625,8 @@ def _print_verify_tables(r, hit, args) -> None:
                 t.add_column(c, overflow="fold")
             for a in hit.autotune:
                 t.add_row(escape(a.label), escape(a.kernel.rsplit(":", 1)[-1]), a.key,
-                          "[green]kept[/]" if a.present else absent, escape(a.detail))
+                          ("[green]pinned[/]" if a.pinned else "[green]kept[/]") if a.present else absent,
+                          escape(a.detail))
             out.print(t)
         if hit.modules:
             have = sum(m.present for m in hit.modules)
@@ -677,7 +795,7 @@ def cmd_lower(args) -> int:
     r = lower(load(args.manifest))
     if args.json:  # one document: the report says what failed; the exit code says that something did
         emit_json(r.to_json())
-        return BuildError.exit_code if r.failed else 0
+        return BuildError.exit_code if r.failed else _will_fail_exit(r.will_fail, args)
     t = Table(title=f"{r.manifest}: front end ({r.triton}) for npu {r.arch}")
     for c in ("#", "kernel", "variant", *(f"{s} ms" for s in STAGES), f"UB KB (of {r.ub_size // 1024})",
               "cache key / error"):
@@ -689,14 +807,21 @@ def cmd_lower(args) -> int:
         t.add_row(str(i), c.kernel, escape(c.label), *ms, f"[red]{ub}[/]" if c.failed_stage == "ub" else ub,
                   c.cache_key if c.ok else f"[red]{c.failed_stage}[/]: {escape(c.error)}")
     out.print(t)
+    _print_will_fail(r.will_fail)
     peak = max((c.ub_bytes for c in r.compiles if c.ub_bytes is not None), default=0)
+    will_fail = f", [red]{len(r.will_fail)} kernels will fail[/] (cannot be keyed: not lowered)" if r.will_fail else ""
     out.print(f"{r.lowered} of {len(r.compiles)} compiles ({r.requests} requests) lowered to linalg"
-              f"{f', [red]{len(r.failed)} failed[/]' if r.failed else ''}; largest UB estimate {peak / 1024:.0f} KB "
-              f"of {r.ub_size // 1024} KB")
+              f"{f', [red]{len(r.failed)} failed[/]' if r.failed else ''}{will_fail}; largest UB estimate "
+              f"{peak / 1024:.0f} KB of {r.ub_size // 1024} KB")
+    crashed = [c for c in r.compiles if c.crashed and c.ok]
+    if crashed:
+        out.print(f"[yellow]warning[/]: {len(crashed)} compile(s) crashed the front end once and lowered on retry "
+                  f"(a flaky {r.triton} tool; a node's JIT may crash the same way): "
+                  + "; ".join(f"{c.kernel} {escape(c.label)}: {escape(c.crashed)}" for c in crashed))
     if r.failed:
         raise BuildError(f"{len(r.failed)} of {len(r.compiles)} compiles failed in the front end: "
                          + "; ".join(c.failure() for c in r.failed))
-    return 0
+    return _will_fail_exit(r.will_fail, args)
 
 
 # --- parser --------------------------------------------------------------------------------------------------
@@ -730,6 +855,8 @@ class _ArgsAfterDashes(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .serverenv import SERVER_IMPORTS
+
     p = argparse.ArgumentParser(prog="prewarm", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"prewarm {__version__}")
     sub = p.add_subparsers(dest="verb", required=True)
@@ -818,10 +945,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "first launch is absent (Ascend pre-launch jobs: the image may have no C++ compiler)")
     sp.add_argument("--bundle", help="check against this bundle (URL or dir) instead of the install receipts")
     sp.add_argument("--insecure", action="store_true", help="plain HTTP to a loopback OCI registry (tests)")
-    sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY")
-    sp.add_argument("--require-signature", action="store_true")
+    sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY",
+                    help="trusted signer (repeat): a receipt counts only where its kept index is signed by one")
+    sp.add_argument("--require-signature", action="store_true",
+                    help="fail (exit 13) on any entry no receipt signed by a --trust key covers")
+    sp.add_argument("--allow-unverified", action="store_true",
+                    help="list entries no verified receipt covers (device builds, node-local compiles), never fail")
     sp.add_argument("--no-fingerprint", action="store_true", help="skip the compatibility check")
     sp.add_argument("--details", action="store_true", help="every row of every check (default: a summary)")
+    sp.add_argument("--server", choices=tuple(SERVER_IMPORTS),
+                    help="also check the Triton cache dir a process of this server, started with this environment, "
+                         "would read (its own import run in a child process): exit 14 naming the variable to set")
 
     sp = verb("ls", cmd_ls, "list what a cache dir holds: installed bundles, entries no bundle installed")
     sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
@@ -860,8 +994,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "launch arguments given after -- (each value commented with its source)")
     sp.add_argument("model", help="the model dir, or its config.json")
     sp.add_argument("--server", required=True, choices=("sglang", "vllm"), help="whose launch arguments follow --")
-    sp.add_argument("--kernels", required=True, choices=("own", "fla", "sglang"),
-                    help="the KDA kernels the server runs: own (prewarm_kernels), fla (fla-core), sglang (its own)")
+    sp.add_argument("--kernels", choices=("own", "fla", "sglang", "vllm"),
+                    help="the KDA kernels the server runs: own (prewarm_kernels), fla (fla-core), sglang or vllm (the "
+                         "server's own; the default for --server vllm)")
     sp.add_argument("--target", required=True, metavar="BACKEND:ARCH[:DEVICE]",
                     help="e.g. cuda:sm_90:H200 or npu:Ascend910_9391 (a device lets server defaults that depend on "
                          "its memory be taken)")

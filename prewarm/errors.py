@@ -64,6 +64,28 @@ class EnvironmentProblem(PrewarmError):
     exit_code = 11
 
 
+class WillFailError(PrewarmError):
+    """A planned kernel cannot be keyed or compiled by this node's Triton: the node would crash at its first call
+    (kernel, file and line, reason and fix named)."""
+
+    exit_code = 12
+
+
+class UnverifiedEntries(PrewarmError):
+    """Entries no verified install receipt covers (node-local compiles, copies, unsigned bundles) where only signed
+    bundles are trusted (--require-signature), or a planned compile would be served from one (each named;
+    --allow-unverified lists them instead)."""
+
+    exit_code = 13
+
+
+class CacheDirMismatch(PrewarmError):
+    """The server process would read another cache dir than the one installed and verified: names the variable to
+    set."""
+
+    exit_code = 14
+
+
 EXIT_CODES = {
     0: "success",
     1: "unexpected internal error (a bug: please report the traceback)",

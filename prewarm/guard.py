@@ -7,7 +7,8 @@ installs it right after ``import triton``):
     PREWARM_GUARD=warn|error      off when unset
     PREWARM_GUARD_RECORD=FILE     uncovered requests are appended here, as `prewarm record` lines: a manifest
                                   including it (``[[kernels]] record = "FILE"``) makes the next build cover them
-    PREWARM_GUARD_PLAN=MANIFEST   explain each against this plan (nearest planned compile, what differs)
+    PREWARM_GUARD_PLAN=MANIFEST   explain each against this plan (nearest planned compile, what differs), and
+                                  run each kernel its autotune table pins ([[pinned]]) in that config alone
     PREWARM_GUARD_ARM=import|manual   import (default): from the start; manual: from ``prewarm.guard.arm()``,
                                   the one line a server calls after its own warmup
     PREWARM_METRICS_TEXTFILE=FILE.prom   compiles and autotune benchmarks after arming, per kernel, and the
@@ -19,15 +20,20 @@ in ``compile()`` (Triton's own lookup: the entry with its metadata file = a disk
 unremarked; otherwise the request is logged on stderr with its explanation and appended to the record file, and in
 ``error`` mode :class:`UncoveredCompile` is raised there, before the compiler starts. An autotune benchmark (an
 Autotuner about to time its configs because the cache holds no result it reads for the call's tuning key) is
-treated the same way, from Triton's own benchmarking (:func:`prewarm.tritoncompat.watch_autotune_benchmarks`): logged
-with the kernel, the tuning key, the config count and the result file it lacked, appended to the record file as an
-``"event": "autotune"`` line (no compile to replay: the build's autotune table covers it), counted
-(:func:`autotune_benchmarked`), refused in error mode (:class:`UncoveredBenchmark`) before the first config runs.
+treated the same way, from Triton's own benchmarking (:func:`prewarm.tritoncompat.watch_autotune_benchmarks`, on
+triton-ascend 3.2 too): logged with the kernel, the tuning key, the config count and the result file it lacked,
+appended to the record file as an ``"event": "autotune"`` line (no compile to replay: the build's autotune table
+covers it), counted (:func:`autotune_benchmarked`), refused in error mode (:class:`UncoveredBenchmark`) before the
+first config runs. With PREWARM_GUARD_PLAN, the guard also gives each kernel pinned in that manifest's autotune table
+(``[[pinned]]``) its pinned config alone before its Autotuner's first call (:mod:`prewarm.autotune`): it never
+benchmarks, where Triton keeps no results (triton-ascend 3.2) as elsewhere.
 Installing the guard also starts, in a background thread, the one-time work Triton otherwise does at a process's first
 kernel launch, i.e. in the first request (its own key: 0.4 s of hashing libtriton on the H200; the modules its
 specializer imports): :func:`prewarm.tritoncompat.start_process_warmup`. On triton-ascend, arming also checks the
 process's Ascend codegen env vars, which the key misses, against the installed bundles' build
-(:func:`prewarm.backends.npu.check_serving_env`: error mode refuses to serve).
+(:func:`prewarm.backends.npu.check_serving_env`: error mode refuses to serve). With PREWARM_GUARD_PLAN, arming also
+checks that this process's Triton reads a dir a bundle was installed or built into, wherever the server's own import
+left TRITON_CACHE_DIR (:func:`prewarm.serverenv.check_serving_process`: error mode refuses to serve).
 """
 from __future__ import annotations
 
@@ -128,6 +134,10 @@ class _Guard:
         if tritoncompat.keeps_results(tuner) and lookup is not None:
             key, filename = lookup
             why = f"no {filename} under {key} in {tritoncompat.cache_dir()}"
+        elif not tritoncompat.can_keep_results(tuner):
+            key, why = None, (f"not pinned, and this Triton keeps no autotune results (triton-ascend 3.2: no "
+                              f"cache_results): it benchmarks in every process; pin it ([[pinned]] in the autotune "
+                              f"table of the manifest {PLAN} names)")
         else:
             key, why = None, ("this Autotuner keeps no results (no cache_results, TRITON_CACHE_AUTOTUNING unset "
                               "when its module was imported): it benchmarks in every process")
@@ -168,13 +178,14 @@ class _Guard:
         """The plan's compiles, expanded once, in a separate process: the planner imports providers and activates
         a target driver, which a serving process must not have done to it. The offline target: the same requests,
         and the device is left to the server."""
+        from .errors import WillFailError
         from .plan import Compile
 
         if self.planned is None:
             env = {k: v for k, v in os.environ.items() if k not in (MODE, "PREWARM_RECORD_FILE", "TRITON_CACHE_MANAGER")}
             done = subprocess.run([sys.executable, "-m", "prewarm.cli", "plan", "--compiles", "--json", "--mode",
                                    "offline", self.plan], capture_output=True, text=True, env=env)
-            if done.returncode:
+            if done.returncode not in (0, WillFailError.exit_code):  # will-fail: the compiles are still listed
                 raise RuntimeError((done.stderr.strip().splitlines() or ["no message"])[-1])
             doc = json.loads(done.stdout)
             self.planned = [Compile(c["request"], c["kernel"], c["label"], c["specialization_data"])
@@ -255,6 +266,7 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
         tritoncompat.set_cache_manager(manager)
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
         tritoncompat.watch_autotune_benchmarks(_guard.benchmark)
+        _pin_autotuners(plan)
         tritoncompat.start_process_warmup()  # off the first request's path: not a compile, but it stalls one
         if metrics.textfile():
             metrics.installed_bundles(tritoncompat.cache_dir())
@@ -262,7 +274,33 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
         from .backends.npu import check_serving_env  # codegen env vars the key misses: refused (error) or said
 
         check_serving_env(mode)
+    if armed and not _guard.armed and plan:  # guarding a planned node: its Triton must read the installed cache
+        from .serverenv import check_serving_process
+
+        check_serving_process(mode)
     _guard.armed = _guard.armed or armed
+
+
+def _pin_autotuners(plan: str | None) -> None:
+    """Give every pinned kernel's Autotuner its pinned config alone, before its first call (armed or not: a
+    server's own warmup would benchmark too): the ``[[pinned]]`` rows of the autotune table that the plan's
+    manifest names (``[target] tuned``), for its device. A table that cannot be read is said, not fatal: the
+    Autotuners then benchmark, which the guard counts (and refuses in error mode)."""
+    from . import tritoncompat
+
+    if not plan:
+        return
+    try:
+        from .manifest import load
+        from .pins import pin_chooser
+        from .plan import manifest_pins
+
+        pins = manifest_pins(load(plan))
+    except Exception as e:
+        print(f"prewarm guard: no autotune pins from {plan}: {e}", file=sys.stderr)
+        return
+    if pins:
+        tritoncompat.pin_autotuners(pin_chooser(pins))
 
 
 def arm() -> bool:

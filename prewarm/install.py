@@ -49,11 +49,9 @@ from . import nodestamp
 from . import workers as workers_
 from .bundle import (DIR_FLAGS, INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, Entry, FileRecord, Index, is_runtime_module,
                      parse_index, read_bounded, unpack_object)
-from .cachedir import CacheDir, EntryState, Receipt, fsync_dir, latest_owners, stamp, syncfs
-from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, StoreError
+from .cachedir import CacheDir, EntryState, Receipt, fsync_dir, install_history, latest_owners, stamp, syncfs
+from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError, StoreError
 from .stores.base import Store, join, retry
-
-MAX_SIGNATURE_BYTES = 64 << 10
 
 
 def default_cache_dir() -> Path:
@@ -80,6 +78,7 @@ class StoredBundle:
     digest: str
     signed_by: str | None
     where: str
+    signature: bytes | None = None  # checked (signed_by): kept beside the receipt as its proof
 
     @property
     def index(self) -> Index:
@@ -107,16 +106,18 @@ def read_bundle(
         data = _read_blob(store, INDEX, MAX_INDEX_BYTES)
     except FileNotFoundError:
         raise StoreError(f"{where}: no bundle index here (push one with `prewarm push`)") from None
-    signed_by = None
+    signed_by = sig = None
     if trusted_keys or require_signature:
         from . import signing
 
         try:
-            sig = _read_blob(store, SIGNATURE, MAX_SIGNATURE_BYTES)
+            sig = _read_blob(store, SIGNATURE, signing.MAX_SIGNATURE_BYTES)
         except FileNotFoundError:
             sig = None
+        except IntegrityError as e:  # larger than any signature, or not the blob the registry lists
+            raise SignatureError(f"{e}: not a signature") from None
         signed_by = signing.verify(data, sig, list(trusted_keys), where)
-    return StoredBundle(store, data, hashlib.sha256(data).hexdigest(), signed_by, where)
+    return StoredBundle(store, data, hashlib.sha256(data).hexdigest(), signed_by, where, sig)
 
 
 def _open_store(url: str, storage_options: dict | None) -> Store:
@@ -422,6 +423,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         if not any(workers_.run(_stale, [(keys[a:b],) for a, b in workers_.ranges(len(keys), 4096)], job,
                                 processes=processes, workers=_workers(workers, processes))):
             res.present, res.kept, res.noop = len(keys), len(own.kept), True
+            cache.keep_signature(bundle.digest, bundle.signature, durable=durable)  # installed before without --trust
             return
     entries = bundle.index.entries
     staging = cache.new_staging()
@@ -447,7 +449,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         def started(forked: bool) -> None:
             flusher.start()
             # written (and fsynced) while the workers stage, not before they start: only the receipt needs it
-            cache.write_receipt_index(bundle.digest, bundle.index_bytes, durable=durable)
+            cache.write_receipt_index(bundle.digest, bundle.index_bytes, bundle.signature, durable=durable)
             if forked:  # the workers have their own copies: this process needs only keys and objects now
                 job.entries = ()
                 bundle.release()
@@ -478,11 +480,15 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         res.installed = len(todo)
         if durable:
             fsync_dir(cache_dir)  # the renames on disk before the receipt that describes them
-        seq = own.seq if agrees else max((r.seq for r in receipts), default=0) + 1  # a refresh keeps its place
+        # a refresh keeps its place; a new install takes a number no receipt nor history has named
+        seq = own.seq if agrees else max([r.seq for r in receipts] + [n for r in receipts for n in r.history],
+                                         default=0) + 1
+        head["history"] = install_history(receipts, seq)
         _write_receipt(cache, bundle, source, seq, head, zip(keys, objects, stamps), kept, durable)
     except BaseException:
-        if own is None:  # the index written beside a receipt that will not be
-            cache.receipt(res.index_digest).with_suffix(".index").unlink(missing_ok=True)
+        if own is None:  # the index (and signature) written beside a receipt that will not be
+            for suffix in (".index", ".sig"):
+                cache.receipt(res.index_digest).with_suffix(suffix).unlink(missing_ok=True)
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

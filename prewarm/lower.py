@@ -7,7 +7,9 @@ makes (bound and specialized by Triton's own JIT, through a target-only driver) 
     ast (ast_to_ttir) -> ttir (make_ttir) -> ttadapter (ttir_to_linalg, the bundled triton-adapter-opt)
 
 The next stage (``npubin``: CANN's bishengir-compile, and the device's SoC) is the NPU build's job. A failure
-names the kernel, the variant and the stage's own message. Each compile also reports the cache key dir the
+names the kernel, the variant and the stage's own message. A kernel whose key this triton-ascend cannot compute
+(``plan.WillFail``: its source names what this Triton lacks) is not lowered: it is the report's ``will_fail``, each
+with its file and line, reason, what the node does and the fix. Each compile also reports the cache key dir the
 runtime on an ``arch`` node would look up (same computation as ``compile``), and an estimate of its on-chip
 unified-buffer (UB) footprint from the linalg: a pinned config that cannot fit the SoC's UB fails here (stage
 "ub"), not on a node.
@@ -62,6 +64,7 @@ class LoweredCompile:
     stage_ms: dict[str, float] = field(default_factory=dict)  # stages that completed, in order
     failed_stage: str | None = None  # "bind" (plan/JIT binding) or one of STAGES
     error: str | None = None
+    crashed: str | None = None  # a stage's tool died by a signal on the first try and the retry lowered (its words)
 
     @property
     def ok(self) -> bool:
@@ -79,6 +82,7 @@ class LowerReport:
     compiles: list[LoweredCompile]
     requests: int
     ub_size: int  # bytes of unified buffer per core on ``arch`` (npu.ub_size)
+    will_fail: list[planning.WillFail] = field(default_factory=list)  # kernels this Triton cannot key: not lowered
 
     @property
     def lowered(self) -> int:
@@ -93,6 +97,7 @@ class LowerReport:
             "manifest": self.manifest, "arch": self.arch, "triton": self.triton, "requests": self.requests,
             "ub_size": self.ub_size, "lowered": self.lowered, "failed": len(self.failed), "stages": list(STAGES),
             "compiles": [{**asdict(c), "ok": c.ok} for c in self.compiles],
+            "will_fail": [w.to_json() for w in self.will_fail],
         }  # fmt: skip
 
 
@@ -102,6 +107,19 @@ def _message(e: BaseException) -> str:
         text = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         return text.strip() or f"{e.cmd[0]} exited with {e.returncode}"
     return f"{type(e).__name__}: {e}".strip()
+
+
+def _run_stage(step, module, out: LoweredCompile):
+    """One front-end stage; a stage tool killed by a signal is run once more. triton-ascend 3.2.0's
+    triton-adapter-opt aborts now and then (``malloc(): corrupted top size``) on an input it lowers on the next try:
+    that is the toolchain's flakiness, not the plan's, and it is reported (``crashed``), not hidden."""
+    try:
+        return step(module)
+    except subprocess.CalledProcessError as e:
+        if e.returncode >= 0 or out.crashed is not None:
+            raise
+        out.crashed = (_message(e).splitlines() or [f"signal {-e.returncode}"])[0]
+        return step(module)
 
 
 def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
@@ -115,7 +133,7 @@ def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
         for name, step in front.steps:
             start = time.perf_counter()
             try:
-                module = step(module)
+                module = _run_stage(step, module, out)
             except Exception as e:
                 out.failed_stage, out.error = name, _message(e)
                 return out
@@ -130,20 +148,26 @@ def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
 
 
 def lower(m: Manifest) -> LowerReport:
-    """Plan ``m`` and take every compile of every request through the front end (none stops the others)."""
+    """Plan ``m`` and take every compile of every request through the front end (none stops the others), except
+    the requests of a kernel this Triton cannot key (the report's ``will_fail``); an autotuned kernel the manifest's
+    table pins is lowered in its pinned config alone, as the build compiles it."""
+
     if m.backend != "npu":
         raise EnvironmentProblem(f"{m.path}: target.backend is {m.backend!r}: lower checks the Ascend (npu) "
                                  f"front end only")
     npu.activate_offline(m.arch, planning.manifest_device(m))  # before planning: triton 3.2 binds @autotune to it
     the_plan = planning.plan(m)
+    requests, will_fail = planning.set_apart_will_fail(the_plan.requests)
+    pins = planning.manifest_pins(m)
     dist, version = tritoncompat.triton_distribution()
     compiles: list[LoweredCompile] = []
-    for req in the_plan.requests:
+    for req in requests:
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # triton-ascend prints advice on every bind
-                planned = planning.expand(req)
+                planned = planning.expand(req, pins)
         except Exception as e:
             compiles.append(LoweredCompile(req.kernel, req.label, req.ident, failed_stage="bind", error=_message(e)))
             continue
         compiles += [lower_compile(c, m.arch) for c in planned]
-    return LowerReport(str(m.path), m.arch, f"{dist} {version}", compiles, len(the_plan.requests), npu.ub_size(m.arch))
+    return LowerReport(str(m.path), m.arch, f"{dist} {version}", compiles, len(the_plan.requests), npu.ub_size(m.arch),
+                       will_fail)

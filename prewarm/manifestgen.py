@@ -43,7 +43,9 @@ from .errors import EnvironmentProblem, ManifestError
 
 SERVERS = ("sglang", "vllm")
 KERNELS = {"own": "prewarm_kernels.kda.serving", "fla": "prewarm.providers.fla_kda",
-           "sglang": "prewarm.providers.sglang_kda"}  # fmt: skip
+           "sglang": "prewarm.providers.sglang.cuda", "vllm": "prewarm.providers.vllm_kda"}  # fmt: skip
+DEFAULT_KERNELS = {"vllm": "vllm"}  # --kernels when not given: the server's own KDA kernels (sglang: say which)
+SGLANG_PROVIDERS = {"cuda": "prewarm.providers.sglang.cuda", "npu": "prewarm.providers.sglang.ascend"}  # by backend
 SGLANG = "sglang 0.5.23"
 VLLM = "vLLM 0.34.0"
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
@@ -69,7 +71,7 @@ class Sourced:
 class GeneratedManifest:
     name: str
     target: dict[str, str | None]  # backend, arch, device
-    kernels: str  # own | fla | sglang
+    kernels: str  # own | fla | sglang | vllm
     spec: dict[str, dict[str, Sourced]]  # [spec.<table>] -> key -> value
     notes: tuple[str, ...]  # what was left to the provider, and why
     ignored: tuple[str, ...]  # launch arguments that change nothing here (or that this table does not know)
@@ -79,7 +81,7 @@ class GeneratedManifest:
 
     @property
     def provider(self) -> str:
-        return KERNELS[self.kernels]
+        return SGLANG_PROVIDERS[self.target["backend"]] if self.kernels == "sglang" else KERNELS[self.kernels]
 
     def spec_table(self) -> dict[str, dict[str, Any]]:
         return {table: {k: v.value for k, v in keys.items()} for table, keys in self.spec.items()}
@@ -238,6 +240,8 @@ def _parser(server: str) -> _Parser:
         p.add_argument("--speculative-dspark-block-size", type=_ints)
         p.add_argument("--chunked-prefill-size", type=int)
         p.add_argument("--max-prefill-tokens", type=_ints)
+        p.add_argument("--max-mamba-cache-size", type=_ints)
+        p.add_argument("--disable-radix-cache", action="store_true")
     else:
         p.add_argument("--tensor-parallel-size", "-tp", type=_ints)
         p.add_argument("--max-num-seqs", type=_ints)
@@ -337,13 +341,19 @@ def _flag(argv: list[str], *names: str, many: bool = False) -> str:
 # --- the mapping ----------------------------------------------------------------------------------------------------
 
 
-def generate(model: str | Path, server: str, kernels: str, target: str, server_args: list[str],
+def generate(model: str | Path, server: str, kernels: str | None, target: str, server_args: list[str],
              name: str | None = None) -> GeneratedManifest:
     """The manifest for a model config and a launch line (see the module docstring); nothing is written."""
     if server not in SERVERS:
         raise ManifestError(f"--server {server!r}: expected one of {', '.join(SERVERS)}")
+    kernels = kernels or DEFAULT_KERNELS.get(server)
+    if kernels is None:
+        raise ManifestError(f"--kernels: required with --server {server} (one of {', '.join(KERNELS)})")
     if kernels not in KERNELS:
         raise ManifestError(f"--kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+    if kernels in SERVERS and kernels != server:
+        raise ManifestError(f"--kernels {kernels} with --server {server}: {kernels}'s own KDA kernels run only in "
+                            f"{kernels}")
     backend, arch, device, profile = _target(target)
     cfg = _Config(*read_model_config(model))
     argv = _vllm_argv(list(server_args)) if server == "vllm" else list(server_args)
@@ -379,12 +389,19 @@ def generate(model: str | Path, server: str, kernels: str, target: str, server_a
     serving, mrr, notes = _sglang_serving(args, argv, profile) if server == "sglang" else \
         _vllm_serving(args, argv, profile, arch)
     if mrr is not None:
-        if kernels == "sglang":  # the provider that plans every eager decode batch size reads it
+        if kernels in ("sglang", "vllm"):  # the providers that plan every eager decode batch size read it
             serving["max_running_requests"] = mrr
         else:
             notes.append(f"max running requests {mrr.value} ({mrr.source}): not written, --kernels {kernels}'s "
                          "provider does not read it")
     spec = {"model": model_t, "parallel": parallel, "dtypes": dtypes, "serving": serving}
+    if kernels == "vllm":
+        notes.append("state slot stride: not written (vLLM lays each state slot out as one page with the conv state, "
+                     "padded to the attention page, by its KV-cache planning at startup): the provider plans a dense "
+                     "pool; add [spec.vllm] state_slot_strides = [layer.kv_cache[1].stride(0)] as the node has it "
+                     "(see manifests/kimi-linear-h200-vllm.toml)")
+    if server == "sglang" and kernels == "sglang" and backend == "npu":
+        spec["sglang"] = _sglang_ascend(args, argv, cfg, serving)
     gen = GeneratedManifest(name or _name(cfg.path, server), {"backend": backend, "arch": arch, "device": device},
                             kernels, spec, tuple(notes), tuple(ignored), str(cfg.path), server, tuple(argv))
     _check(gen)
@@ -448,6 +465,25 @@ def _sglang_parallel(args, argv: list[str]) -> dict[str, Sourced]:
         why = "--dp-size without --enable-dp-attention: replicas" if args.dp_size else "no DP attention"
         dp = Sourced(1, f"{why} (attention-TP = the TP size)")
     return {"tensor_parallel": tp, "attention_dp": dp}
+
+
+def _sglang_ascend(args, argv: list[str], cfg: _Config, serving: dict[str, Sourced]) -> dict[str, Sourced]:
+    """``[spec.sglang]`` of sglang's Ascend KDA backend (prewarm.providers.sglang.ascend): the pools' geometry that
+    reaches a constexpr, and the radix cache's state tracking."""
+    out = {"track_state": Sourced(not args.disable_radix_cache, "--disable-radix-cache (no state tracking)"
+                                  if args.disable_radix_cache else f"{SGLANG}'s radix cache (on by default) tracks "
+                                  "KDA state in an extra buffer")}
+    if args.max_mamba_cache_size:
+        out["mamba_pool_slots"] = Sourced(args.max_mamba_cache_size + 1,
+                                          f"{_flag(argv, '--max-mamba-cache-size')} + the pool's padding slot")
+    elif "draft_widths" in serving:
+        raise ManifestError("mamba pool slots: sglang's Ascend verify rolls the conv state back with the conv pool's "
+                            "strides as constexprs, and sglang sizes that pool from the device's memory at startup: "
+                            "add --max-mamba-cache-size N to the launch arguments")
+    out["conv_kernel"] = Sourced(cfg.linear("short_conv_kernel_size", _positive_int, "a positive integer (the "
+                                            "short conv's kernel)"), cfg.source("linear_attn_config."
+                                                                                 "short_conv_kernel_size"))
+    return out
 
 
 def _vllm_parallel(args, argv: list[str]) -> dict[str, Sourced]:
@@ -719,7 +755,16 @@ def _check(gen: GeneratedManifest) -> None:
         path.write_text(gen.toml())
         m = load(path)
     try:
-        read_kda(m.spec())
+        if "sglang" in m.spec():
+            from .providers.sglang.common import read_spec
+
+            read_spec(m.spec())
+        elif gen.kernels == "vllm":
+            from .providers.vllm_kda import read_spec
+
+            read_spec(m.spec())
+        else:
+            read_kda(m.spec())
     except SpecError as e:
         table, _, key = e.key.partition(".")
         sources = [f"{table}.{key} from {gen.spec[table][key].source}"] if key in gen.spec.get(table, {}) else []

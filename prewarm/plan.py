@@ -9,12 +9,16 @@ those with ``preload``, so plan, build and check share one definition of "the re
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
 import importlib
+import inspect
 import itertools
 import json
+import re
+import textwrap
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,6 +306,32 @@ def manifest_device(manifest) -> str | None:
     return devices.ALIASES.get(name, name)
 
 
+def manifest_device_name(manifest, where: str) -> str:
+    """The device name a manifest's rows are looked up under (its ``[target] device`` profile's name); a table
+    without a device to select its rows is refused (exit 3)."""
+    profile = manifest_device(manifest)
+    if profile is None:
+        raise ManifestError(f"{manifest.path}: {where} names an autotune table, but target.device is missing: "
+                            f"expected the device the table was measured on (e.g. device = \"H200\"): its rows are "
+                            f"keyed by device")
+    return devices.lookup(profile, f"{manifest.path}: target").name
+
+
+def manifest_pins(manifest) -> dict:
+    """kernel ("module:qualname") -> its autotune pin (prewarm.pins): the ``[[pinned]]`` rows of the manifest's own
+    table (``[target] tuned``; pins decide what the plan compiles, so ``--tuned`` does not replace them) for the
+    device it plans for. {} where it names no table or the file does not exist (plan and build say so)."""
+    from .pins import read_pins
+
+    if manifest.tuned is None or not manifest.tuned.is_file():
+        return {}
+    pinned = read_pins(manifest.tuned)
+    if not pinned:
+        return {}
+    device = manifest_device_name(manifest, "target.tuned")
+    return {r.kernel: r for r in pinned if r.device == device}
+
+
 def recorded_device(manifest) -> tuple[str, str, dict] | None:
     """(profile name, first line naming it, the device as recorded) of the device a manifest's record files ran
     on; None where no line names one. Lines naming different devices are a ManifestError naming both lines."""
@@ -429,8 +459,10 @@ class Planned:
 
     manifest: Manifest
     target: Any  # a prewarm.backends Target
-    requests: list[Request]
+    requests: list[Request]  # those whose kernel this Triton can key (the others are in ``will_fail``)
     compiles: list[Compile]
+    will_fail: list[WillFail] = field(default_factory=list)
+    pins: dict = field(default_factory=dict)  # kernel -> its autotune pin (prewarm.pins.PinnedRow): planned alone
 
     def counts(self) -> list[CompileCount]:
         """Compiles per manifest entry and kernel, the most first (a compile two requests make counts once, for
@@ -445,26 +477,29 @@ class Planned:
 
 def plan_for(manifest: Manifest, target: Any) -> Planned:
     """The one way to plan and expand: ``target`` activated (its device view), ``manifest`` planned, every
-    request expanded into Triton's compiles under it. Build, will-hit, explain and ``plan --compiles`` use it."""
+    request expanded into Triton's compiles under it, except those of a kernel this Triton cannot key
+    (:func:`set_apart_will_fail`). Build, will-hit, explain and ``plan --compiles`` use it."""
     target.activate()
-    requests = plan(manifest).requests
-    return Planned(manifest, target, requests, expand_all(requests))
+    requests, will_fail = set_apart_will_fail(plan(manifest).requests)
+    pins = manifest_pins(manifest)
+    return Planned(manifest, target, requests, expand_all(requests, pins), will_fail, pins)
 
 
-def expand_all(requests: list[Request]) -> list[Compile]:
+def expand_all(requests: list[Request], pins: dict | None = None) -> list[Compile]:
     """Every request's compiles, each distinct compile once (two calls can make the same request of Triton, and
     closing one recorded request can give another; the request itself is kept over a closing variant of another)."""
     out: dict[str, Compile] = {}
     for r in requests:
-        for c in expand(r):
+        for c in expand(r, pins):
             same = tritoncompat.on_disk(c.specialization)
             if same not in out or out[same].closing and not c.closing:
                 out[same] = c
     return list(out.values())
 
 
-def expand(request: Request) -> list[Compile]:
-    """The compiles Triton makes for ``request`` under the active target: one per autotune config, in order."""
+def expand(request: Request, pins: dict | None = None) -> list[Compile]:
+    """The compiles Triton makes for ``request`` under the active target: one per autotune config, in order; a
+    kernel ``pins`` names (:func:`manifest_pins`) in its pinned config alone, as its Autotuner under the guard."""
     if request.specialization is not None:
         variants = [("", request.parsed), *other_dtypes(request.parsed, request.close_dtypes)]
         if request.close:
@@ -476,16 +511,118 @@ def expand(request: Request) -> list[Compile]:
     kernel = resolve(request.kernel)
     args = tuple(decode(a) for a in request.args)
     kwargs = {k: decode(v) for k, v in request.kwargs.items()}
+    tuner = tritoncompat.find_autotuner(kernel) if pins else None
+    pin = pins.get(tritoncompat.kernel_ref(tuner)) if tuner is not None else None
+    if pin is not None:
+        from .pins import pinned_config
+
+        kernel = tritoncompat.with_configs(kernel, [pinned_config(tuner, pin)])
     with tritoncompat.compile_requests(skip=True) as captured:
         tritoncompat.warmup(kernel, args, kwargs, grid=(1,))
     unique = list(dict.fromkeys(captured))
-    many = len(unique) > 1
+    many = len(unique) > 1 or pin is not None
     return [
         Compile(request.ident, request.kernel,
-                f"{request.label} [{describe_specialization(tritoncompat.parse_specialization(d))}]" if many
-                else request.label, d)
+                f"{request.label} [{'pinned: ' if pin else ''}"
+                f"{describe_specialization(tritoncompat.parse_specialization(d))}]" if many else request.label, d)
         for d in unique
     ]  # fmt: skip
+
+
+# --- kernels this Triton cannot key ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WillFail:
+    """A planned kernel this process's Triton cannot key: computing its ``cache_key`` (its source hashed, every name
+    and attribute it uses resolved, its callees' keys) raises. The node's JIT computes that key at the kernel's
+    first call, before any cache lookup, so no cache can hold it: the node crashes there, prewarmed or not. Its
+    requests are planned and listed here, never compiled."""
+
+    kernel: str  # "module:qualname"
+    file: str  # the kernel's source file
+    line: int  # the line of its ``def``
+    triton: str  # "triton-ascend 3.2.0": the Triton that cannot key it
+    error: str  # the exception's type, e.g. "AttributeError"
+    reason: str  # the exception's text
+    fix: str
+    requests: tuple[Request, ...] = field(compare=False)  # the planned requests that reach it, in plan order
+
+    @property
+    def node(self) -> str:
+        """What happens on a node with this Triton."""
+        return (f"the node's first call of this kernel raises {self.error} in the JIT (before any cache lookup): the "
+                f"server crashes at its first {self.requests[0].label!r}")
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "file": self.file, "line": self.line, "triton": self.triton,
+                "error": self.error, "reason": self.reason, "node": self.node, "fix": self.fix,
+                "requests": [r.ident for r in self.requests], "labels": [r.label for r in self.requests]}
+
+
+def set_apart_will_fail(requests: list[Request]) -> tuple[list[Request], list[WillFail]]:
+    """(the requests whose kernel this process's Triton can key, a :class:`WillFail` for each kernel it cannot with
+    the requests that reach it), both in plan order. Expanding a request does not need the key (the JIT binds and
+    specializes first); compiling, looking it up and lowering do: the requests set apart go to none of them."""
+    verdicts: dict[str, WillFail | None] = {}
+    reach: dict[str, list[Request]] = defaultdict(list)
+    keyable = []
+    for r in requests:
+        if r.kernel not in verdicts:
+            verdicts[r.kernel] = _unkeyable(r.kernel)
+        if verdicts[r.kernel] is None:
+            keyable.append(r)
+        else:
+            reach[r.kernel].append(r)
+    return keyable, [dataclasses.replace(verdicts[k], requests=tuple(rs)) for k, rs in reach.items()]
+
+
+def _unkeyable(ref: str) -> WillFail | None:
+    """The verdict on kernel ``ref`` (without its requests), or None: this Triton computes its ``cache_key``, or
+    the kernel's module does not even import here (a library that asks the device at import: each of its compiles
+    then fails in the build with the library's own error, as before)."""
+    try:
+        jit = tritoncompat.jit_function(resolve(ref))
+    except Exception:  # noqa: BLE001  (the build reports it per compile, with what to name)
+        return None
+    try:
+        jit.cache_key  # noqa: B018  (Triton's own computation, as the node's first call runs it)
+        return None
+    except Exception as e:  # noqa: BLE001  (whatever the walk raises, the node's JIT raises too)
+        error = e
+    fn = jit.fn
+    lines, start = inspect.getsourcelines(fn)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    line = start + next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)).lineno - 1
+    dist, version = tritoncompat.triton_distribution()
+    reason = re.sub(r" at 0x[0-9a-f]+>", ">", str(error))  # "<function f at 0x7f...>": the plan stays deterministic
+    return WillFail(ref, inspect.getsourcefile(fn) or "?", line, f"{dist} {version}", type(error).__name__, reason,
+                    _fix(error, tree, start, dist), ())
+
+
+_NO_ATTRIBUTE = re.compile(r"module '([\w.]+)' has no attribute '(\w+)'")
+
+
+def _fix(error: Exception, tree: ast.AST, start: int, dist: str) -> str:
+    """What would let a node run the kernel: a Triton that has what the source names, or a source that does not
+    name it (each use of a missing attribute in the kernel's own source named with its line)."""
+    missing = _NO_ATTRIBUTE.fullmatch(str(error)) if isinstance(error, AttributeError) else None
+    if missing is None:
+        return f"a {dist} that can hash this kernel's source and every name it uses, or a kernel source it can hash"
+    module, attr = missing.groups()
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    uses = {}  # each whole attribute chain through the missing attribute ("tl.extra.cuda.gdc_wait") -> its line
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and id(n) not in inner:
+            chain, a = [], n
+            while isinstance(a, ast.Attribute):
+                chain, a = [*chain, a.attr], a.value
+            if attr in chain:
+                uses.setdefault(ast.unparse(n), start + n.lineno - 1)
+    where = ("the kernel's source names " + ", ".join(f"{text} (line {line})" for text, line in
+                                                       sorted(uses.items(), key=lambda u: u[1]))
+             if uses else "a function the kernel calls names it")
+    return f"a {dist} whose {module} has {attr} ({where}), or a kernel source without it"
 
 
 # --- closing recorded traffic ------------------------------------------------------------------------------------

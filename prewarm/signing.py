@@ -76,28 +76,44 @@ def sign(data: bytes, private_key: str | os.PathLike) -> bytes:
     return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
-def verify(data: bytes, signature: bytes | None, trusted: list[str | os.PathLike], where: str) -> str:
-    """The key id of the trusted key that signed ``data``; SignatureError naming why otherwise."""
-    if signature is None:
-        raise SignatureError(f"{where}: no signature (index.json.sig), but one is required (trusted keys given)")
-    if not trusted:
-        raise SignatureError(f"{where}: a signature is required but no trusted public key was given (--trust)")
+MAX_SIGNATURE_BYTES = 64 << 10  # a signature file is ~150 bytes; nothing larger is read
+
+
+def load_trusted(paths: list[str | os.PathLike]) -> dict[str, Ed25519PublicKey]:
+    """The trusted public keys, by key id."""
+    return {key_id(k): k for k in (_load(p, private=False) for p in paths)}
+
+
+def signer(data: bytes, signature: bytes, keys: dict[str, Ed25519PublicKey], where: str) -> tuple[str, bool]:
+    """(the key id the signature names, whether that key is among ``keys`` and signed ``data``); SignatureError when
+    the signature is malformed, or names a trusted key and does not verify."""
     try:
         doc = json.loads(signature)
         sig = base64.b64decode(doc["signature"], validate=True)
         assert doc.get("alg") == "ed25519"
     except Exception:
         raise SignatureError(f"{where}: index.json.sig is malformed (expected prewarm's ed25519 JSON)") from None
-    keys = {key_id(k): k for k in (_load(p, private=False) for p in trusted)}
     if not isinstance(doc.get("key_id"), str):
         raise SignatureError(f"{where}: index.json.sig names no key id (key_id {doc.get('key_id')!r})")
     key = keys.get(doc["key_id"])
     if key is None:
-        raise SignatureError(
-            f"{where}: signed by key {doc.get('key_id')!r}, which is not among the trusted keys ({', '.join(keys)})"
-        )
+        return doc["key_id"], False
     try:
         key.verify(sig, data)
     except InvalidSignature:
         raise SignatureError(f"{where}: the signature of index.json does not verify (tampered index or signature)") from None
-    return doc["key_id"]
+    return doc["key_id"], True
+
+
+def verify(data: bytes, signature: bytes | None, trusted: list[str | os.PathLike], where: str) -> str:
+    """The key id of the trusted key that signed ``data``; SignatureError naming why otherwise."""
+    if signature is None:
+        raise SignatureError(f"{where}: no signature (index.json.sig), but one is required (trusted keys given)")
+    if not trusted:
+        raise SignatureError(f"{where}: a signature is required but no trusted public key was given (--trust)")
+    keys = load_trusted(trusted)
+    named, ok = signer(data, signature, keys, where)
+    if not ok:
+        raise SignatureError(
+            f"{where}: signed by key {named!r}, which is not among the trusted keys ({', '.join(keys)})")
+    return named

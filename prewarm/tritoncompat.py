@@ -237,12 +237,12 @@ def kernel_ref(obj) -> str:
 
 
 def warmup(kernel, args: tuple, kwargs: dict, grid) -> None:
-    """``kernel.warmup`` through any wrapper stack. Heuristics over an Autotuner would benchmark in ``run``, so
-    its values are applied here and the Autotuner's own ``warmup`` (every config) is called instead."""
+    """``kernel.warmup`` through any wrapper stack. Heuristics' values are applied here, as their ``run`` does:
+    over an Autotuner, ``run`` would benchmark (the Autotuner's own ``warmup``, every config, is called instead),
+    and triton 3.2's Heuristics has no ``warmup`` at all."""
     from triton.runtime.autotuner import Heuristics
-    from triton.runtime.jit import JITFunction
 
-    if isinstance(kernel, Heuristics) and not isinstance(kernel.fn, JITFunction):
+    if isinstance(kernel, Heuristics):
         kwargs = dict(kwargs)
         named = dict(zip(kernel.arg_names, args))
         for name, heur in kernel.values.items():
@@ -267,14 +267,65 @@ def autotuned_call(kernel, args: tuple, kwargs: dict):
     return kernel, args, kwargs
 
 
-def autotuner_of(kernel):
-    """The Autotuner in ``kernel``'s stack of wrappers (Heuristics, Autotuner), or None: there is none, or this
-    Triton cannot keep its results on disk (3.2, triton-ascend: no ``check_disk_cache``)."""
+def find_autotuner(kernel):
+    """The Autotuner in ``kernel``'s stack of wrappers (Heuristics, Autotuner), on any Triton; None: there is none."""
     from triton.runtime.autotuner import Autotuner
 
     while not isinstance(kernel, Autotuner) and hasattr(kernel, "fn"):
         kernel = kernel.fn
-    return kernel if isinstance(kernel, Autotuner) and hasattr(kernel, "check_disk_cache") else None
+    return kernel if isinstance(kernel, Autotuner) else None
+
+
+def autotuner_of(kernel):
+    """The Autotuner in ``kernel``'s stack of wrappers (Heuristics, Autotuner), or None: there is none, or this
+    Triton cannot keep its results on disk (3.2, triton-ascend: no ``check_disk_cache``)."""
+    tuner = find_autotuner(kernel)
+    return tuner if tuner is not None and can_keep_results(tuner) else None
+
+
+def can_keep_results(tuner) -> bool:
+    """Does this Triton's Autotuner have a result cache at all (3.4+: ``check_disk_cache``; triton-ascend 3.2: no,
+    it keeps its winners in memory, per process)?"""
+    return hasattr(tuner, "check_disk_cache")
+
+
+def with_configs(kernel, configs: list):
+    """A copy of ``kernel``'s wrapper stack whose Autotuner has ``configs`` and nothing in memory (the kernel itself
+    untouched): what a pinned Autotuner runs, for planning. An Autotuner with one config runs it without
+    benchmarking, on every Triton."""
+    import copy
+
+    from triton.runtime.autotuner import Autotuner
+
+    out = copy.copy(kernel)
+    if isinstance(kernel, Autotuner):
+        out.configs, out.cache = list(configs), {}
+    else:
+        out.fn = with_configs(kernel.fn, configs)
+    return out
+
+
+_PIN_CHECKED = "_prewarm_pin_checked"
+
+
+def pin_autotuners(choose) -> None:
+    """From now on, each Autotuner of this process asks ``choose(tuner)`` once, at its first call, for the one
+    config it is to run (None: it keeps its configs). A pinned Autotuner has that config alone, so it never
+    benchmarks: on triton-ascend 3.2, which keeps no results, the only way a node serves without benchmarking.
+    Installed on the Autotuner class (``run``), so Autotuners made before and after are covered alike."""
+    from triton.runtime.autotuner import Autotuner
+
+    run = Autotuner.run
+
+    def pinned_run(self, *args, **kwargs):
+        if not self.__dict__.get(_PIN_CHECKED):
+            config = choose(self)
+            if config is not None:
+                self.configs = [config]
+            self.__dict__[_PIN_CHECKED] = True
+        return run(self, *args, **kwargs)
+
+    Autotuner.run = pinned_run
 
 
 def keeps_results(tuner) -> bool:
@@ -303,8 +354,9 @@ def _run_copy(tuner, args: tuple, kwargs: dict, seen: Tuning, look: bool) -> Non
     """A copy of Autotuner ``tuner`` runs this call as a fresh process's first call would (no result in memory)
     and keeping results on disk, as a node with TRITON_CACHE_AUTOTUNING=1 does: it computes its tuning key and
     prunes its configs (``seen`` gets both), then asks the cache manager for a kept result (``look``) or stops
-    there. Benchmarking instead raises :class:`NoBenchmark`. (``cache``, ``_bench`` and ``check_disk_cache(tuning_key,
-    configs, bench_fn)`` are the Autotuner's internals.)"""
+    there. Benchmarking instead raises :class:`NoBenchmark`. (``cache``, ``_bench``, ``prune_configs`` and
+    ``check_disk_cache(tuning_key, configs, bench_fn)`` are the Autotuner's internals; triton-ascend 3.2 has no
+    ``check_disk_cache``: its copy stops where it would benchmark.)"""
     import copy
 
     def no_benchmark(*a, **k):
@@ -321,6 +373,23 @@ def _run_copy(tuner, args: tuple, kwargs: dict, seen: Tuning, look: bool) -> Non
     probe_copy.cache_results = True
     probe_copy._bench = no_benchmark
     probe_copy.check_disk_cache = check_disk_cache
+    if not can_keep_results(tuner):  # 3.2: no lookup; the key is what it asks its in-memory cache for, the pruned
+        # configs what prune_configs returns, and benchmarking follows them (where there is no lookup to stop at)
+        class Keys(dict):
+            def __contains__(self, key):
+                seen.key = key
+                return False
+
+        prune = probe_copy.prune_configs
+
+        def pruned(*a, **k):
+            seen.configs = list(prune(*a, **k))
+            return seen.configs
+
+        def at_benchmark(*a, **k):
+            raise _AtLookup if not look and seen.key is not None else NoBenchmark
+
+        probe_copy.cache, probe_copy.prune_configs, probe_copy._bench = Keys(), pruned, at_benchmark
     kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}  # a launch's own, replaced here
     probe_copy.run(*args, grid=(1,), warmup=True, **kwargs)
 
@@ -348,7 +417,8 @@ def watch_autotune_benchmarks(before) -> None:
     """From now on, ``before(tuner, args, kwargs)`` runs each time an Autotuner of this process starts benchmarking
     its configs for one call (a tuning key it found neither in memory nor on disk), before the first config runs;
     what it raises stops the benchmark. Installed on the Autotuner class, once per callback (``_bench`` runs once per
-    config with the same ``nargs`` dict of that call: the first one of a call is the start)."""
+    config with the same ``nargs`` dict of that call: the first one of a call is the start; the same on triton-ascend
+    3.2, whose Autotuner benchmarks at every process's first call of each tuning key)."""
     from triton.runtime.autotuner import Autotuner
 
     bench = Autotuner._bench
@@ -770,6 +840,11 @@ def cache_key_parts(jit, specialization_data: str, target=None) -> tuple[str, di
 # a 1 is an i32, so an i64 is in one of the last two.
 INT_ONE, INT_DIVISIBLE, INT_OTHER = "=1", "%16=0", "other"
 INT_CLASSES = {"i32": (INT_ONE, INT_DIVISIBLE, INT_OTHER), "i64": (INT_DIVISIBLE, INT_OTHER)}
+
+
+def int_class(value: int) -> str:
+    """The class Triton specializes an int argument's ``value`` on (INT_CLASSES)."""
+    return INT_ONE if value == 1 else INT_DIVISIBLE if value % 16 == 0 else INT_OTHER
 _DIVISIBLE = ["tt.divisibility", 16]
 
 

@@ -80,7 +80,8 @@ def tune(manifest_path: str | os.PathLike, output: str | os.PathLike, workers: i
     report = TuneReport(m.name, str(Path(output).resolve()), name or "unknown")
     existing = read_table(output) if Path(output).is_file() else Table(Path(output).resolve())
     table = Table(Path(output).resolve(), [r for r in existing.rows if r.device != report.device],
-                  {"manifest": m.name, "device": report.device, "triton": tritoncompat.triton_distribution()[1]})
+                  {"manifest": m.name, "device": report.device, "triton": tritoncompat.triton_distribution()[1]},
+                  existing.pinned)  # pins are reviewed choices: kept, and their kernels get no measured rows
     measurable = [t for t in tunings if not t.problem]
     if measurable and target.mode != "device":
         raise EnvironmentProblem(f"tune: {len(measurable)} planned tuning keys need the device to be benchmarked on, "
@@ -99,6 +100,7 @@ def tune(manifest_path: str | os.PathLike, output: str | os.PathLike, workers: i
                 raise BuildError(f"tune: {len(built.failed)} of {len(built.results)} compiles of the device build "
                                  f"failed (first: {first.label}: {(first.message.splitlines() or [''])[0]})")
         report.rows, report.not_measured = measured(tunings, cache, report.device)
+        report.rows = [r for r in report.rows if existing.find_pin(report.device, r.kernel) is None]
     finally:
         if cache_dir is None:
             shutil.rmtree(cache, ignore_errors=True)

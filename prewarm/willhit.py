@@ -4,9 +4,14 @@ Each planned compile is looked up through Triton's own key computation, stopped 
 The C modules the runtime builds at first launch are looked up the same way by the target's backend
 (prewarm.backends): on CUDA each hit kernel is loaded from the cache and the driver's own launcher class asked for
 its ``__triton_launcher`` (and ``cuda_utils`` once); an absent one is built with the node's C compiler at first
-launch (about a second, no kernel compile).
+launch (about a second, no kernel compile). A planned kernel this environment's Triton cannot key at all
+(``plan.WillFail``) is no hit and no miss: the node's first call of it raises before any lookup; the report lists
+it (``will_fail``).
 
-Autotuned calls are probed the same way one level up (prewarm.autotune.planned_tunings): a copy of the Autotuner
+A kernel pinned in the manifest's autotune table, and every autotuned kernel where Triton keeps no results
+(triton-ascend 3.2), is one row: pinned (its config: the guard runs it alone) or absent (the node benchmarks its
+configs in every process). Other autotuned calls are probed the same way one level up
+(prewarm.autotune.planned_tunings): a copy of the Autotuner
 runs the planned call, computes its tuning key and asks the cache for ``<kernel>.autotune.json``; the probe stops
 it there. Where that file is absent the node benchmarks every config once per process (an offline build has it
 only from an autotune table; a device build does). A file this process's Autotuner would not read (it keeps no
@@ -18,10 +23,10 @@ import os
 from dataclasses import dataclass, field
 
 from . import backends, keys
-from .autotune import kept_timings, planned_tunings
+from .autotune import autotuned_kernels, kept_timings, planned_tunings
 from .backends import npu
 from .manifest import load
-from .plan import Request, plan_for
+from .plan import Request, WillFail, plan_for
 from .probe import ModuleResult, RequestResult, probe_all
 
 
@@ -35,6 +40,7 @@ class AutotuneResult:
     detail: str
     tuning_key: str = ""  # str() of Triton's tuning key
     reads: bool = True  # this process's Autotuner reads kept results (the server's, where it shares this env)
+    pinned: str = ""  # the kernel's pinned config (one row for every tuning key): the guard runs it alone
 
     @property
     def unread(self) -> bool:
@@ -44,7 +50,7 @@ class AutotuneResult:
     def to_json(self) -> dict:
         return {"label": self.label, "kernel": self.kernel, "key": self.key, "present": self.present,
                 "configs": self.configs, "detail": self.detail, "tuning_key": self.tuning_key, "reads": self.reads,
-                "unread": self.unread}
+                "unread": self.unread, "pinned": self.pinned}
 
 
 @dataclass
@@ -56,6 +62,7 @@ class WillHitReport:
     autotune: list[AutotuneResult] = field(default_factory=list)  # calls whose Autotuner keeps results on disk
     modules: list[ModuleResult] = field(default_factory=list)  # CUDA launchers and cuda_utils
     key_drift: list[keys.KeyDrift] = field(default_factory=list)  # recorded requests this process keys otherwise
+    will_fail: list[WillFail] = field(default_factory=list)  # planned kernels this Triton cannot key (never looked up)
 
     @property
     def hits(self) -> int:
@@ -85,6 +92,7 @@ class WillHitReport:
             "modules": [m.to_json() for m in self.modules],
             "modules_absent": sum(not m.present for m in self.modules),
             "key_drift": [d.to_json() for d in self.key_drift],
+            "will_fail": [w.to_json() for w in self.will_fail],
         }
 
 
@@ -92,10 +100,23 @@ UNREAD = ("this process's Autotuner keeps no results (no cache_results, TRITON_C
           "module was imported): the node benchmarks anyway; set TRITON_CACHE_AUTOTUNING=1 for verify and the server")
 
 
-def probe_autotune_all(requests: list[Request], cache_dir: str) -> list[AutotuneResult]:
-    """One result per tuning key the plan makes: is its kept result in ``cache_dir``, and would it be read here?"""
-    out = []
+def probe_autotune_all(requests: list[Request], cache_dir: str, pins: dict | None = None) -> list[AutotuneResult]:
+    """One result per tuning key the plan makes: is its kept result in ``cache_dir``, and would it be read here?
+    One per kernel instead for a pinned kernel (``pins``: it runs its pin alone under the guard, whatever the key)
+    and for every autotuned kernel where Triton keeps no results (triton-ascend 3.2): pinned, or absent."""
+    out, whole = [], set()
+    for k in autotuned_kernels(requests, pins or {}):
+        if k.pin is None and k.keeps:
+            continue  # per tuning key, below
+        whole.add(k.kernel)
+        detail = (f"pinned: {k.pin.describe()} ({k.pin.source}): the guard gives its Autotuner this config alone"
+                  if k.pin else f"not pinned: the node benchmarks its {len(k.configs)} configs at the first call of "
+                                f"each tuning key, in every process (this Triton keeps no autotune results)")
+        out.append(AutotuneResult(k.label, k.kernel, "-", k.pin is not None, len(k.configs), detail,
+                                  "every tuning key", pinned=k.pin.describe() if k.pin else ""))
     for t in planned_tunings(requests):
+        if t.kernel in whole:
+            continue
         n = len(t.configs)
         if t.problem:
             out.append(AutotuneResult(t.label, t.kernel, t.key, False, n, t.problem, reads=t.keeps))
@@ -134,12 +155,13 @@ def check(manifest_path: str, cache_dir: str, mode: str = "auto") -> WillHitRepo
 def _check(manifest_path: str, cache_dir: str, mode: str) -> WillHitReport:
     planned = plan_for(*backends.select(load(manifest_path), mode))
     report = WillHitReport(planned.manifest.name, os.path.abspath(cache_dir), planned.target.describe())
+    report.will_fail = planned.will_fail
     report.results = probe_all(planned.compiles, cache_dir)
     # a recorded request keyed otherwise here than in its recorded process: its row says which part differs (this
     # verdict is about a key that process would not look up)
     report.key_drift = keys.check(planned.requests, planned.compiles, [r.key for r in report.results])
     for d in report.key_drift:
         report.results[d.compile_index].detail += f"; {d.summary()}"
-    report.autotune = probe_autotune_all(planned.requests, os.path.abspath(cache_dir))
+    report.autotune = probe_autotune_all(planned.requests, os.path.abspath(cache_dir), planned.pins)
     report.modules = backends.probe_modules(planned.target, planned.compiles, report.results, cache_dir)
     return report

@@ -94,8 +94,9 @@ def shipped_table_statuses(manifest, requests) -> dict[str, list[str]]:
     """Each planned tuning key of ``manifest``'s requests against its shipped autotune table (``[target] tuned``),
     as a build applies it: label lists by status ("in table", "absent", "stale", "unknown")."""
     from prewarm import autotune
+    from prewarm.plan import manifest_device_name
 
-    report = autotune.apply_table(autotune.table_path(manifest), autotune.manifest_device_name(manifest, "tuned"),
+    report = autotune.apply_table(autotune.table_path(manifest), manifest_device_name(manifest, "tuned"),
                                   autotune.planned_tunings(requests), None)
     out: dict[str, list[str]] = {}
     for r in report.results:

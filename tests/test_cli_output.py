@@ -100,7 +100,7 @@ def test_verify_of_a_clean_install_fits_one_screen(deep):
     # the toy's two autotuned kernels have no result shipped (no autotune table): clean, with that said as info
     assert len(lines) <= 25 and lines[-1] == "clean (2 autotune results absent: those kernels benchmark on first use)"
     checks = {line[:14].strip(): line[14:].split()[0] for line in lines[1:-1]}  # "check name", then its status
-    assert checks == {"integrity": "ok", "compatibility": "ok", "will-hit": "ok", "autotune": "info",
-                      "C modules": "ok"}, lines
+    assert checks == {"integrity": "ok", "trust": "info", "compatibility": "ok", "will-hit": "ok", "autotune": "info",
+                      "C modules": "ok"}, lines  # trust: info without --trust (nothing proves who wrote the receipts)
     details = run_cli("verify", "--cache-dir", deep / "node", "--plan", toy, "--details", env=env).stdout
     assert details.count(" hit ") >= 11  # every planned compile has its row there

@@ -9,6 +9,7 @@ never reaches this test process's later tests.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
@@ -109,25 +110,34 @@ def test_the_options_measured_missing_on_the_h200_are_planned(planned):
     assert {k["stride_indices_seq"] for k in pool if k["num_accepted_tokens"] is not None} == {1, 2, 4}  # [N, D]
 
 
-def unplanned(spec: dict, seed: int, keys: dict) -> tuple[list[str], int, set[str]]:
-    """Run 60 calls of the independent traffic on meta tensors: (each compile request whose cache key, computed by
-    Triton, is not among ``keys``, labelled with its call; how many distinct requests; the options drawn)."""
+def requested(label: str, run, into: dict[str, Compile]) -> None:
+    """Run one fla call on meta tensors with its launches captured; add each compile request Triton's JIT makes for
+    them (compiles skipped) to ``into``, labelled with the call."""
     from prewarm.providers.fla_kda import intercepted
 
-    requested: dict[str, Compile] = {}  # one per compile request, labelled with the call that made it
+    with intercepted() as launches:
+        run()
+    for launch in launches:
+        with tritoncompat.compile_requests(skip=True) as captured:
+            tritoncompat.warmup(launch.kernel, launch.args, launch.kwargs, grid=(1,))
+        for data in captured:
+            into.setdefault(data, Compile("", tritoncompat.kernel_ref(launch.kernel), label, data))
+
+
+def missing(requests: dict[str, Compile], keys: dict) -> list[str]:
+    """Each request whose cache key, computed by Triton, is not among ``keys``: its kernel and call."""
+    return [f"{c.kernel} <- {c.label}" for key, c in planned_keys(list(requests.values())).items() if key not in keys]
+
+
+def unplanned(spec: dict, seed: int, keys: dict) -> tuple[list[str], int, set[str]]:
+    """Run 60 calls of the independent traffic on meta tensors: (each compile request whose cache key is not among
+    ``keys``, labelled with its call; how many distinct requests; the options drawn)."""
+    requests: dict[str, Compile] = {}  # one per compile request, labelled with the call that made it
     options: set[str] = set()
     for call in fla_traffic.calls(spec, seed, 60, "meta"):
         options |= {f"{k}={v}" for k, v in call.options.items()}
-        with intercepted() as launches:
-            call.run()
-        for launch in launches:
-            with tritoncompat.compile_requests(skip=True) as captured:
-                tritoncompat.warmup(launch.kernel, launch.args, launch.kwargs, grid=(1,))
-            for data in captured:
-                requested.setdefault(data, Compile("", tritoncompat.kernel_ref(launch.kernel), call.label, data))
-    missed = [f"{c.kernel} <- {c.label}" for key, c in planned_keys(list(requested.values())).items()
-              if key not in keys]
-    return missed, len(requested), options
+        requested(call.label, call.run, requests)
+    return missing(requests, keys), len(requests), options
 
 
 @pytest.mark.parametrize("seed", seeds())
@@ -138,6 +148,46 @@ def test_independent_fla_traffic_requests_nothing_the_plan_lacks(planned, seed):
     missed, requested, options = unplanned(m.spec(), seed, keys)
     assert requested > 50 and {"entry=chunk_kda", "entry=fused_recurrent_kda_fwd"} <= options
     assert not missed, f"seed {seed}: {len(missed)} unplanned compile requests, e.g. {missed[:3]}"
+
+
+def test_every_dtype_combination_of_the_continuous_batching_entrys_index_pointers_is_planned(planned):
+    """fused_recurrent_kda_fwd, the call vLLM's and sglang's copies make, hands its kernel three index pointers:
+    cu_seqlens, ssm_state_indices ([N] decode, [N, D] verify) and num_accepted_tokens, each its own pointer type.
+    Every combination of their dtypes (absent, int32, int64; the H200 miss: int64 cu_seqlens from torch.tensor /
+    cumsum with int32 slot indices), called through fla's entry on meta tensors, requests only keys the plan builds."""
+    import torch
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    H, K, N, D, slots = 32, 128, 3, 2, 16  # Kimi-Linear's heads; D: a draft width of the manifest
+
+    def call(cu_seqlens, indices, accepted):
+        W = D if accepted else 1  # tokens per sequence: [N] indices hold one (decode), [N, D] one per draft token
+        B, T = (1, N * W) if cu_seqlens else (N, W)
+
+        def t(*shape, dtype=torch.bfloat16):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        args = {"q": t(B, T, H, K), "k": t(B, T, H, K), "v": t(B, T, H, K), "g": t(B, T, H, K), "beta": t(B, T, H),
+                "A_log": t(H, dtype=torch.float32), "dt_bias": t(H * K, dtype=torch.float32), "lower_bound": None,
+                "use_gate_in_kernel": True, "use_qk_l2norm_in_kernel": True,
+                "initial_state": t(slots if indices else N, H, K, K, dtype=torch.float32)}
+        if cu_seqlens:
+            args["cu_seqlens"] = torch.tensor(range(0, N * W + 1, W), dtype=getattr(torch, cu_seqlens), device="meta")
+        if indices:
+            args["ssm_state_indices"] = t(*((N, D) if accepted else (N,)), dtype=getattr(torch, indices))
+        if accepted:
+            args["num_accepted_tokens"] = t(N, dtype=getattr(torch, accepted))
+        return lambda: fused_recurrent_kda_fwd(**args)  # writes the state in place (fla's default)
+
+    _, _, _, keys = planned
+    combinations = [(cu, ind, acc) for cu, ind, acc in itertools.product([None, "int32", "int64"], repeat=3)
+                    if ind or not acc]  # accepted counts index [N, D] state indices
+    requests: dict[str, Compile] = {}
+    for cu, ind, acc in combinations:
+        requested(f"cu_seqlens={cu},ssm_state_indices={ind},num_accepted_tokens={acc}", call(cu, ind, acc), requests)
+    assert len(requests) == len(combinations) == 21  # each combination is its own specialization
+    misses = missing(requests, keys)
+    assert not misses, "unplanned:\n" + "\n".join(misses)
 
 
 def test_the_closure_check_sees_traffic_outside_the_plan(planned):
@@ -235,15 +285,17 @@ def test_a_misspelled_option_fails_the_plan_with_file_key_and_exit_3(tmp_path):
 
 def test_continuous_batching_decode_and_verify_build_offline_in_worker_processes_and_verify_clean(tmp_path):
     """fused_recurrent_kda_fwd writing into a state pool by ssm_state_indices ([N] decode, [N, D] + accepted counts
-    verify), both index dtypes: built offline by worker processes, then verify --plan finds every compile."""
+    verify), packed, each index pointer in both dtypes: built offline by worker processes, then verify --plan finds
+    every compile."""
     manifest = small_manifest(tmp_path, 'device = "H200"', NARROW + 'draft_widths = [3]\n'
                               'recurrent_state = ["indexed", "indexed_spec"]', NARROW_DTYPES)
     done = run_cli("build", str(manifest), "--cache-dir", str(tmp_path / "cache"), "--mode", "offline",
                    "--workers", "2", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    # {int32, int64} x ([N] indices, [N, 1] and [N, 3] indices: the width is a constexpr stride); N, T not specialized
-    assert (report["failed"], report["compiled"]) == (0, 6)
+    # {int32, int64} per pointer: cu_seqlens x [N] indices (4), cu_seqlens x [N, D] indices x accepted counts for
+    # D = 1 and 3 (the width is a constexpr stride: 8 each); N, T not specialized
+    assert (report["failed"], report["compiled"]) == (0, 20)
     check = run_cli("verify", "--cache-dir", str(tmp_path / "cache"), "--plan", str(manifest), "--json")
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
 

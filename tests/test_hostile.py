@@ -313,12 +313,13 @@ HOSTILE_BUNDLES = {
                            "malformed index: fingerprint"),
     "objects is a file": (lambda b: (forge(b, [_ok_member()]), shutil.rmtree(b / OBJECTS),
                                      (b / OBJECTS).write_text("x")), 6, "missing from the bundle"),
-    "index is a directory": (lambda b: (forge(b, [_ok_member()]), (b / INDEX).unlink(), (b / INDEX).mkdir()), 6,
+    # a dir, FIFO or device where a store's blob should be: the store's fault (exit 10), as other store faults
+    "index is a directory": (lambda b: (forge(b, [_ok_member()]), (b / INDEX).unlink(), (b / INDEX).mkdir()), 10,
                              "index.json: not a regular file"),
-    "index is a FIFO": (lambda b: (forge(b, [_ok_member()]), (b / INDEX).unlink(), os.mkfifo(b / INDEX)), 6,
+    "index is a FIFO": (lambda b: (forge(b, [_ok_member()]), (b / INDEX).unlink(), os.mkfifo(b / INDEX)), 10,
                         "index.json: not a regular file"),
-    "object is a FIFO": (lambda b: _replace_object(b, os.mkfifo), 6, "not a regular file"),
-    "object links to /dev/zero": (lambda b: _replace_object(b, lambda p: p.symlink_to("/dev/zero")), 6,
+    "object is a FIFO": (lambda b: _replace_object(b, os.mkfifo), 10, "not a regular file"),
+    "object links to /dev/zero": (lambda b: _replace_object(b, lambda p: p.symlink_to("/dev/zero")), 10,
                                   "not a regular file"),
     "object is a 2 GiB sparse file": (lambda b: _replace_object(b, lambda p: os.truncate(
         os.open(p, os.O_CREAT | os.O_WRONLY), 2 << 30)), 6, "larger than the \\d+ bytes the index lists"),

@@ -237,15 +237,49 @@ def test_vllm_0_34_defaults_spellings_and_eager_modes():
 
 
 def test_the_k3_config_nests_its_text_model_and_the_sglang_kernels_get_the_request_cap(tmp_path):
-    gen = sglang(*REPORT_LINE, "--speculative-num-draft-tokens", "4", model=K3, kernels="sglang",
-                 target="npu:Ascend910_9391")
+    """On an npu target --kernels sglang is sglang's Ascend backend, whose verify rollback takes the conv pool's
+    strides as constexprs: the pool's size comes from the launch line, or the verb asks for it."""
+    with pytest.raises(ManifestError, match="add --max-mamba-cache-size N"):
+        sglang(*REPORT_LINE, "--speculative-num-draft-tokens", "4", model=K3, kernels="sglang",
+               target="npu:Ascend910_9391")
+    gen = sglang(*REPORT_LINE, "--speculative-num-draft-tokens", "4", "--max-mamba-cache-size", "256", model=K3,
+                 kernels="sglang", target="npu:Ascend910_9391")
     assert gen.spec["model"]["kda_heads"].source.startswith("config.json: text_config.linear_attn_config.num_heads")
     assert gen.spec["dtypes"]["activation"].source.startswith("config.json: text_config.dtype")
     assert gen.spec["model"]["gate_lower_bound"].value == -5.0
     assert gen.spec["serving"]["max_running_requests"].value == 48  # sglang's DSPARK default: eager batches up to it
+    assert {k: v.value for k, v in gen.spec["sglang"].items()} == {"track_state": True, "mamba_pool_slots": 257,
+                                                                  "conv_kernel": 4}
     path = tmp_path / "k3-sglang.toml"
     path.write_text(gen.toml())
     m = load(path)
-    assert m.kernels[0].ref == "prewarm.providers.sglang_kda" and read_kda(m.spec())["max_running_requests"] == 48
+    assert m.kernels[0].ref == "prewarm.providers.sglang.ascend" and read_kda(
+        {k: v for k, v in m.spec().items() if k != "sglang"})["max_running_requests"] == 48
+    untracked = sglang(*REPORT_LINE, "--speculative-num-draft-tokens", "4", "--max-mamba-cache-size", "256",
+                       "--disable-radix-cache", model=K3, kernels="sglang", target="npu:Ascend910_9391")
+    assert untracked.spec["sglang"]["track_state"].value is False
+    cuda = sglang("--tp-size", "2", "--cuda-graph-bs", "8", "--max-running-requests", "8", kernels="sglang")
+    assert cuda.provider == "prewarm.providers.sglang.cuda" and "sglang" not in cuda.spec
     own = sglang(*REPORT_LINE, "--speculative-num-draft-tokens", "4", model=K3, target="npu:Ascend910_9391")
     assert "max_running_requests" not in own.spec["serving"] and any("max running requests 48" in n for n in own.notes)
+
+
+def test_vllm_plans_its_own_kda_kernels_by_default(tmp_path, capsys):
+    """`--server vllm` without --kernels plans vLLM's own KDA kernels (prewarm.providers.vllm_kda): the request cap
+    (eager batches of any size up to --max-num-seqs) is written for it, and `prewarm plan` plans its prefill,
+    packed decode and spec-decode verify; vLLM's kernels with an sglang server are refused."""
+    out = tmp_path / "vllm.toml"
+    assert main(["manifest", str(KIMI_LINEAR), "--server", "vllm", "--target", "cuda:sm_90:H200", "-o", str(out),
+                 "--", "serve", "m", "--max-num-seqs", "64", "--speculative-config", '{"num_speculative_tokens": 2}',
+                 "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    m = load(out)
+    assert m.kernels[0].ref == "prewarm.providers.vllm_kda" and m.spec()["serving"]["max_running_requests"] == 64
+    comments = " ".join(line.lstrip("# ") for line in out.read_text().splitlines() if line.startswith("#"))
+    assert "add [spec.vllm] state_slot_strides" in comments  # the one value the launch line cannot give
+    assert main(["plan", str(out), "--json"]) == 0
+    kernels = {r["kernel"].split(":")[1] for r in json.loads(capsys.readouterr().out)["requests"]}
+    assert {"chunk_kda_fwd_kernel_inter_solve_fused", "fused_recurrent_kda_packed_decode_kernel",
+            "fused_recurrent_kda_fwd_kernel"} <= kernels
+    with pytest.raises(ManifestError, match="vllm's own KDA kernels run only in vllm"):
+        sglang("--tp-size", "1", kernels="vllm")

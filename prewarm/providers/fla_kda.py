@@ -26,10 +26,13 @@ gate stage sees g, A_log/dt_bias, indices, chunk size and graph mode; the q/k L2
 its token bucket ``NB = cdiv(T * H, 65536)`` (planned for each bucket up to ``[spec.serving] max_prefill_tokens``,
 else :data:`MAX_PREFILL_TOKENS`); the beta sigmoid sees beta's dtype and its element count's class (fla specializes
 it). The recurrent kernel sees every recurrent axis, so those are crossed in full: that product is where the count
-grows (see ``README``). fla's runtime ints T and N are not specialized, so lengths and batch sizes multiply nothing
-but two constexprs: the width D of ``[N, D]`` state indices (a stride: once per draft width) and the batch size B
-of an equal-length ``chunk_kda`` whose gate was activated before the call (fla's local cumsum: once per B up to
-:func:`max_batch`).
+grows (see ``README``). Each index pointer a kernel takes is its own specialization, so each takes every planned
+index dtype on its own: the recurrent kernel's cu_seqlens, ssm_state_indices and num_accepted_tokens are crossed
+(:data:`INDEX_POINTERS`); chunk_kda's kernels see cu_seqlens and what fla derives from it in its dtype (chunk indices
+and offsets; ``cu_seqlens_cpu``, the host copy, reaches no kernel). fla's runtime ints T and N are not specialized,
+so lengths and batch sizes multiply nothing but two constexprs: the width D of ``[N, D]`` state indices (a stride:
+once per draft width) and the batch size B of an equal-length ``chunk_kda`` whose gate was activated before the call
+(fla's local cumsum: once per B up to :func:`max_batch`).
 """
 from __future__ import annotations
 
@@ -64,7 +67,8 @@ _RECURRENT = {"q": _QKV, "k": _QKV, "v": _QKV, "g": "spec.dtypes.gate (raw, acti
               "beta": "spec.dtypes.beta", "A_log": "spec.dtypes.gate_params", "dt_bias": "spec.dtypes.gate_params",
               "scale": "spec.model.scale (a constexpr of the recurrent kernel)",
               "initial_state": "spec.serving.initial_state / recurrent_state, spec.dtypes.state",
-              "cu_seqlens": "spec.serving.varlen, spec.dtypes.index", **_FLAGS}
+              "cu_seqlens": "spec.serving.varlen, spec.dtypes.index (each index pointer's dtype on its own)",
+              **_FLAGS}
 # Every parameter of fla's public KDA API and what plans it (:data:`NOT_PLANNED`: what does not). Written from fla's
 # signatures and docstrings; tests/test_fla.py compares it with ``inspect.signature`` of the installed fla, so a
 # parameter a new fla adds fails the tests instead of going unplanned.
@@ -77,7 +81,8 @@ API = {
         "safe_gate": "spec.serving.safe_gate", "disable_recompute": "spec.serving.disable_recompute",
         "return_intermediate_states": "keeps h instead of freeing it (inference mode): no kernel sees it",
         "cu_seqlens": "spec.serving.varlen, spec.dtypes.index",
-        "cu_seqlens_cpu": "passed with cu_seqlens (its host copy: no kernel argument)",
+        "cu_seqlens_cpu": "passed with cu_seqlens (its host copy in any index dtype: no kernel argument; fla derives "
+                          "chunk indices in cu_seqlens' dtype)",
         "cp_context": f"{NOT} context parallelism (its own kernels, a process group): planned without it",
         "use_graph": "spec.serving.use_graph", "max_num_seqs": "spec.serving.use_graph (the padded batch)",
         "kwargs": "A_log, dt_bias (spec.dtypes.gate_params), chunk_size (spec.serving.chunk_size), "
@@ -86,8 +91,10 @@ API = {
     "fused_recurrent_kda": {**_RECURRENT, "kwargs": "transpose_state_layout (the deprecated name of state_v_first)"},
     "fused_recurrent_kda_fwd": {
         **_RECURRENT, "inplace_final_state": "spec.serving.recurrent_state (in_place, indexed, indexed_spec)",
-        "ssm_state_indices": "spec.serving.recurrent_state (indexed: [N], indexed_spec: [N, D]), spec.dtypes.index",
-        "num_accepted_tokens": "spec.serving.recurrent_state indexed_spec, spec.dtypes.index",
+        "ssm_state_indices": "spec.serving.recurrent_state (indexed: [N], indexed_spec: [N, D]), spec.dtypes.index "
+                             "(each index pointer's dtype on its own)",
+        "num_accepted_tokens": "spec.serving.recurrent_state indexed_spec, spec.dtypes.index (each index pointer's "
+                               "dtype on its own)",
         "out": f"{NOT} planned as fla's default (zeros_like(v)); an out of another dtype than v is another "
                "pointer type",
         "kwargs": "transpose_state_layout (the deprecated name of state_v_first)",
@@ -222,8 +229,9 @@ class Recurrent:
     g: str
     beta: str
     params: str | None
-    index: str | None  # cu_seqlens' dtype (varlen), and the state indices' and accepted counts' dtype
-    varlen: bool
+    cu_seqlens: str | None  # its dtype (packed sequences), None for an equal-length batch
+    state_indices: str | None  # ssm_state_indices' dtype (indexed modes)
+    accepted: str | None  # num_accepted_tokens' dtype (indexed_spec)
     mode: str  # spec.serving.recurrent_state
     initial: bool
     final: bool
@@ -279,8 +287,14 @@ def max_batch(spec: dict) -> int:
     return spec["max_running_requests"] or max(spec["decode_batch_buckets"] or [1])
 
 
+# the index pointers the recurrent kernel takes in each spec.serving.recurrent_state mode, besides cu_seqlens
+INDEX_POINTERS = {"returned": (), "in_place": (), "indexed": ("state_indices",),
+                  "indexed_spec": ("state_indices", "accepted")}
+
+
 def recurrents(spec: dict) -> list[Recurrent]:
-    """Every recurrent call to plan: the full product of the recurrent kernel's axes (it sees them all)."""
+    """Every recurrent call to plan: the full product of the recurrent kernel's axes (it sees them all), each index
+    pointer in every planned index dtype on its own."""
     c, d = spec["calls"], spec["dtypes"]
     widths = [1] * bool(spec["decode_batch_buckets"]) + sorted(w for w in spec["draft_widths"] if w > 1)
     out = []
@@ -289,12 +303,14 @@ def recurrents(spec: dict) -> list[Recurrent]:
             c["state_v_first"], spec["scale"], c["recurrent_state"], c["varlen"]):
         gates = itertools.product(d["gate"], d["gate_params"]) if gik else ((g, None) for g in _gates(spec))
         states = itertools.product(c["initial_state"], c["final_state"]) if mode == "returned" else [(True, True)]
-        indexed = varlen or mode.startswith("indexed")
-        for (g, params), (initial, final), state, index, width in itertools.product(
-                gates, states, d["state"], d["index"] if indexed else [None],
-                widths if mode == "indexed_spec" else widths[:1]):
-            out.append(Recurrent(act, g, beta, params, index, varlen, mode, initial, final,
-                                 state if initial else "float32", width, v_first, gik, l2norm, sigmoid, scale))
+        pointers = ("cu_seqlens",) * varlen + INDEX_POINTERS[mode]
+        for (g, params), (initial, final), state, width, dtypes in itertools.product(
+                gates, states, d["state"], widths if mode == "indexed_spec" else widths[:1],
+                itertools.product(d["index"], repeat=len(pointers))):
+            index = {"cu_seqlens": None, "state_indices": None, "accepted": None, **dict(zip(pointers, dtypes))}
+            out.append(Recurrent(act, g, beta, params, **index, mode=mode, initial=initial, final=final,
+                                 state=state if initial else "float32", width=width, v_first=v_first,
+                                 gate_in_kernel=gik, l2norm=l2norm, sigmoid=sigmoid, scale=scale))
     return list(dict.fromkeys(out))
 
 
@@ -399,12 +415,12 @@ class _Tensors:
         """fused_recurrent_kda(_fwd): N sequences of ``width`` tokens, equal-length or packed; the state per
         sequence, in place, or in a pool of slots read and written through ``ssm_state_indices``."""
         N, W = 3, r.width
-        args = self.qkvgb(1, N * W, r.act, r.g, r.beta, r.sigmoid) if r.varlen else \
+        args = self.qkvgb(1, N * W, r.act, r.g, r.beta, r.sigmoid) if r.cu_seqlens else \
             self.qkvgb(N, W, r.act, r.g, r.beta, r.sigmoid)
         extra: dict = {"scale": r.scale, "use_qk_l2norm_in_kernel": r.l2norm, "state_v_first": r.v_first,
                        **self.beta_options(r.sigmoid), **self.gate_options(r.gate_in_kernel, r.params)}
-        if r.varlen:
-            extra["cu_seqlens"] = self.ints(list(range(0, N * W + 1, W)), r.index)
+        if r.cu_seqlens:
+            extra["cu_seqlens"] = self.ints(list(range(0, N * W + 1, W)), r.cu_seqlens)
         shape = self.state_shape(r.v_first)
         if r.mode == "returned":
             extra["output_final_state"] = r.final
@@ -415,10 +431,10 @@ class _Tensors:
         extra.update(initial_state=self.rand(slots if r.mode.startswith("indexed") else N, self.H, *shape,
                                              dtype=r.state), inplace_final_state=True)
         if r.mode == "indexed":
-            extra["ssm_state_indices"] = self.ints([slots - 1 - n for n in range(N)], r.index)
+            extra["ssm_state_indices"] = self.ints([slots - 1 - n for n in range(N)], r.state_indices)
         elif r.mode == "indexed_spec":
-            extra["ssm_state_indices"] = self.ints([[n * W + i for i in range(W)] for n in range(N)], r.index)
-            extra["num_accepted_tokens"] = self.ints([1 + n % W for n in range(N)], r.index)
+            extra["ssm_state_indices"] = self.ints([[n * W + i for i in range(W)] for n in range(N)], r.state_indices)
+            extra["num_accepted_tokens"] = self.ints([1 + n % W for n in range(N)], r.accepted)
         return {**args, **extra}
 
     def gate(self, g: str, params: str, out: str) -> dict:

@@ -8,9 +8,10 @@ Written from fla's signatures and docstrings and the KDA serving spec only, neve
 entry point on its own, out of the values the spec lets a deployment use (``prewarm_kernels.spec.read_kda``): the
 initial state or none, the final state or none, returned, written in place or into a pool by
 ``ssm_state_indices`` ([N] for decode, [N, D] with ``num_accepted_tokens`` for verify), packed ``cu_seqlens`` (with
-or without its CPU copy) or equal-length batches, each index tensor's dtype, the gate activated in-kernel or before
-the call (by ``fused_kda_gate``, in any output dtype, or by the caller), q/k L2 norm and beta's sigmoid in-kernel or
-not, safe gate, chunk size, CUDA-graph mode (padded ``cu_seqlens``, ``max_num_seqs``), recompute, state layout,
+or without its CPU copy) or equal-length batches, each index tensor's dtype drawn apart from the others' (int64
+offsets beside int32 slot indices, as servers pass them), the gate activated in-kernel or before the call (by
+``fused_kda_gate``, in any output dtype, or by the caller), q/k L2 norm and beta's sigmoid in-kernel or not, safe
+gate, chunk size, CUDA-graph mode (padded ``cu_seqlens``, ``max_num_seqs``), recompute, state layout,
 ``return_intermediate_states``, the dtypes of beta, A_log / dt_bias, g and the state, the scale left to fla or
 passed, ``out`` passed or not; and what no option names: batch sizes from 1 to twice the largest decode bucket,
 sequence counts and odd lengths up to the token budget, q/k/v as views of one fused projection, A_log shaped [H] or
@@ -126,8 +127,9 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
             seqs = rng.randint(1, 12)
             lengths = [rng.randint(1, max(1, budget // seqs)) for _ in range(seqs)]
             lengths += [0] * (rng.randint(1, 3) if graph else 0)  # graph capture: zero-length tail sequences
-            o.update(B=1, T=sum(lengths), N=len(lengths), index=rng.choice(dts["index"]),
-                     cu_seqlens_cpu=meta or rng.random() < 0.5,  # on meta fla needs it to size its chunk indices
+            cpu_copy = meta or rng.random() < 0.5  # on meta fla needs the host copy to size its chunk indices
+            o.update(B=1, T=sum(lengths), N=len(lengths), cu_seqlens=rng.choice(dts["index"]),
+                     cu_seqlens_cpu=rng.choice(dts["index"]) if cpu_copy else None,  # its own dtype, or not passed
                      max_num_seqs=graph and rng.random() < 0.5)
         else:
             B, lengths = rng.randint(1, max_batch), []
@@ -142,10 +144,10 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
         def run():
             args = inputs(o, o["B"], o["T"])
             if varlen:
-                cpu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(dtype(o["index"]))
-                args["cu_seqlens"] = cpu.to(device)
+                offsets = torch.tensor([0, *lengths]).cumsum(0)  # int64, as torch.tensor / cumsum make them
+                args["cu_seqlens"] = offsets.to(device, dtype(o["cu_seqlens"]))
                 if o["cu_seqlens_cpu"]:
-                    args["cu_seqlens_cpu"] = cpu
+                    args["cu_seqlens_cpu"] = offsets.to(dtype(o["cu_seqlens_cpu"]))
                 if o["max_num_seqs"]:
                     args["max_num_seqs"] = o["N"]
             if o["initial_state"]:
@@ -169,8 +171,12 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
         W = pick(o, "tokens_per_seq", [1] if mode == "indexed" else widths)
         N = pick(o, "batch", list(range(1, max_batch + 1)))
         varlen = pick(o, "varlen", opts["varlen"])
-        if varlen or mode.startswith("indexed"):
-            pick(o, "index", dts["index"])
+        if varlen:
+            pick(o, "cu_seqlens", dts["index"])
+        if mode.startswith("indexed"):
+            pick(o, "ssm_state_indices", dts["index"])
+        if mode == "indexed_spec":
+            pick(o, "num_accepted_tokens", dts["index"])
         pick(o, "state", dts["state"])
         draw_inputs(o)
         if mode == "returned":
@@ -186,7 +192,7 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
             B, T = (1, N * W) if varlen else (N, W)
             args = inputs(o, B, T)
             if varlen:
-                args["cu_seqlens"] = ints(list(range(0, N * W + 1, W)), dtype(o["index"]))
+                args["cu_seqlens"] = ints(list(range(0, N * W + 1, W)), dtype(o["cu_seqlens"]))
             if mode == "returned":
                 if o["initial_state"]:
                     args["initial_state"] = state(o, N, dtype(o["state"]))
@@ -195,10 +201,11 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
                 return fused_recurrent_kda_fwd(**args, output_final_state=o["final_state"], inplace_final_state=False)
             args["initial_state"] = state(o, N if mode == "in_place" else slots, dtype(o["state"]))
             if mode == "indexed":
-                args["ssm_state_indices"] = ints(order[:N], dtype(o["index"]))
+                args["ssm_state_indices"] = ints(order[:N], dtype(o["ssm_state_indices"]))
             elif mode == "indexed_spec":
-                args["ssm_state_indices"] = ints([order[i * W:(i + 1) * W] for i in range(N)], dtype(o["index"]))
-                args["num_accepted_tokens"] = ints(accepted, dtype(o["index"]))
+                args["ssm_state_indices"] = ints([order[i * W:(i + 1) * W] for i in range(N)],
+                                                 dtype(o["ssm_state_indices"]))
+                args["num_accepted_tokens"] = ints(accepted, dtype(o["num_accepted_tokens"]))
             if o["out"]:
                 args["out"] = torch.empty_like(args["v"])
             return fused_recurrent_kda_fwd(**args)  # inplace_final_state: fla's default, True

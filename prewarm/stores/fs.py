@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..bundle import OBJECTS, open_regular
 from ..cachedir import write_atomic
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StoreError
 from .base import Store, join
 
 # Protocols whose PUT is atomic by itself (no partial object is ever visible): written directly.
@@ -38,6 +38,8 @@ class LocalStore(Store):
             return open_regular(self.root / name, join(self.url, name))
         except NotADirectoryError:  # a file where a dir of the path should be: nothing by that name here
             raise FileNotFoundError(errno.ENOENT, "not found", str(self.root / name)) from None
+        except IntegrityError as e:  # a dir, FIFO or device where a blob should be: the store's fault, not the bundle's
+            raise StoreError(str(e)) from None
 
     def write(self, name: str, data: bytes) -> None:
         dest = self.root / name
@@ -73,8 +75,8 @@ class FsspecStore(Store):
     def open(self, name: str):
         path = join(self.path, name)
         info = self.fs.info(path)  # FileNotFoundError when absent
-        if info.get("type") != "file":
-            raise IntegrityError(f"{join(self.url, name)}: not a regular file ({info.get('type')}): refused")
+        if info.get("type") != "file":  # as LocalStore: the store's fault
+            raise StoreError(f"{join(self.url, name)}: not a regular file ({info.get('type')}): refused")
         return self.fs.open(path, "rb")
 
     def write(self, name: str, data: bytes) -> None:

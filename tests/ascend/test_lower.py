@@ -161,3 +161,31 @@ def test_a_config_that_cannot_fit_the_socs_ub_fails_before_a_node_tries_it(tmp_p
     assert p.returncode == BuildError.exit_code, said
     assert ("ascend_toy_kernels:dot_kernel variant 'dot_kernel': stage ub failed: estimated on-chip buffer "
             f"footprint 224 KB exceeds {arch}'s 192 KB unified buffer") in said, said
+
+
+def test_a_stage_tool_killed_by_a_signal_is_retried_once_and_reported():
+    """triton-ascend 3.2.0's triton-adapter-opt sometimes aborts (malloc(): corrupted top size) on an input it lowers
+    on the next try: one retry, the crash kept in the report; a second crash, or a tool that exits with an error,
+    fails the stage."""
+    import subprocess
+
+    def flaky(fails: int, code: int):
+        calls = []
+
+        def step(module):
+            calls.append(module)
+            if len(calls) <= fails:
+                raise subprocess.CalledProcessError(code, ["triton-adapter-opt"], stderr=b"malloc(): corrupted top size")
+            return "linalg"
+
+        return step, calls
+
+    out = lower.LoweredCompile("k", "label", "id")
+    step, calls = flaky(1, -6)
+    assert lower._run_stage(step, "ttir", out) == "linalg" and calls == ["ttir", "ttir"]
+    assert out.crashed == "malloc(): corrupted top size" and out.ok
+    for fails, code in ((2, -6), (1, 1)):
+        step, calls = flaky(fails, code)
+        with pytest.raises(subprocess.CalledProcessError):
+            lower._run_stage(step, "ttir", lower.LoweredCompile("k", "label", "id"))
+        assert len(calls) == (2 if code < 0 else 1)

@@ -1,22 +1,20 @@
-"""sglang's own KDA kernels as its KDA backend calls them: ``provider = "prewarm.providers.sglang_kda"``.
+"""sglang's own KDA kernels as its CUDA KDA backend calls them: ``provider = "prewarm.providers.sglang.cuda"``.
 
 sglang (0.5.23) serves Kimi's KDA layers with its own copy of the kernels (``sglang/kernels/ops/attention/fla/`` and
 ``.../linear/``), called through ``TritonKDAKernel`` (``sglang/srt/layers/attention/linear/kernels/kda_triton.py``)
-by ``KDAAttnBackend`` (``.../linear/kda_backend.py``) and, on Ascend, ``AscendKDAAttnBackend``. :func:`launches`
+by ``KDAAttnBackend`` (``.../linear/kda_backend.py``); Ascend's backend is :mod:`.ascend`. :func:`launches`
 makes those calls with tensors laid out as the backend and the model hand them over (q/k/v as views of the conv
 output, beta as a view of the fused projection, the state pool ``[slots, H, V, K]`` by index, int32
-``query_start_loc``), on fake tensors of the target's device type (``prewarm.providers.sglang_env``), every
+``query_start_loc``), on fake tensors of the target's device type (``prewarm.providers.sglang.common``), every
 ``kernel[grid](...)`` captured and none launched. The build expands each into every autotune config.
 
 The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda``, plus ``[spec.sglang]``, see
-:func:`prewarm.providers.sglang_env.read_spec`), and what it plans:
+:func:`prewarm.providers.sglang.common.read_spec`), and what it plans:
 
-- Paths (``spec.sglang.paths``): on ``cuda`` ``extend`` (``chunk_kda``), ``packed_decode`` (the decode sglang takes
-  without a gate lower bound; bf16 batches of 8 or more with int32 indices and fp32 parameters leave Triton for
-  sglang's CUDA JIT kernel, which prewarm cannot build), ``decode`` (``fused_sigmoid_gating_delta_rule_update``: the
-  decode with a lower bound) and ``target_verify`` (the same kernel over draft tokens); on ``npu`` what
-  ``AscendKDAAttnBackend`` runs through Triton: ``decode``, ``target_verify`` and ``ascend_extend`` (sglang's
-  Triton ``l2norm_fwd`` of q and k; the rest of its prefill is ``torch.ops.npu.chunk_kda_fwd``).
+- Paths (``spec.sglang.paths``): ``extend`` (``chunk_kda``), ``packed_decode`` (the decode sglang takes without a
+  gate lower bound; bf16 batches of 8 or more with int32 indices and fp32 parameters leave Triton for sglang's CUDA
+  JIT kernel, which prewarm cannot build), ``decode`` (``fused_sigmoid_gating_delta_rule_update``: the decode with
+  a lower bound) and ``target_verify`` (the same kernel over draft tokens).
 - Decode batch sizes 1..max(largest bucket, ``max_running_requests``) (sglang runs eager batches of any size):
   what they change is the verify kernel's ``NP2_T`` (next power of two of the tokens; ``B`` is 1: sglang packs
   tokens) and, at one row, a view's strides (constexprs of the packed decode). :func:`batch_sizes` stands for every
@@ -34,13 +32,10 @@ The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda`
   (A_log and dt_bias), state (the pool and the verify scratch), index (query_start_loc, cache and scratch indices,
   the track rows; one dtype per call, as a server builds them); the cross product is planned.
 
-On triton-ascend 3.2.0 the recurrent kernel of ``decode`` and ``target_verify`` cannot be compiled at all (it names
-``tl.extra.cuda``, which that triton-ascend lacks): see ``manifests/kimi-k3-ascend-a3-sglang.toml``.
-
 Not planned (sglang options that need a deployment's value or another kernel library): ReplaySSM
 (``--enable-linear-replayssm``: ring caches and their length are constexprs), the prefill CUDA graph's padded
 index tables (``kda_prefill_graph``), FlashInfer / CuTe DSL / Helion backends, the fused K3 decode and fused chain
-verify (CUDA JIT / other kernels), and ``TritonKDAKernel.extend`` on npu (``sglang_env.NOT_PLANNABLE``).
+verify (CUDA JIT / other kernels).
 :func:`options` lists each of them with what sglang accepts; ``prewarm plan`` prints them.
 """
 from __future__ import annotations
@@ -48,7 +43,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator
 
-from .sglang_env import SglangSpec, fake_device, index_tensor, launches_of, misaligned, read_spec
+from .common import SglangSpec, fake_device, index_tensor, launches_of, misaligned, read_spec
 
 CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
 SMALL_GRID_CTAS = 256  # chunk_kda_fwd fuses diagonal + recompute when batch * chunks * heads <= this
@@ -121,13 +116,13 @@ def options(spec: dict) -> list[dict]:
     deployment's value (ReplaySSM's ring length, the prefill CUDA graph's tables) are not planned and say so."""
     from prewarm_kernels.spec import DTYPES, INDEX_DTYPES
 
-    from .sglang_env import NOT_PLANNABLE, PATHS, ROLES
+    from .common import PATHS, ROLES
 
     s = read_spec(spec)
     given = {table: set(spec.get(table) or ()) if isinstance(spec.get(table), dict) else set()
              for table in ("dtypes", "sglang")}
     rows = [(f"dtypes.{role}", s.dtypes[role], list(INDEX_DTYPES if role == "index" else DTYPES)) for role in ROLES]
-    rows += [("sglang.paths", list(s.paths), list(PATHS[s.backend] + NOT_PLANNABLE.get(s.backend, ()))),
+    rows += [("sglang.paths", list(s.paths), list(PATHS["cuda"])),
              ("sglang.beta_row_strides", list(s.beta_row_strides), None),
              ("sglang.eagle_tree", [False, True] if s.eagle_tree else [False], [False, True]),
              ("sglang.track_state", [False, True] if s.track_state else [False], [False, True]),
@@ -143,7 +138,7 @@ def run(spec: dict, device: str = "cuda") -> None:
     server would; sglang's CUDA JIT packed decode is skipped (prewarm cannot keep it)."""
     import torch
 
-    from .sglang_env import jit_skipped
+    from .common import jit_skipped
 
     s = read_spec(spec)
     _import_sglang()
@@ -322,16 +317,6 @@ class _Builder:
             cache_indices=self.index((1,) * batch), query_start_loc=self.index(cu), intermediate_states_buffer=scratch,
             intermediate_state_indices=self.index(tuple(range(batch))), cache_steps=width,
             retrieve_parent_token=parent, lower_bound=s.lower_bound)
-
-    def ascend_extend(self):
-        """AscendKDAAttnBackend's prefill: sglang's Triton l2norm of q and k, then torch_npu's chunk_kda_fwd."""
-        from sglang.kernels.ops.attention.fla.l2norm import l2norm_fwd
-
-        def call(T=CHUNK):
-            _, q, k, _ = self.conv_output(T)
-            return l2norm_fwd(q.contiguous()), l2norm_fwd(k.contiguous())
-
-        yield f"ascend_extend[{self.tag}]", call
 
 
 def _kernel():

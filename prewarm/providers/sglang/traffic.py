@@ -1,14 +1,13 @@
 """Seeded, server-like calls of sglang's ``TritonKDAKernel`` within a manifest's envelope: the independent traffic
-that ``tests/test_sglang.py`` (on fake tensors, inside ``sglang_env.fake_device``) and ``bench/sglang_traffic.py``
-(on the H200) check the plan of :mod:`prewarm.providers.sglang_kda` against.
+that ``tests/test_sglang.py`` (on fake tensors, inside ``common.fake_device``) and ``bench/sglang_traffic.py``
+(on the H200) check the plan of :mod:`prewarm.providers.sglang.cuda` against.
 
 Written from sglang 0.5.23's own call sites, never from the provider's call builder: ``KDAAttnBackend``'s
-``forward_extend`` / ``forward_decode`` / ``_forward_target_verify`` (``kda_backend.py``), ``AscendKDAAttnBackend``
-on npu, the metadata they read (``hybrid_linear_attn_backend.py``: int32 ``query_start_loc`` and slot tables, the
-verify scratch rows, ``retrieve_parent_token`` as ``empty_like`` of a long tensor), the state pools
-(``memory_pool.py``: ``[slots + 1, H, V, K]``, the scratch ``[slots + 1, draft, H, V, K]``) and Kimi-Linear's layer
+``forward_extend`` / ``forward_decode`` / ``_forward_target_verify`` (``kda_backend.py``), the metadata they read
+(``hybrid_linear_attn_backend.py``: int32 ``query_start_loc`` and slot tables, the verify scratch rows,
+``retrieve_parent_token`` as ``empty_like`` of a long tensor), the state pools (``memory_pool.py``: ``[slots + 1, H, V, K]``, the scratch ``[slots + 1, draft, H, V, K]``) and Kimi-Linear's layer
 (``kimi_linear.py``: q/k/v/beta/f_a/g_a out of one fused projection, beta a view of it, the forget gate out of a
-batched matmul, A_log ``[1, 1, H, 1]``). Within the envelope (``sglang_env.read_spec``) every call draws on its own:
+batched matmul, A_log ``[1, 1, H, 1]``). Within the envelope (``common.read_spec``) every call draws on its own:
 the path, each role's dtype, the batch size (a seeded permutation of 1..the largest batch, so a run of enough calls
 sees every size), the draft width and whether the adaptive scratch keeps the widest pitch, dense or ragged verify
 (1..width tokens per request), chain or tree verify, the padded rows of a CUDA-graph batch (slot -1), prefill
@@ -24,7 +23,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .sglang_env import index_tensor, read_spec
+from .common import index_tensor, read_spec
 
 
 @dataclass
@@ -59,19 +58,18 @@ class _Traffic:
         dts = {role: getattr(torch, rng.choice(names)) for role, names in s.dtypes.items()}
         d = {"kind": kind, **{role: str(dt).removeprefix("torch.") for role, dt in dts.items()},
              "beta_row": rng.choice(s.beta_row_strides)}
-        if kind in ("extend", "ascend_extend"):
+        if kind == "extend":
             seqs = rng.randint(1, min(s.max_batch, s.max_prefill_tokens))
             total = rng.randint(seqs, s.max_prefill_tokens)
             cuts = sorted(rng.sample(range(1, total), seqs - 1))
             d["lengths"] = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
             d["physical"] = total + rng.choice([0, 0, rng.randint(1, 64)])  # DP-attention padding past the batch
             d["slots"] = rng.sample(range(1, s.max_batch + 1), seqs)
-            if kind == "extend":
-                d["beta"] = rng.choice(["raw", "raw", "sigmoid"])  # kda_backend passes raw; a caller may sigmoid
-                d["gate"] = rng.choice(["raw", "raw", "raw-nobias", "activated"])
-                d["track"] = s.track_state and rng.random() < 0.4
-                d["intermediate"] = d["track"] or rng.random() < 0.2
-                d["tracked"] = [rng.choice([-1, 0, 1]) for _ in range(seqs)]  # track_chunk_idx: -1 untracked
+            d["beta"] = rng.choice(["raw", "raw", "sigmoid"])  # kda_backend passes raw; a caller may sigmoid
+            d["gate"] = rng.choice(["raw", "raw", "raw-nobias", "activated"])
+            d["track"] = s.track_state and rng.random() < 0.4
+            d["intermediate"] = d["track"] or rng.random() < 0.2
+            d["tracked"] = [rng.choice([-1, 0, 1]) for _ in range(seqs)]  # track_chunk_idx: -1 untracked
         else:
             d["batch"] = batch = next(self.batches)
             d["slots"] = rng.sample(range(1, s.max_batch + 1), batch)
@@ -178,7 +176,7 @@ class _Traffic:
             replayssm_write_pos=None, replayssm_force_flush=None)
 
     def decode(self, d: dict, dts: dict):
-        """forward_decode's unpacked path (npu, or a gate lower bound) -> TritonKDAKernel.decode."""
+        """forward_decode's unpacked path (a gate lower bound) -> TritonKDAKernel.decode."""
         batch = d["batch"]
         q, k, v = self.split_heads(self.zeros(batch, self.conv_width(), dtype=dts["activation"]))
         A_log, dt_bias = self.params(dts)
@@ -205,15 +203,6 @@ class _Traffic:
             query_start_loc=self.index(list(itertools.accumulate(lens, initial=0)), dts),
             intermediate_states_buffer=scratch, intermediate_state_indices=self.index(list(range(s.max_batch + 1)), dts),
             cache_steps=width, retrieve_parent_token=parent, lower_bound=s.lower_bound)
-
-    def ascend_extend(self, d: dict, dts: dict):
-        """AscendKDAAttnBackend.forward_extend up to torch_npu's chunk_kda_fwd: sglang's Triton l2norm of q, k."""
-        from sglang.kernels.ops.attention.fla.l2norm import l2norm_fwd
-
-        total = sum(d["lengths"])
-        qkv = self.zeros(d["physical"], self.conv_width(), dtype=dts["activation"])[:total]
-        q, k, _ = self.split_heads(qkv)
-        return l2norm_fwd(q.contiguous()), l2norm_fwd(k.contiguous())
 
 
 def _cycle(rng: random.Random, values) -> Iterator:

@@ -1,4 +1,4 @@
-"""Running sglang's KDA kernels where there is no device: what the sglang provider and the sglang traffic share.
+"""Running sglang's KDA kernels where there is no device: what the sglang providers and their traffic share.
 
 sglang 0.5.23 makes host-side decisions from the tensors it is given, and planning must make each as the node does:
 
@@ -7,8 +7,10 @@ sglang 0.5.23 makes host-side decisions from the tensors it is given, and planni
   :func:`fake_device` makes the tensors created inside live on the target's device type, faked by torch's
   ``FakeTensorMode`` (shapes, strides, storage offsets; no memory, no device, nothing runs).
 - ``chunk_kda`` counts chunks on the host (``prepare_chunk_indices``: ``.tolist()`` of ``cu_seqlens``), which a fake
-  tensor cannot answer. :func:`index_tensor` keeps the values beside a fake index tensor, and inside
-  :func:`fake_device` sglang's ``prepare_chunk_indices`` computes from them with sglang's own function on the CPU.
+  tensor cannot answer; so do sgl-kernel-npu's wrappers, with their own copy. :func:`index_tensor` keeps the values
+  beside a fake index tensor, and inside :func:`fake_device` each library's ``prepare_chunk_indices`` computes from
+  them with its own function on the CPU. Data-dependent shapes (the Ascend backend's ``nonzero()`` over valid state
+  rows) get unbacked sizes from a shape environment; no Triton launch receives one.
 - ``fused_recurrent_kda_packed_decode`` hands bf16 batches of 8 or more to a CUDA JIT kernel (tvm_ffi + nvcc,
   ``kda_packed_decode``), which is not a Triton kernel: prewarm cannot build it and a planner must not call it.
   Inside :func:`fake_device` that call does nothing and is counted (:attr:`FakeDevice.jit_calls`).
@@ -21,6 +23,7 @@ manifest's envelope as both see it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import sys
 import warnings
@@ -31,13 +34,19 @@ from prewarm_kernels.spec import FLA_CALL_OPTIONS, SpecError, read_kda
 
 VALUES = "_prewarm_values"  # attribute of a fake index tensor: its values, for host code that reads them
 FLA_PACKAGE = "sglang.kernels.ops.attention.fla"
-# What each backend's sglang KDA backend runs through Triton (kda_backend.py; on Ascend ascend_kda_backend.py)
+# package -> the module whose prepare_chunk_indices its kernels' wrappers import (each reads cu_seqlens on the host)
+CHUNK_INDEX_HOMES = {FLA_PACKAGE: f"{FLA_PACKAGE}.index", "sgl_kernel_npu": "sgl_kernel_npu.fla.utils"}
+# The forward paths of each backend's sglang KDA backend: on cuda TritonKDAKernel's methods as kda_backend.py calls
+# them; on npu AscendKDAAttnBackend's forward modes (ascend_kda_backend.py, driven whole)
 PATHS = {"cuda": ("extend", "packed_decode", "decode", "target_verify"),
-         "npu": ("ascend_extend", "decode", "target_verify")}
-# TritonKDAKernel's API reaches it there, the backend does not, and a plan cannot hold it yet: on npu chunk_kda runs
-# recompute_w_u_fwd_kernel, an Autotuner bound to a module name its function does not have (prewarm.plan refers to
-# kernels by their function's name), where the H200 takes the raw kernel with a static config
-NOT_PLANNABLE = {"npu": ("extend",)}
+         "npu": ("extend", "decode", "target_verify")}
+# npu: the prefill layouts (spec.sglang.prefill): 0.5.23's (torch.ops.npu.chunk_kda_fwd, a CANN op, between Triton
+# kernels) and the user report's era (a Triton decomposition: sglang's cumsum and kkt, sgl-kernel-npu's solve,
+# recompute, state and output kernels)
+PREFILLS = ("cann", "triton")
+# [spec.sglang] keys each backend reads, beside paths and track_state
+BACKEND_KEYS = {"cuda": ("beta_row_strides", "eagle_tree"),
+                "npu": ("beta_row_strides", "prefill", "mamba_pool_slots", "conv_kernel")}
 ROLES = ("activation", "gate", "beta", "gate_params", "state", "index")  # [spec.dtypes] roles, in label order
 MAX_PREFILL_TOKENS = 16384  # a prefill batch's token budget when the spec gives none (sglang's chunked prefill)
 
@@ -50,6 +59,7 @@ class SglangSpec:
     heads: int  # KDA heads per attention rank
     head_k_dim: int
     head_v_dim: int
+    layers: int  # the model's KDA layers (on npu the mamba pools' layer count)
     lower_bound: float | None  # the model's gate lower bound (safe gate), or None
     dtypes: dict  # role (ROLES) -> dtype names
     paths: tuple  # TritonKDAKernel paths the deployment reaches (PATHS)
@@ -59,6 +69,9 @@ class SglangSpec:
     beta_row_strides: tuple  # per-token strides of raw beta as the model hands it over
     eagle_tree: bool  # tree verify (--speculative-eagle-topk > 1: retrieve_parent_token)
     track_state: bool  # the prefix cache's per-chunk state snapshot in prefill (track_state)
+    prefill: tuple = ()  # npu: PREFILLS planned
+    mamba_pool_slots: int = 0  # npu: the mamba state pool's slots (its size + the padding slot): a conv stride
+    conv_kernel: int = 4  # npu: the short conv's kernel size (the conv state window is kernel - 1 + drafts - 1)
 
     @property
     def device(self) -> str:
@@ -74,9 +87,12 @@ def read_spec(spec: dict) -> SglangSpec:
     """The KDA serving spec (``read_kda``: model, parallel, dtypes, serving) plus the ``[spec.sglang]`` table:
 
         paths = every path the backend reaches (PATHS)
-        beta_row_strides = [heads, 3*heads*head_k_dim + heads + 2*head_k_dim]: raw beta as its own tensor and as a
-                           view of Kimi-Linear's fused q/k/v/beta/f_a/g_a projection (both rows per rank)
-        eagle_tree = true, track_state = true
+        track_state = true
+        beta_row_strides = cuda: [heads, 3*heads*head_k_dim + heads + 2*head_k_dim]: raw beta as its own tensor and
+                           as a view of Kimi-Linear's fused q/k/v/beta/f_a/g_a projection (both rows per rank);
+                           npu: [heads]
+        eagle_tree = true (cuda)
+        prefill = ["cann", "triton"], mamba_pool_slots (required with target_verify), conv_kernel = 4 (npu)
 
     A bad value is a SpecError naming ``spec.<key>``."""
     extra = spec.get("sglang", {})
@@ -94,39 +110,55 @@ def read_spec(spec: dict) -> SglangSpec:
             raise SpecError(f"serving.{key}", False, f"true (or absent): {why}")
     if not isinstance(extra, dict):
         raise SpecError("sglang", extra, "a table")
-    unknown = sorted(set(extra) - {"paths", "beta_row_strides", "eagle_tree", "track_state"})
+    known = sorted(("paths", "track_state") + BACKEND_KEYS[backend])
+    unknown = sorted(set(extra) - set(known))
     if unknown:
         raise SpecError(f"sglang.{unknown[0]}", extra[unknown[0]],
-                        "no such key here (known: beta_row_strides, eagle_tree, paths, track_state)")
+                        f"no such key for the {backend} backend (known: {', '.join(known)})")
     h, K = read["heads"], read["head_k_dim"]
     paths = extra.get("paths", list(PATHS[backend]))
     if not isinstance(paths, list) or not paths or len(set(paths)) != len(paths) or \
             any(p not in PATHS[backend] for p in paths):
-        unplannable = [p for p in paths if p in NOT_PLANNABLE.get(backend, ())] if isinstance(paths, list) else []
-        why = (f" ({unplannable[0]} on {backend}: sglang's chunk_kda there launches an autotuned kernel bound under "
-               f"another name, which a plan cannot refer to yet)") if unplannable else f" (on {backend})"
-        raise SpecError("sglang.paths", paths, f"a non-empty list of distinct paths out of {list(PATHS[backend])}{why}")
-    rows = extra.get("beta_row_strides", [h, 3 * h * K + h + 2 * K])
+        raise SpecError("sglang.paths", paths, f"a non-empty list of distinct paths out of {list(PATHS[backend])} "
+                        f"(on {backend})")
+    rows = extra.get("beta_row_strides", [h, 3 * h * K + h + 2 * K] if backend == "cuda" else [h])
     if not isinstance(rows, list) or not rows or len(set(rows)) != len(rows) or \
             any(not isinstance(r, int) or isinstance(r, bool) or r < h for r in rows):
         raise SpecError("sglang.beta_row_strides", rows, f"a non-empty list of distinct integers >= the heads per "
                         f"rank ({h}): beta's per-token stride in each layout the model hands it over")
-    switches = {}
+    switches = {"eagle_tree": False}
     for key in ("eagle_tree", "track_state"):
-        switches[key] = extra.get(key, True)
-        if not isinstance(switches[key], bool):
-            raise SpecError(f"sglang.{key}", switches[key], "true or false")
+        if key in known:
+            switches[key] = extra.get(key, True)
+            if not isinstance(switches[key], bool):
+                raise SpecError(f"sglang.{key}", switches[key], "true or false")
+    npu = {}
+    if backend == "npu":
+        npu["prefill"] = extra.get("prefill", list(PREFILLS))
+        if not isinstance(npu["prefill"], list) or not npu["prefill"] or \
+                len(set(npu["prefill"])) != len(npu["prefill"]) or any(p not in PREFILLS for p in npu["prefill"]):
+            raise SpecError("sglang.prefill", npu["prefill"], f"a non-empty list out of {list(PREFILLS)}")
+        npu["prefill"] = tuple(npu["prefill"])
+        for key, least, why in (("mamba_pool_slots", 2, "the mamba state pool's slots (sglang's mamba pool size "
+                                 "+ 1): conv_state_rollback takes the conv pool's layer stride as a constexpr"),
+                                ("conv_kernel", 2, "the model's short conv kernel size (config.json)")):
+            value = extra.get(key, 4 if key == "conv_kernel" else None)
+            if value is None and "target_verify" in paths:
+                raise SpecError(f"sglang.{key}", ..., why)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise SpecError(f"sglang.{key}", value, f"an integer >= {least}: {why}")
+            npu[key] = value or 0
     decoding = any(p in paths for p in ("packed_decode", "decode", "target_verify"))
     max_batch = max([*read["decode_batch_buckets"], read["max_running_requests"] or 0])
     if decoding and not max_batch:
         raise SpecError("serving.max_running_requests", ..., "the largest decode batch (or decode_batch_buckets): "
                         "sglang runs eager decode batches of any size up to it")
-    return SglangSpec(backend=backend, heads=h, head_k_dim=K, head_v_dim=read["head_v_dim"],
+    return SglangSpec(backend=backend, heads=h, head_k_dim=K, head_v_dim=read["head_v_dim"], layers=read["layers"],
                       lower_bound=read["gate_lower_bound"], dtypes={r: read["dtypes"][r] for r in ROLES},
                       paths=tuple(paths), max_batch=max(max_batch, 1),
                       draft_widths=tuple(sorted(d for d in read["draft_widths"] if d > 1)),
                       max_prefill_tokens=read["max_prefill_tokens"] or MAX_PREFILL_TOKENS,
-                      beta_row_strides=tuple(rows), **switches)
+                      beta_row_strides=tuple(rows), **switches, **npu)
 
 
 @dataclass
@@ -150,34 +182,29 @@ def index_tensor(values: list[int], dtype, device) -> Any:
 @contextlib.contextmanager
 def fake_device(device: str) -> Iterator[FakeDevice]:
     """Within the block, tensors made on ``device`` (``"cuda"`` or ``"npu"``, whose queries a device profile answers)
-    are fake; sglang's chunk counting reads :func:`index_tensor` values; its CUDA JIT packed decode is not called."""
+    are fake; the chunk counting of sglang's fla copy and of sgl-kernel-npu (whichever is imported) reads
+    :func:`index_tensor` values; sglang's CUDA JIT packed decode is not called."""
     from torch._subclasses import fake_tensor
 
     import sglang.srt.layers.attention.linear.kernels.kda_triton  # noqa: F401  (every kernel module, imported)
-    from sglang.kernels.ops.attention.fla import index
 
     state = FakeDevice(device)
+    patches = []  # (module, original)
+    for package, home in CHUNK_INDEX_HOMES.items():
+        if home not in sys.modules and package != FLA_PACKAGE:
+            continue  # not imported by whoever plans: nothing of it runs
+        original = importlib.import_module(home).prepare_chunk_indices
+        replacement = _host_chunk_indices(original)
+        patches += [(m, original) for name, m in list(sys.modules.items())
+                    if name.startswith(package) and getattr(m, "prepare_chunk_indices", None) is original]
+        for module, _ in patches:
+            if module.prepare_chunk_indices is original:
+                module.prepare_chunk_indices = replacement
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    def chunk_indices(cu_seqlens, chunk_size: int):
-        import torch
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        if not _is_fake(cu_seqlens):
-            return original(cu_seqlens, chunk_size)
-        values = getattr(cu_seqlens, VALUES, None)
-        if values is None:
-            raise ValueError("sglang reads cu_seqlens on the host (prepare_chunk_indices), but this fake tensor's "
-                             "values are unknown: make it with prewarm.providers.sglang_env.index_tensor")
-        with unset_fake_temporarily():
-            real = original(torch.tensor(values, dtype=cu_seqlens.dtype), chunk_size)
-        return torch.empty(tuple(real.shape), dtype=real.dtype, device=cu_seqlens.device)
-
-    original = index.prepare_chunk_indices
-    patched = [m for name, m in list(sys.modules.items())
-               if name.startswith(FLA_PACKAGE) and getattr(m, "prepare_chunk_indices", None) is original]
-    mode = _deviceless_fake_mode()(allow_non_fake_inputs=True)
-    for module in patched:
-        module.prepare_chunk_indices = chunk_indices
+    # a shape environment answers data-dependent shapes (the Ascend backend's nonzero() over valid state rows) with
+    # unbacked sizes; no Triton launch receives one
+    mode = _deviceless_fake_mode()(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     # a FakeTensor on a GPU first makes one real tensor there (for autograd) when torch.cuda says a GPU is present,
     # as a device profile does: nothing here needs it
     gpu_context, fake_tensor.init_gpu_context = fake_tensor.init_gpu_context, lambda device: None
@@ -187,8 +214,28 @@ def fake_device(device: str) -> Iterator[FakeDevice]:
             yield state
     finally:
         fake_tensor.init_gpu_context = gpu_context
-        for module in patched:
+        for module, original in patches:
             module.prepare_chunk_indices = original
+
+
+def _host_chunk_indices(original: Callable) -> Callable:
+    """``prepare_chunk_indices`` that, on a fake ``cu_seqlens``, computes from its :func:`index_tensor` values with
+    the library's own function on the CPU (it reads the lengths on the host: ``.tolist()``)."""
+    def chunk_indices(cu_seqlens, chunk_size: int):
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        if not _is_fake(cu_seqlens):
+            return original(cu_seqlens, chunk_size)
+        values = getattr(cu_seqlens, VALUES, None)
+        if values is None:
+            raise ValueError("sglang reads cu_seqlens on the host (prepare_chunk_indices), but this fake tensor's "
+                             "values are unknown: make it with prewarm.providers.sglang.common.index_tensor")
+        with unset_fake_temporarily():
+            real = original(torch.tensor(values, dtype=cu_seqlens.dtype), chunk_size)
+        return torch.empty(tuple(real.shape), dtype=real.dtype, device=cu_seqlens.device)
+
+    return chunk_indices
 
 
 def _deviceless_fake_mode():
@@ -224,7 +271,7 @@ def jit_skipped() -> Iterator[list[str]]:
 
 def launches_of(call: Callable[[], object]) -> list:
     """The kernel launches ``call`` makes (``prewarm.providers.fla_kda.Launch`` each), captured, none launched."""
-    from .fla_kda import intercepted
+    from ..fla_kda import intercepted
 
     with intercepted() as records:
         call()
