@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from . import tritoncompat
 from .cachedir import write_atomic
 from .errors import ManifestError
 from .manifest import Manifest
-from .pins import PinnedRow, parse_pins, pinned_config
+from .pins import PinnedRow, load_table, parse_pins, pinned_config
 from .plan import Request, decode, resolve
 from .probe import Probe, ProbeCacheManager
 
@@ -264,12 +263,7 @@ class Table:
 def read_table(path: str | os.PathLike) -> Table:
     """Parse and check a table (ManifestError naming the file, the row and the key; exit 3)."""
     path = Path(path)
-    try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot read the autotune table: {e.strerror}") from e
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{path}: not valid TOML: {e}") from e
+    doc = load_table(path)
     extra = sorted(set(doc) - {"meta", "tuned", "pinned"})
     if extra:
         raise ManifestError(f"{path}: {extra[0]}: no such key in an autotune table (expected [meta], [[pinned]] and "

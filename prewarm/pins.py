@@ -80,15 +80,19 @@ def parse_pins(path: Path, rows: Any) -> list[PinnedRow]:
     return out
 
 
-def read_pins(path: Path) -> list[PinnedRow]:
-    """The ``[[pinned]]`` rows of the autotune table at ``path`` (its other rows are prewarm.autotune's)."""
+def load_table(path: Path) -> dict:
+    """The autotune table at ``path`` as TOML (ManifestError naming the file where it cannot be read or parsed)."""
     try:
-        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ManifestError(f"{path}: cannot read the autotune table: {e.strerror}") from e
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path}: not valid TOML: {e}") from e
-    return parse_pins(path, doc.get("pinned", []))
+
+
+def read_pins(path: Path) -> list[PinnedRow]:
+    """The ``[[pinned]]`` rows of the autotune table at ``path`` (its other rows are prewarm.autotune's)."""
+    return parse_pins(path, load_table(path).get("pinned", []))
 
 
 def pinned_config(tuner, pin: PinnedRow):

@@ -20,6 +20,7 @@ from prewarm.backends import get_target
 from prewarm.manifest import load
 from prewarm.plan import Compile, expand_all, load_record, plan_for
 from prewarm.probe import planned_keys
+from prewarm.providers import capture
 from prewarm.providers.sglang import common as sglang_env, cuda as sglang_kda, traffic as sglang_traffic
 from prewarm_kernels.spec import SpecError
 
@@ -44,9 +45,9 @@ def runtime_compiles(spec: dict, calls) -> tuple[dict[str, Compile], list[str]]:
     out: dict[str, Compile] = {}
     with sglang_env.fake_device("cuda") as state:
         for call in calls:
-            for launch in sglang_env.launches_of(call.run):
-                args = tuple(sglang_env.as_meta(a) for a in launch.args)
-                kwargs = {k: sglang_env.as_meta(v) for k, v in launch.kwargs.items()}
+            for launch in capture.launches_of(call.run):
+                args = tuple(capture.as_meta(a) for a in launch.args)
+                kwargs = {k: capture.as_meta(v) for k, v in launch.kwargs.items()}
                 with tritoncompat.compile_requests(skip=True) as captured:
                     tritoncompat.warmup(launch.kernel, args, kwargs, grid=(1,))
                 ref = tritoncompat.kernel_ref(launch.kernel)
@@ -153,9 +154,9 @@ def test_chunk_counting_on_a_fake_device_is_sglangs_own():
         for dtype in (torch.int32, torch.int64):
             real = index.prepare_chunk_indices(torch.tensor(cu, dtype=dtype), 64)
             with sglang_env.fake_device("cuda"):
-                fake = index.prepare_chunk_indices(sglang_env.index_tensor(cu, dtype, "cuda"), 64)
+                fake = index.prepare_chunk_indices(capture.index_tensor(cu, dtype, "cuda"), 64)
             assert (tuple(fake.shape), fake.dtype, fake.device.type) == (tuple(real.shape), real.dtype, "cuda")
-    with sglang_env.fake_device("cuda"), pytest.raises(ValueError, match="sglang.common.index_tensor"):
+    with sglang_env.fake_device("cuda"), pytest.raises(ValueError, match="capture.index_tensor"):
         index.prepare_chunk_indices(torch.zeros(3, dtype=torch.int32, device="cuda"), 64)
 
 

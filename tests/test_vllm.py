@@ -18,7 +18,7 @@ from prewarm.manifest import load
 from prewarm.plan import Compile, plan_for
 from prewarm.probe import planned_keys
 from prewarm.providers import vllm_kda, vllm_traffic
-from prewarm.providers.sglang.common import as_meta, launches_of
+from prewarm.providers.capture import as_meta, launches_of
 from prewarm_kernels.spec import SpecError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,13 +35,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from prewarm_kernels.spec import FLA_CALL_OPTIONS, INDEX_DTYPES, SpecError, read_kda
 
-from .sglang.common import _deviceless_fake_mode, _host_chunk_indices, index_tensor, launches_of, misaligned
+from .capture import batch_sizes, fake_tensors, index_tensor, launches_of, misaligned
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
@@ -219,27 +218,11 @@ def options(spec: dict) -> list[dict]:
 def fake_cuda() -> Iterator[None]:
     """Within the block tensors made on ``cuda`` are fake (a device profile answers the device's queries), and
     vLLM's chunk counting (``prepare_chunk_indices``, which reads ``cu_seqlens`` on the host) answers from
-    :func:`prewarm.providers.sglang.common.index_tensor` values with vLLM's own function on the CPU."""
-    from torch._subclasses import fake_tensor
-
+    :func:`prewarm.providers.capture.index_tensor` values with vLLM's own function on the CPU
+    (:func:`prewarm.providers.capture.fake_tensors`)."""
     _import_vllm()
-    home = sys.modules[f"{FLA_OPS}.index"]
-    original = home.prepare_chunk_indices
-    replacement = _host_chunk_indices(original)
-    users = [m for name, m in list(sys.modules.items()) if name.startswith(("vllm.models.kimi_k3", FLA_OPS))
-             and getattr(m, "prepare_chunk_indices", None) is original]
-    for module in users:
-        module.prepare_chunk_indices = replacement
-    mode = _deviceless_fake_mode()(allow_non_fake_inputs=True)
-    gpu_context, fake_tensor.init_gpu_context = fake_tensor.init_gpu_context, lambda device: None
-    try:
-        with mode, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            yield
-    finally:
-        fake_tensor.init_gpu_context = gpu_context
-        for module in users:
-            module.prepare_chunk_indices = original
+    with fake_tensors({"vllm.models.kimi_k3": f"{FLA_OPS}.index", FLA_OPS: f"{FLA_OPS}.index"}):
+        yield
 
 
 def prefill_layouts(max_tokens: int, max_seqs: int) -> list[tuple[str, list[int]]]:
@@ -249,13 +232,6 @@ def prefill_layouts(max_tokens: int, max_seqs: int) -> list[tuple[str, list[int]
     layouts = [("T=1", [1]), ("T=17", [17]), ("T=64", [64]), ("N=3", [1, 16, 33])]
     layouts.append((f"T={max_tokens}", [max_tokens]))
     return [(n, lengths) for n, lengths in layouts if sum(lengths) <= max_tokens and len(lengths) <= max_seqs]
-
-
-def batch_sizes(max_batch: int) -> list[int]:
-    """The decode batch sizes that stand for 1..``max_batch``: 1, 2, 3, each power of two and the one after it,
-    the largest (a batch's only specialized values are its row counts' classes)."""
-    sizes = {1, 2, 3, max_batch, *(p + d for p in (1 << k for k in range(max_batch.bit_length())) for d in (0, 1))}
-    return sorted(b for b in sizes if 1 <= b <= max_batch)
 
 
 def verify_request_counts(heads: int, max_batch: int) -> list[int]:

@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .sglang.common import index_tensor
+from .capture import index_tensor
 from .vllm_kda import read_spec
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"

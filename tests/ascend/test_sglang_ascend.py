@@ -66,6 +66,7 @@ def test_independent_traffic_makes_only_planned_requests(planned, verdict, seed)
     missing), an unkeyable one's among the will-fail verdict's requests; the verdict holds exactly the kernels the
     traffic could not key; both prefill layouts, decode and verify (each width, dense and ragged) ran."""
     from prewarm.pins import pin_chooser
+    from prewarm.providers import capture
     from prewarm.providers.sglang import ascend_traffic, common
     from prewarm.providers.sglang.ascend import cann_ops
 
@@ -81,7 +82,7 @@ def test_independent_traffic_makes_only_planned_requests(planned, verdict, seed)
             decoded += o["kind"] == "decode"
             if o["kind"] == "target_verify":
                 verified.add((o["draft"], o["ragged"]))
-            for launch in common.launches_of(call.run):
+            for launch in capture.launches_of(call.run):
                 ref = tritoncompat.kernel_ref(launch.kernel)
                 if ref not in keyable:
                     keyable[ref] = _keys(launch.kernel)
@@ -137,15 +138,15 @@ def _keys(kernel) -> bool:
 def _specializations(launch, choose) -> list[str]:
     """The launch's compile requests as Triton's JIT binds its arguments (on-disk form); an autotuned kernel in the
     one config the guard pins it to, where the plan's table pins one."""
-    from prewarm.providers.sglang import common
+    from prewarm.providers import capture
 
     kernel = launch.kernel
     tuner = tritoncompat.find_autotuner(kernel)
     pinned = choose(tuner) if tuner is not None else None
     if pinned is not None:
         kernel = tritoncompat.with_configs(kernel, [pinned])
-    args = tuple(common.as_meta(a) for a in launch.args)
-    kwargs = {k: common.as_meta(v) for k, v in launch.kwargs.items()}
+    args = tuple(capture.as_meta(a) for a in launch.args)
+    kwargs = {k: capture.as_meta(v) for k, v in launch.kwargs.items()}
     with tritoncompat.compile_requests(skip=True) as captured:
         tritoncompat.warmup(kernel, args, kwargs, grid=(1,))
     return [tritoncompat.on_disk(d) for d in dict.fromkeys(captured)]

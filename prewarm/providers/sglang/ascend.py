@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
-from .common import SglangSpec, fake_device, index_tensor, launches_of, misaligned, read_spec
-from .cuda import batch_sizes
+from ..capture import batch_sizes, index_tensor, launches_of, misaligned
+from .common import SglangSpec, fake_device, read_spec
 
 CHUNK = 64  # the KDA chunk (tokens) of both prefill layouts
 LOG2_E = 1.4426950408889634  # the report-era cumsum's scale (exp2 gates)

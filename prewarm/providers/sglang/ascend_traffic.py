@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Iterator
 
-from .common import index_tensor, read_spec
+from ..capture import index_tensor
+from .common import read_spec
 from .traffic import Call, _cycle, _short
 
 MAMBA_CHUNK = 64  # hf_text_config.mamba_chunk_size's default: the chunk the prefix cache tracks states at

@@ -7,7 +7,7 @@ sglang 0.5.23 makes host-side decisions from the tensors it is given, and planni
   :func:`fake_device` makes the tensors created inside live on the target's device type, faked by torch's
   ``FakeTensorMode`` (shapes, strides, storage offsets; no memory, no device, nothing runs).
 - ``chunk_kda`` counts chunks on the host (``prepare_chunk_indices``: ``.tolist()`` of ``cu_seqlens``), which a fake
-  tensor cannot answer; so do sgl-kernel-npu's wrappers, with their own copy. :func:`index_tensor` keeps the values
+  tensor cannot answer; so do sgl-kernel-npu's wrappers, with their own copy. ``capture.index_tensor`` keeps the values
   beside a fake index tensor, and inside :func:`fake_device` each library's ``prepare_chunk_indices`` computes from
   them with its own function on the CPU. Data-dependent shapes (the Ascend backend's ``nonzero()`` over valid state
   rows) get unbacked sizes from a shape environment; no Triton launch receives one.
@@ -15,24 +15,20 @@ sglang 0.5.23 makes host-side decisions from the tensors it is given, and planni
   ``kda_packed_decode``), which is not a Triton kernel: prewarm cannot build it and a planner must not call it.
   Inside :func:`fake_device` that call does nothing and is counted (:attr:`FakeDevice.jit_calls`).
 
-:func:`launches_of` runs one call with every ``kernel[grid](...)`` captured (``prewarm.providers.fla_kda``'s
-interception), never launched; :func:`as_meta` turns a fake tensor into a ``meta`` tensor of the same layout, which
-Triton's JIT can bind (its alignment class included) where it cannot bind a fake one. :func:`read_spec` is the
-manifest's envelope as both see it.
+:func:`read_spec` is the manifest's envelope as both see it. The deviceless machinery itself (fake tensors, index
+values, launch capture, ``as_meta``) is :mod:`prewarm.providers.capture`'s, shared with vLLM's provider.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import itertools
-import sys
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 from prewarm_kernels.spec import FLA_CALL_OPTIONS, SpecError, read_kda
 
-VALUES = "_prewarm_values"  # attribute of a fake index tensor: its values, for host code that reads them
+from ..capture import fake_tensors
+
 FLA_PACKAGE = "sglang.kernels.ops.attention.fla"
 # package -> the module whose prepare_chunk_indices its kernels' wrappers import (each reads cu_seqlens on the host)
 CHUNK_INDEX_HOMES = {FLA_PACKAGE: f"{FLA_PACKAGE}.index", "sgl_kernel_npu": "sgl_kernel_npu.fla.utils"}
@@ -169,85 +165,17 @@ class FakeDevice:
     jit_calls: list[str] = field(default_factory=list)  # one entry per call of sglang's CUDA JIT packed decode
 
 
-def index_tensor(values: list[int], dtype, device) -> Any:
-    """``torch.tensor(values, dtype, device)``; on a fake device also the values, for sglang's host code."""
-    import torch
-
-    t = torch.tensor(values, dtype=dtype, device=device)
-    if _is_fake(t):
-        setattr(t, VALUES, list(values))
-    return t
-
-
 @contextlib.contextmanager
 def fake_device(device: str) -> Iterator[FakeDevice]:
     """Within the block, tensors made on ``device`` (``"cuda"`` or ``"npu"``, whose queries a device profile answers)
-    are fake; the chunk counting of sglang's fla copy and of sgl-kernel-npu (whichever is imported) reads
-    :func:`index_tensor` values; sglang's CUDA JIT packed decode is not called."""
-    from torch._subclasses import fake_tensor
-
+    are fake (:func:`prewarm.providers.capture.fake_tensors`); the chunk counting of sglang's fla copy and of
+    sgl-kernel-npu (whichever is imported) reads ``capture.index_tensor`` values; sglang's CUDA JIT packed decode is not
+    called."""
     import sglang.srt.layers.attention.linear.kernels.kda_triton  # noqa: F401  (every kernel module, imported)
 
     state = FakeDevice(device)
-    patches = []  # (module, original)
-    for package, home in CHUNK_INDEX_HOMES.items():
-        if home not in sys.modules and package != FLA_PACKAGE:
-            continue  # not imported by whoever plans: nothing of it runs
-        original = importlib.import_module(home).prepare_chunk_indices
-        replacement = _host_chunk_indices(original)
-        patches += [(m, original) for name, m in list(sys.modules.items())
-                    if name.startswith(package) and getattr(m, "prepare_chunk_indices", None) is original]
-        for module, _ in patches:
-            if module.prepare_chunk_indices is original:
-                module.prepare_chunk_indices = replacement
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    # a shape environment answers data-dependent shapes (the Ascend backend's nonzero() over valid state rows) with
-    # unbacked sizes; no Triton launch receives one
-    mode = _deviceless_fake_mode()(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    # a FakeTensor on a GPU first makes one real tensor there (for autograd) when torch.cuda says a GPU is present,
-    # as a device profile does: nothing here needs it
-    gpu_context, fake_tensor.init_gpu_context = fake_tensor.init_gpu_context, lambda device: None
-    try:
-        with jit_skipped() as state.jit_calls, mode, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
-            yield state
-    finally:
-        fake_tensor.init_gpu_context = gpu_context
-        for module, original in patches:
-            module.prepare_chunk_indices = original
-
-
-def _host_chunk_indices(original: Callable) -> Callable:
-    """``prepare_chunk_indices`` that, on a fake ``cu_seqlens``, computes from its :func:`index_tensor` values with
-    the library's own function on the CPU (it reads the lengths on the host: ``.tolist()``)."""
-    def chunk_indices(cu_seqlens, chunk_size: int):
-        import torch
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        if not _is_fake(cu_seqlens):
-            return original(cu_seqlens, chunk_size)
-        values = getattr(cu_seqlens, VALUES, None)
-        if values is None:
-            raise ValueError("sglang reads cu_seqlens on the host (prepare_chunk_indices), but this fake tensor's "
-                             "values are unknown: make it with prewarm.providers.sglang.common.index_tensor")
-        with unset_fake_temporarily():
-            real = original(torch.tensor(values, dtype=cu_seqlens.dtype), chunk_size)
-        return torch.empty(tuple(real.shape), dtype=real.dtype, device=cu_seqlens.device)
-
-    return chunk_indices
-
-
-def _deviceless_fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    class DevicelessFakeMode(FakeTensorMode):
-        """FakeTensorMode that never materializes a tensor on the device: torch's own mode does for
-        ``torch.tensor(...)`` and indexing when ``torch.cuda.is_available()``, which a device profile answers True."""
-
-        avoid_device_init = True
-
-    return DevicelessFakeMode
+    with jit_skipped() as state.jit_calls, fake_tensors(CHUNK_INDEX_HOMES):
+        yield state
 
 
 @contextlib.contextmanager
@@ -267,37 +195,3 @@ def jit_skipped() -> Iterator[list[str]]:
         yield calls
     finally:
         jit.kda_packed_decode = original
-
-
-def launches_of(call: Callable[[], object]) -> list:
-    """The kernel launches ``call`` makes (``prewarm.providers.fla_kda.Launch`` each), captured, none launched."""
-    from ..fla_kda import intercepted
-
-    with intercepted() as records:
-        call()
-    return records
-
-
-def as_meta(value: Any) -> Any:
-    """A fake (or real) tensor as a ``meta`` tensor of the same dtype, shape, strides and storage offset (so the
-    same pointer alignment); anything else as it is."""
-    import torch
-
-    if not isinstance(value, torch.Tensor):
-        return value
-    extent = 1 + value.storage_offset() + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n)
-    base = torch.empty(extent, dtype=value.dtype, device="meta")
-    return base.as_strided(tuple(value.shape), tuple(value.stride()), value.storage_offset())
-
-
-def misaligned(value: Any) -> bool:
-    """A tensor whose data pointer is not 16-byte aligned (what Triton specializes pointers on)."""
-    import torch
-
-    return isinstance(value, torch.Tensor) and value.storage_offset() * value.element_size() % 16 != 0
-
-
-def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)

@@ -17,8 +17,8 @@ The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda`
   a lower bound) and ``target_verify`` (the same kernel over draft tokens).
 - Decode batch sizes 1..max(largest bucket, ``max_running_requests``) (sglang runs eager batches of any size):
   what they change is the verify kernel's ``NP2_T`` (next power of two of the tokens; ``B`` is 1: sglang packs
-  tokens) and, at one row, a view's strides (constexprs of the packed decode). :func:`batch_sizes` stands for every
-  size (``tests/test_sglang.py`` sweeps each one against the plan). Verify: each with every draft width, dense and
+  tokens) and, at one row, a view's strides (constexprs of the packed decode). :func:`prewarm.providers.capture.batch_sizes` stands
+  for every size (``tests/test_sglang.py`` sweeps each one against the plan). Verify: each with every draft width, dense and
   ragged (one token per request), chain and, with ``spec.sglang.eagle_tree``, tree (``retrieve_parent_token``: its
   strides are constexprs); the scratch pitch (``cache_steps``, an int class) at the draft width and at the largest
   one (adaptive speculation keeps the allocated pitch).
@@ -43,7 +43,8 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator
 
-from .common import SglangSpec, fake_device, index_tensor, launches_of, misaligned, read_spec
+from ..capture import batch_sizes, index_tensor, launches_of, misaligned
+from .common import SglangSpec, fake_device, read_spec
 
 CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
 SMALL_GRID_CTAS = 256  # chunk_kda_fwd fuses diagonal + recompute when batch * chunks * heads <= this
@@ -91,15 +92,6 @@ def _spread(chunks: int, seqs: int) -> list[int]:
     """``seqs`` sequences of ``chunks`` chunks in all, each one token past a multiple of 64 (the fewest tokens)."""
     each, extra = divmod(chunks, seqs)
     return [CHUNK * (each + (i < extra) - 1) + 1 for i in range(seqs)]
-
-
-def batch_sizes(max_batch: int) -> list[int]:
-    """The batch sizes that stand for 1..``max_batch``: 1, 2, 3 (a one-row view's strides can differ from a
-    many-row one's), each power of two and the one after it (every ``next_pow2`` of the tokens, dense or ragged: any
-    interval (x, 2x] holds a power of two), and the largest. ``tests/test_sglang.py`` checks that every batch size
-    adds nothing to them."""
-    sizes = {1, 2, 3, max_batch, *(p + d for p in (1 << k for k in range(max_batch.bit_length())) for d in (0, 1))}
-    return sorted(b for b in sizes if 1 <= b <= max_batch)
 
 
 def verify_token_counts(max_batch: int, width: int) -> Iterator[tuple[int, int]]:

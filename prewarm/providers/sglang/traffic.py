@@ -23,7 +23,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .common import index_tensor, read_spec
+from ..capture import index_tensor
+from .common import read_spec
 
 
 @dataclass

@@ -1,0 +1,140 @@
+"""Running a library's kernel wrappers where there is no device, every launch captured: what the third-party
+providers (sglang's, vLLM's) and their independent traffic share.
+
+- :func:`fake_tensors`: tensors made on a device type (``cuda``, ``npu``: a device profile answers its queries) are
+  fake (torch's ``FakeTensorMode``: shapes, strides, storage offsets; no memory, nothing runs), so device-typed
+  choices a wrapper makes come out as on the node. Data-dependent shapes (a ``nonzero()`` over valid rows) get
+  unbacked sizes from a shape environment; no Triton launch receives one.
+- Wrappers count chunks on the host (``prepare_chunk_indices``: ``.tolist()`` of ``cu_seqlens``), which a fake tensor
+  cannot answer: :func:`index_tensor` keeps the values beside a fake index tensor, and inside :func:`fake_tensors`
+  each library's own ``prepare_chunk_indices`` (named by its home module) computes from them on the CPU.
+- :func:`launches_of` runs one call with every ``kernel[grid](...)`` captured (``prewarm.providers.fla_kda``'s
+  interception), never launched; :func:`as_meta` turns a fake tensor into a ``meta`` tensor of the same layout,
+  which Triton's JIT can bind (its alignment class included) where it cannot bind a fake one.
+- :func:`batch_sizes`: the batch sizes whose launches stand for every size up to a maximum.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import warnings
+from typing import Any, Callable, Iterator
+
+VALUES = "_prewarm_values"  # attribute of a fake index tensor: its values, for host code that reads them
+
+
+def index_tensor(values: list[int], dtype, device) -> Any:
+    """``torch.tensor(values, dtype, device)``; on a fake device also the values, for the library's host code."""
+    import torch
+
+    t = torch.tensor(values, dtype=dtype, device=device)
+    if _is_fake(t):
+        setattr(t, VALUES, list(values))
+    return t
+
+
+@contextlib.contextmanager
+def fake_tensors(chunk_index_homes: dict[str, str]) -> Iterator[None]:
+    """Within the block tensors are fake, and for each ``package -> home module`` whose home is imported, every
+    module of the package that uses the home's ``prepare_chunk_indices`` reads :func:`index_tensor` values."""
+    from torch._subclasses import fake_tensor
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    patches = []  # (module, original)
+    for package, home in chunk_index_homes.items():
+        if home not in sys.modules:
+            continue  # not imported by whoever plans: nothing of it runs
+        original = importlib.import_module(home).prepare_chunk_indices
+        replacement = _host_chunk_indices(original)
+        for name, module in list(sys.modules.items()):
+            if name.startswith(package) and getattr(module, "prepare_chunk_indices", None) is original:
+                module.prepare_chunk_indices = replacement
+                patches.append((module, original))
+    mode = _deviceless_fake_mode()(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    # a FakeTensor on a GPU first makes one real tensor there (for autograd) when torch.cuda says a GPU is present,
+    # as a device profile does: nothing here needs it
+    gpu_context, fake_tensor.init_gpu_context = fake_tensor.init_gpu_context, lambda device: None
+    try:
+        with mode, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+            yield
+    finally:
+        fake_tensor.init_gpu_context = gpu_context
+        for module, original in patches:
+            module.prepare_chunk_indices = original
+
+
+def _host_chunk_indices(original: Callable) -> Callable:
+    """``prepare_chunk_indices`` that, on a fake ``cu_seqlens``, computes from its :func:`index_tensor` values with
+    the library's own function on the CPU (it reads the lengths on the host: ``.tolist()``)."""
+    def chunk_indices(cu_seqlens, chunk_size: int):
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        if not _is_fake(cu_seqlens):
+            return original(cu_seqlens, chunk_size)
+        values = getattr(cu_seqlens, VALUES, None)
+        if values is None:
+            raise ValueError("the library reads cu_seqlens on the host (prepare_chunk_indices), but this fake "
+                             "tensor's values are unknown: make it with prewarm.providers.capture.index_tensor")
+        with unset_fake_temporarily():
+            real = original(torch.tensor(values, dtype=cu_seqlens.dtype), chunk_size)
+        return torch.empty(tuple(real.shape), dtype=real.dtype, device=cu_seqlens.device)
+
+    return chunk_indices
+
+
+def _deviceless_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class DevicelessFakeMode(FakeTensorMode):
+        """FakeTensorMode that never materializes a tensor on the device: torch's own mode does for
+        ``torch.tensor(...)`` and indexing when ``torch.cuda.is_available()``, which a device profile answers True."""
+
+        avoid_device_init = True
+
+    return DevicelessFakeMode
+
+
+def launches_of(call: Callable[[], object]) -> list:
+    """The kernel launches ``call`` makes (``prewarm.providers.fla_kda.Launch`` each), captured, none launched."""
+    from .fla_kda import intercepted
+
+    with intercepted() as records:
+        call()
+    return records
+
+
+def as_meta(value: Any) -> Any:
+    """A fake (or real) tensor as a ``meta`` tensor of the same dtype, shape, strides and storage offset (so the
+    same pointer alignment); anything else as it is."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    extent = 1 + value.storage_offset() + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n)
+    base = torch.empty(extent, dtype=value.dtype, device="meta")
+    return base.as_strided(tuple(value.shape), tuple(value.stride()), value.storage_offset())
+
+
+def misaligned(value: Any) -> bool:
+    """A tensor whose data pointer is not 16-byte aligned (what Triton specializes pointers on)."""
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.storage_offset() * value.element_size() % 16 != 0
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes that stand for 1..``max_batch``: 1, 2, 3 (a one-row view's strides can differ from a
+    many-row one's), each power of two and the one after it (every ``next_pow2`` of the tokens, dense or ragged: any
+    interval (x, 2x] holds a power of two), and the largest. The providers' tests check that every batch size adds
+    nothing to them."""
+    sizes = {1, 2, 3, max_batch, *(p + d for p in (1 << k for k in range(max_batch.bit_length())) for d in (0, 1))}
+    return sorted(b for b in sizes if 1 <= b <= max_batch)
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
