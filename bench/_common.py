@@ -12,7 +12,8 @@ call: a proof driven by the planner's own calls cannot see what the plan misses)
 Probes (installed inside a measuring child):
 - compiles: ``triton.knobs.compilation.listener``; ``cache_hit=False`` is a real compile (kept with the label of the
   call that made it and its key dir), ``True`` a disk hit.
-- autotune seconds: time spent inside ``Autotuner._bench`` (compiling and benchmarking each candidate config).
+- autotune benchmarks and seconds: calls of ``Autotuner._bench`` (one per candidate config measured; none where
+  the autotune results were read from the cache) and the time spent inside (compiling and benchmarking each).
 - launcher builds: ``triton.runtime.build._build`` (the gcc build of a per-signature launcher / cuda_utils).
 - per-launch latency: ``prewarm_kernels.launch.launch`` is the single launch point; it is wrapped before any
   kernel module imports it, and each launch is timed between two device synchronizations.
@@ -127,6 +128,22 @@ def add_seed_options(p: argparse.ArgumentParser, seeds: str, calls: int) -> None
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
 
 
+def add_server_path(p: argparse.ArgumentParser, package: str) -> None:
+    """``--PACKAGE-path DIR``: the server's package without installing it (e.g. the carried ``build/PACKAGE``)."""
+    p.add_argument(f"--{package}-path", help=f"dir holding the {package} package (e.g. the carried build/{package}), "
+                                             "put first on the measuring processes' PYTHONPATH")
+
+
+def server_path(p: argparse.ArgumentParser, given: str | None, package: str) -> str | None:
+    """``--PACKAGE-path`` resolved; a dir without the package is refused (exit 2, naming it)."""
+    if not given:
+        return None
+    path = Path(given).resolve()
+    if not (path / package).is_dir():
+        p.error(f"--{package}-path {path}: no {package} package there (expected DIR/{package}/, e.g. build/{package})")
+    return str(path)
+
+
 def parse_seed_options(p: argparse.ArgumentParser) -> argparse.Namespace:
     """Parse; outside the child, ``--seeds`` becomes a list and the options of :func:`add_seed_options` are checked
     (exit 2 naming the option)."""
@@ -161,6 +178,15 @@ def child_env(work: Path, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
+    return env
+
+
+def traffic_env(work: Path, node: Path, server_dir: str | None) -> dict[str, str]:
+    """A measuring process on an installed node as the pre-launch job starts the server: ``TRITON_CACHE_DIR`` = the
+    node dir, ``TRITON_CACHE_AUTOTUNING=1`` (deploy/prelaunch.sh exports it), the server's package dir (if given)
+    first on PYTHONPATH."""
+    env = child_env(work, TRITON_CACHE_DIR=str(node), TRITON_CACHE_AUTOTUNING="1")
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (server_dir, env["PYTHONPATH"]) if x)
     return env
 
 
@@ -267,6 +293,26 @@ def seed_runs(label: str, bundle: Path, seeds: list[int], work: Path, measure) -
         yield run
 
 
+def traffic_runs(script: Path, args: argparse.Namespace, bundle: Path, work: Path, out: dict, env, coverage, said,
+                 child_args: tuple[str, ...] = ()) -> None:
+    """A traffic bench's processes: per seed (:func:`seed_runs` on ``bundle``) ``script --child`` in ``env(node)``
+    with the seed's options and ``child_args``, its run said in a log line (``said(run)``); after each, ``out``'s
+    ``runs`` and ``coverage`` (``coverage(runs)``: what they saw together) are rewritten to ``args.out``."""
+
+    def measure_on(node: Path, seed: int) -> dict:
+        run = run_child(script, ["--child", "--seed", str(seed), "--manifest", args.manifest, "--calls",
+                                 str(args.calls), "--steps", str(args.steps), *child_args],
+                        env(node), work / f"result-{seed}.json", timeout=args.timeout)
+        log(f"seed {seed}: {said(run)}")
+        return run
+
+    for run in seed_runs("offline", bundle, args.seeds, work, measure_on):
+        out["runs"].append(run)
+        out["coverage"] = coverage(out["runs"])
+        write_json(args.out, out)
+    log(f"coverage: {out['coverage']}")
+
+
 def result_header(manifest: Path) -> dict:
     """The first keys of a bench's JSON: which manifest (relative to the repo where it is in it), when."""
     return {"manifest": str(manifest.relative_to(REPO) if manifest.is_relative_to(REPO) else manifest),
@@ -296,6 +342,7 @@ class Probes:
         self.compile_s: dict[str, float] = defaultdict(float)
         self.hits: dict[str, int] = defaultdict(int)
         self.autotune_s: dict[str, float] = defaultdict(float)
+        self.autotune_benchmarks: dict[str, int] = defaultdict(int)
         self.launcher_builds = 0
         self.launcher_build_s = 0.0
         self.launches: dict[str, dict] = {}
@@ -324,6 +371,7 @@ class Probes:
                 return orig_bench(tuner, *args, **kwargs)
             finally:
                 self.autotune_s[tuner.base_fn.__name__] += time.perf_counter() - t0
+                self.autotune_benchmarks[tuner.base_fn.__name__] += 1
 
         Autotuner._bench = timed_bench
 
@@ -370,6 +418,7 @@ class Probes:
             "compile_s": round(sum(self.compile_s.values()), 4),
             "cache_hits": sum(self.hits.values()),
             "autotune_s": round(sum(self.autotune_s.values()), 4),
+            "autotune_benchmarks": sum(self.autotune_benchmarks.values()),
             "launcher_builds": self.launcher_builds,
             "launcher_build_s": round(self.launcher_build_s, 4),
         }
@@ -380,6 +429,7 @@ class Probes:
             "compile_s_by_kernel": {k: round(v, 4) for k, v in self.compile_s.items()},
             "cache_hits_by_kernel": dict(self.hits),
             "autotune_s_by_kernel": {k: round(v, 4) for k, v in self.autotune_s.items()},
+            "autotune_benchmarks_by_kernel": dict(self.autotune_benchmarks),
             "launches_by_kernel": {k: {f: round(x, 6) if isinstance(x, float) else x for f, x in v.items()}
                                    for k, v in self.launches.items()},
             "compiled": self.compiled,

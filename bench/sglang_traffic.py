@@ -25,7 +25,6 @@ width.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import Counter
@@ -34,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO, Probes, add_seed_options, bench_parser, bundle_for, child_env, child_main, init_device, load_spec, log,
-    parse_seed_options, run_child, seed_runs, write_json,
+    REPO, Probes, add_seed_options, add_server_path, bench_parser, bundle_for, child_main, init_device, load_spec,
+    parse_seed_options, server_path, traffic_env, traffic_runs,
 )
 
 DEFAULT_SGLANG_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
@@ -130,8 +129,7 @@ def coverage(runs: list[dict], spec: dict) -> dict:
 def main() -> int:
     p = bench_parser(__doc__, "sglang_traffic", manifest=DEFAULT_SGLANG_MANIFEST)
     add_seed_options(p, seeds="1,2,3,4,5", calls=64)
-    p.add_argument("--sglang-path", help="dir holding the sglang package (e.g. the carried build/sglang), put first "
-                                         "on the measuring processes' PYTHONPATH")
+    add_server_path(p, "sglang")
     p.add_argument("--skip-jit", action="store_true", help="skip sglang's CUDA JIT packed decode instead of calling "
                                                            "it (what the planner does)")
     args = parse_seed_options(p)
@@ -142,33 +140,21 @@ def main() -> int:
     work = Path(args.work_dir).resolve() / "sglang"
     work.mkdir(parents=True, exist_ok=True)
     manifest = Path(args.manifest).resolve()
-    sglang_path = str(Path(args.sglang_path).resolve()) if args.sglang_path else None
-    if sglang_path and not (Path(sglang_path) / "sglang").is_dir():
-        p.error(f"--sglang-path {sglang_path}: no sglang package there (expected DIR/sglang/, e.g. build/sglang)")
+    sglang_path = server_path(p, args.sglang_path, "sglang")
     out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
     bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
 
-    def measure_on(node: Path, seed: int) -> dict:
-        env = child_env(work, TRITON_CACHE_DIR=str(node), TRITON_CACHE_AUTOTUNING="1")  # as the pre-launch job runs it
-        env["PYTHONPATH"] = os.pathsep.join(x for x in (sglang_path, env["PYTHONPATH"]) if x)
-        run = run_child(Path(__file__), ["--child", "--seed", str(seed), "--manifest", args.manifest,
-                                         "--calls", str(args.calls), "--steps", str(args.steps)]
-                        + (["--skip-jit"] if args.skip_jit else []),
-                        env, work / f"result-{seed}.json", timeout=args.timeout)
-        log(f"seed {seed}: {run['compiles']} compiles, {run['cache_hits']} disk hits, {run['calls']} calls "
-            f"({run['calls_by_kind']}), {len(run['batch_sizes'])} batch sizes, JIT calls {run['jit_calls']} "
-            f"(unavailable: {sum(run['jit_unavailable'].values())}), first step {run['first_step_s']} s "
-            f"(autotune {run['first_step']['autotune_s']} s)")
-        return run
+    def said(run: dict) -> str:
+        return (f"{run['compiles']} compiles, {run['cache_hits']} disk hits, {run['calls']} calls "
+                f"({run['calls_by_kind']}), {len(run['batch_sizes'])} batch sizes, JIT calls {run['jit_calls']} "
+                f"(unavailable: {sum(run['jit_unavailable'].values())}), first step {run['first_step_s']} s "
+                f"(autotune {run['first_step']['autotune_s']} s)")
 
-    for run in seed_runs("offline", bundle, args.seeds, work, measure_on):
-        out["runs"].append(run)
-        out["coverage"] = coverage(out["runs"], load_spec(manifest))
-        write_json(args.out, out)
-    cov = out.get("coverage", {})
+    traffic_runs(Path(__file__), args, bundle, work, out, lambda node: traffic_env(work, node, sglang_path),
+                 lambda runs: coverage(runs, load_spec(manifest)), said, ("--skip-jit",) if args.skip_jit else ())
+    cov = out["coverage"]
     failed = any("error" in r for r in out["runs"])
     missed = bool(cov.get("batch_sizes_missed") or cov.get("draft_widths_missed"))
-    log(f"coverage: {cov}")
     return 1 if failed or (args.expect_zero and (missed or any(r.get("compiles") for r in out["runs"]))) else 0
 
 

@@ -148,3 +148,86 @@ def test_what_the_shipped_manifest_narrows_is_said():
     assert rows["spec.dtypes.index"]["planned"] == ["int32", "int64"] and not rows["spec.dtypes.index"]["narrowed"]
     assert rows["spec.dtypes.beta"]["narrowed"] and rows["spec.dtypes.beta"]["given"]
     assert rows["spec.vllm.recoverssm"]["narrowed"] and not rows["spec.vllm.recoverssm"]["given"]
+
+
+def test_the_bench_drives_independent_traffic_and_without_a_gpu_says_why_nothing_ran(triton_cache, tmp_path):
+    """bench/vllm_traffic.py never imports the provider; here (no GPU) it installs the bundle for real, its measuring
+    process says it has no CUDA device, and the JSON keeps the run and the coverage still to be seen."""
+    import ast
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from prewarm.pack import pack
+
+    script = REPO / "bench" / "vllm_traffic.py"
+    imports = {n.module for n in ast.walk(ast.parse(script.read_text())) if isinstance(n, ast.ImportFrom)}
+    assert "prewarm.providers.vllm_traffic" in imports and not any("vllm_kda" in (m or "") for m in imports)
+    pack(triton_cache, tmp_path / "bundle")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES")}
+
+    def bench(vllm_path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), "--bundle", str(tmp_path / "bundle"), "--seeds", "3",
+                               "--vllm-path", str(vllm_path), "--out", str(tmp_path / "vt.json"), "--work-dir",
+                               str(tmp_path / "work")], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+    refused = bench(tmp_path)
+    assert refused.returncode == 2 and f"--vllm-path {tmp_path}: no vllm package there" in refused.stderr
+    assert not (tmp_path / "vt.json").exists()
+    done = bench(REPO / "build" / "vllm")
+    assert done.returncode == 1, done.stdout + done.stderr
+    doc = json.loads((tmp_path / "vt.json").read_text())
+    assert [r["seed"] for r in doc["runs"]] == [3] and "no CUDA device visible" in doc["runs"][0]["error"]
+    assert doc["runs"][0]["install_s"] > 0 and not list((tmp_path / "work").glob("vllm/node-*"))
+    cov, spec = doc["coverage"], load(MANIFEST).spec()
+    most = vllm_kda.read_spec(spec).max_batch
+    assert most > cov["largest_capture_size"] == max(spec["serving"]["decode_batch_buckets"])  # eager batches
+    assert cov["decode_batch_sizes_past_capture"] == {"seen": 0, "of": most - cov["largest_capture_size"]}
+    assert cov["missed"] == {"decode_batch_sizes": list(range(1, most + 1)), "odd_prefill_lengths": "none seen",
+                             "index_dtypes": {p: ["int32", "int64"] for p in (
+                                 "query_start_loc", "state_indices", "spec_query_start_loc", "spec_state_indices",
+                                 "num_accepted_tokens")},
+                             "paths": ["decode", "prefill", "spec_verify"]}
+
+
+def test_the_shipped_h200_table_covers_every_planned_tuning_key(planned):
+    """An offline bundle's autotune results come from the shipped table (vLLM's workers read them: `import vllm`
+    sets TRITON_CACHE_AUTOTUNING=1): a kernel change that moves a tuning key leaves rows unused and every node
+    benchmarks again at its first step. When this fails, re-run `prewarm tune manifests/kimi-linear-h200-vllm.toml
+    -o manifests/kimi-linear-h200-vllm.tuned.toml` on an H200."""
+    from prewarm_helpers import shipped_table_statuses
+
+    m, p, _ = planned
+    statuses = shipped_table_statuses(m, p.requests)
+    assert set(statuses) == {"in table"} and len(statuses["in table"]) == 12, statuses
+
+
+def test_an_offline_build_of_the_decode_path_verifies_clean(tmp_path):
+    """The shipped manifest narrowed to vLLM's packed decode at the dense slot stride, built with the real `prewarm
+    build` (no GPU: the offline target, the shipped table written as Triton's result files) and checked with `prewarm
+    verify --plan` as the pre-launch job runs it (TRITON_CACHE_AUTOTUNING=1, as vLLM's own import sets it): every
+    planned compile, kept autotune result and C module found, clean. (The whole manifest, 249 compiles, took 169 s
+    here with 2 workers and verified clean the same way: README.)"""
+    import os
+    import subprocess
+    import sys
+
+    text = MANIFEST.read_text()
+    narrowed = (text.replace('paths = ["prefill", "decode", "spec_verify"]', 'paths = ["decode"]')
+                .replace("state_slot_strides = [524288, 561152, 589824]", "state_slot_strides = [524288]")
+                .replace('index = ["int32", "int64"]', 'index = ["int32"]')
+                .replace('tuned = "kimi-linear-h200-vllm.tuned.toml"', f'tuned = "{MANIFEST.with_suffix(".tuned.toml")}"'))
+    assert narrowed.count("\n") == text.count("\n") and narrowed != text
+    manifest = tmp_path / "decode.toml"
+    manifest.write_text(narrowed)
+    env = {**os.environ, "TRITON_CACHE_AUTOTUNING": "1"}
+    env.pop("TRITON_CACHE_DIR", None)
+    cli = [sys.executable, "-m", "prewarm.cli"]
+    built = subprocess.run([*cli, "build", str(manifest), "--cache-dir", str(tmp_path / "c"), "--workers", "2"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0 and " 0 failed" in built.stdout, built.stdout + built.stderr
+    verified = subprocess.run([*cli, "verify", "--cache-dir", str(tmp_path / "c"), "--plan", str(manifest)],
+                              env=env, capture_output=True, text=True, timeout=600)
+    assert verified.returncode == 0 and verified.stdout.rstrip().endswith("clean"), verified.stdout + verified.stderr
+    assert "will-hit      ok" in verified.stdout and "C modules     ok" in verified.stdout
