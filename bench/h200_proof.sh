@@ -16,8 +16,8 @@
 #   as compiled-keys.tar (explain each here: `prewarm explain compiled/<bundle>-<seed>/<key> --plan MANIFEST`).
 # fla-tune: `prewarm tune manifests/kimi-linear-h200-fla.toml --cache-dir W` (3184 compiles when it ran, 4432 since
 #   each index pointer is planned apart; 190 tuning keys: more than one command's 10 minutes): each call resumes in
-#   the kept W (nothing compiled or benchmarked twice) and stops itself before the limit; meanwhile an offline build of the same manifest (CUDA_VISIBLE_DEVICES empty: no GPU, as a
-#   container step builds it) runs detached (setsid) on the cores the tune leaves. The table comes back in $OUT.
+#   the kept W (nothing compiled or benchmarked twice) and stops itself before the limit; meanwhile an offline
+#   build of the same manifest (CUDA_VISIBLE_DEVICES empty: no GPU, as a container step builds it) runs detached (setsid) on the cores the tune leaves. The table comes back in $OUT.
 # fla-offline: waits for that offline build, applies the table (`build --tuned`: nothing compiled again), packs it and
 #   runs bench/offline_autotune.py on the bundle (5 processes together + 5 one after another, fla traffic).
 # dp-stall: bench/dp_stall.py, 2 ranks on 2 GPUs over NCCL, scenarios A (rank 0 cold) and B (both prewarmed);
