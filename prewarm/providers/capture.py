@@ -11,7 +11,8 @@ providers (sglang's, vLLM's) and their independent traffic share.
 - :func:`launches_of` runs one call with every ``kernel[grid](...)`` captured (``prewarm.providers.fla_kda``'s
   interception), never launched; :func:`as_meta` turns a fake tensor into a ``meta`` tensor of the same layout,
   which Triton's JIT can bind (its alignment class included) where it cannot bind a fake one.
-- :func:`batch_sizes`: the batch sizes whose launches stand for every size up to a maximum.
+- :func:`batch_sizes`: the batch sizes whose launches stand for every size up to a maximum; :class:`TensorCache`,
+  what a provider's call builder makes once; :class:`Call`, one call an independent traffic generator drew.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import contextlib
 import importlib
 import sys
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 VALUES = "_prewarm_values"  # attribute of a fake index tensor: its values, for host code that reads them
@@ -132,6 +134,32 @@ def batch_sizes(max_batch: int) -> list[int]:
     nothing to them."""
     sizes = {1, 2, 3, max_batch, *(p + d for p in (1 << k for k in range(max_batch.bit_length())) for d in (0, 1))}
     return sorted(b for b in sizes if 1 <= b <= max_batch)
+
+
+class TensorCache:
+    """Tensors made once per key on the subclass's ``device`` (a fake op costs about a millisecond)."""
+
+    device: str
+
+    def once(self, key, make):
+        made = self.__dict__.setdefault("_made", {})
+        if key not in made:
+            made[key] = make()
+        return made[key]
+
+    def zeros(self, *shape, dtype):
+        import torch
+
+        return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+
+@dataclass
+class Call:
+    """One call a traffic generator drew: run it (inside a capture or on a device) to make its launches."""
+
+    label: str
+    run: Callable[[], object]
+    options: dict = field(default_factory=dict)  # what this call drew (for the bench's JSON and the coverage check)
 
 
 def _is_fake(t) -> bool:

@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 
 from prewarm_kernels.spec import FLA_CALL_OPTIONS, INDEX_DTYPES, SpecError, read_kda
 
-from .capture import batch_sizes, fake_tensors, index_tensor, launches_of, misaligned
+from .capture import TensorCache, batch_sizes, fake_tensors, index_tensor, launches_of, misaligned
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
@@ -265,7 +265,7 @@ def _calls(s: VllmSpec, device: str) -> Iterator[tuple[str, Callable[[], object]
                 yield from getattr(builder, path)(index)
 
 
-class _Builder:
+class _Builder(TensorCache):
     """The tensors of one dtype combination, laid out as vLLM's Kimi-Linear layer hands them over, and its calls."""
 
     def __init__(self, s: VllmSpec, device: str, combo: dict):
@@ -278,17 +278,6 @@ class _Builder:
         self.A_log = self.zeros(h, dtype=self.dt["gate_params"])
         self.dt_bias = self.zeros(h * K, dtype=self.dt["gate_params"])
         self.kda = sys.modules[KDA]
-        self.made: dict = {}
-
-    def once(self, key, make):
-        if key not in self.made:
-            self.made[key] = make()
-        return self.made[key]
-
-    def zeros(self, *shape, dtype):
-        import torch
-
-        return torch.zeros(*shape, dtype=dtype, device=self.device)
 
     def index(self, values: tuple, dtype: str):
         import torch

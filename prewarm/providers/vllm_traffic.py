@@ -19,20 +19,13 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
-from .capture import index_tensor
+from .capture import Call, index_tensor
 from .vllm_kda import read_spec
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 
-
-@dataclass
-class Call:
-    label: str
-    run: Callable[[], object]
-    options: dict = field(default_factory=dict)
 
 
 def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:

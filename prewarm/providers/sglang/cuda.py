@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator
 
-from ..capture import batch_sizes, index_tensor, launches_of, misaligned
+from ..capture import TensorCache, batch_sizes, index_tensor, launches_of, misaligned
 from .common import SglangSpec, fake_device, read_spec
 
 CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
@@ -156,7 +156,7 @@ def _calls(s: SglangSpec, device: str) -> Iterator[tuple[str, Callable[[], objec
             yield from getattr(builder, path)()
 
 
-class _Builder:
+class _Builder(TensorCache):
     """The tensors of one dtype combination, laid out as sglang's backend and model hand them over (each made once:
     a fake op costs about a millisecond), and the calls over them."""
 
@@ -172,17 +172,6 @@ class _Builder:
         self.A_log = self.zeros(1, 1, h, 1, dtype=self.dt["gate_params"])  # the layer's parameter, as the model has it
         self.dt_bias = self.zeros(h * K, dtype=self.dt["gate_params"])
         self.kernel = _kernel()
-        self.made: dict = {}
-
-    def once(self, key, make):
-        if key not in self.made:
-            self.made[key] = make()
-        return self.made[key]
-
-    def zeros(self, *shape, dtype):
-        import torch
-
-        return torch.zeros(*shape, dtype=dtype, device=self.device)
 
     def index(self, values: tuple):
         return self.once(("index", values), lambda: index_tensor(list(values), self.dt["index"], self.device))

@@ -20,18 +20,11 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
-from ..capture import index_tensor
+from ..capture import Call, index_tensor
 from .common import read_spec
 
-
-@dataclass
-class Call:
-    label: str
-    run: Callable[[], object]
-    options: dict = field(default_factory=dict)  # what this call drew (for the bench's JSON and the coverage check)
 
 
 def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
