@@ -5,6 +5,7 @@
 #   bash bench/h200_proof.sh dp-stall [BUNDLE]  # nvidia-h200-x2: ~4 min with BUNDLE, ~6 min without
 #   bash bench/h200_proof.sh fla-tune           # nvidia-h200: repeat (machine kept warm) until it prints "table done"
 #   bash bench/h200_proof.sh fla-offline        # nvidia-h200, after fla-tune on the same machine: ~5 min
+#   bash bench/h200_proof.sh jit DIR            # nvidia-h200: ~4 min
 #
 # traffic: bench/serving_traffic.py installs BUNDLE (a `prewarm pack` dir built on the CPU box) into a fresh node dir
 #   per process and runs 5 fresh processes of independent traffic (seeds from the clock, recorded in the JSON), then
@@ -20,6 +21,16 @@
 #   build of the same manifest (CUDA_VISIBLE_DEVICES empty: no GPU, as a container step builds it) runs detached (setsid) on the cores the tune leaves. The table comes back in $OUT.
 # fla-offline: waits for that offline build, applies the table (`build --tuned`: nothing compiled again), packs it and
 #   runs bench/offline_autotune.py on the bundle (5 processes together + 5 one after another, fla traffic).
+# jit: past Triton (issue 41). DIR holds bench/jit-h200.toml's three bundles built and packed on the CPU box
+#   (bundle, bundle.sglang-jit, bundle.flashinfer-aot) and flashinfer-py.tar.xz (FlashInfer 0.7.2's Python package:
+#   the node's FlashInfer, whose data/aot the flashinfer-aot bundle installs into). First the CPU box's sglang-jit
+#   bundle is installed here: sglang keys its modules on the image's host compiler and system headers, so a node of
+#   another image is refused (the factor named; logged). The sglang modules are then built in this node's image with
+#   no GPU visible (CUDA_VISIBLE_DEVICES=, the manifest with pytorch sampling: Triton + sglang-jit) and packed; then
+#   bench/sglang_traffic.py runs 5 fresh processes of independent traffic (packed decode at every batch 1..64, 8
+#   FlashInfer sampling calls per step) on the CPU box's Triton and FlashInfer bundles and the node-image sglang-jit
+#   one, each installed at another path per process, every Triton compile, JIT build and autotune benchmark counted;
+#   then the control: one process of the same KDA traffic with sglang's JIT dir left empty (the guard counts the build).
 # dp-stall: bench/dp_stall.py, 2 ranks on 2 GPUs over NCCL, scenarios A (rank 0 cold) and B (both prewarmed);
 #   BUNDLE is the device-bundle.tar (or dir) of the traffic run; without one a device bundle is built here (~110 s).
 #
@@ -33,8 +44,9 @@ out=${OUT:-bench/results}
 work=${PREWARM_BENCH_WORK:-/tmp/prewarm-proof}
 py=${PYTHON:-python3}
 export PREWARM_BENCH_WORK=$work PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-if ! [[ ($mode == traffic && -n $bundle) || $mode == dp-stall || $mode == fla-tune || $mode == fla-offline ]]; then
-  echo "usage: bash bench/h200_proof.sh traffic BUNDLE | dp-stall [BUNDLE] | fla-tune | fla-offline" >&2
+if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || $mode == dp-stall || $mode == fla-tune ||
+        $mode == fla-offline ]]; then
+  echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | dp-stall [BUNDLE] | fla-tune | fla-offline" >&2
   exit 2
 fi
 mkdir -p "$out" "$work"
@@ -105,6 +117,36 @@ case $mode in
     fi
     echo "h200_proof: serving_traffic exit $rc_traffic, cold_start exit $rc_cold, $SECONDS s"
     [ $rc_traffic -eq 0 ] && [ $rc_cold -eq 0 ]
+    ;;
+  jit)
+    carried=$bundle
+    rm -rf "$work/fi" && mkdir -p "$work/fi" && tar -xJf "$carried/flashinfer-py.tar.xz" -C "$work/fi" || exit 1
+    mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
+    export PYTHONPATH=$work/fi:$PWD/build/sglang:$work/shim:$PYTHONPATH
+    log=$out/jit_traffic.log
+    { echo "== the CPU box's sglang-jit bundle on this node (expected: refused, exit 8, the factor named)"
+      $py -m prewarm.cli install "$carried/bundle.sglang-jit" --cache-dir "$work/cpu-sglang-jit"
+      echo "exit $?"
+      echo "== sglang's modules built in this node's image, no GPU visible"
+      sed 's/^sampling_backend = "flashinfer"/sampling_backend = "pytorch"/' bench/jit-h200.toml > "$work/jit-h200-sglang.toml"
+      rm -rf "$work/node-build"*
+      CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build "$work/jit-h200-sglang.toml" --cache-dir "$work/node-build" &&
+        $py -m prewarm.cli pack "$work/node-build.sglang-jit" -o "$work/bundle.sglang-jit"
+      echo "exit $?"
+    } 2>&1 | tee "$log"
+    seeds=$(( $(date +%s) % 100000 ))
+    seeds=$(seq -s, "$seeds" $((seeds + 4)))
+    $py bench/sglang_traffic.py --manifest bench/jit-h200.toml --bundle "$carried/bundle" \
+      --jit-bundle "sglang-jit=$work/bundle.sglang-jit" --jit-bundle "flashinfer-aot=$carried/bundle.flashinfer-aot" \
+      --sampling 8 --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/jit_traffic.json" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    # the control: one process of the same KDA traffic on a node without sglang's modules (the guard counts the
+    # build; no sampling: this FlashInfer copy has no sources to build from)
+    $py bench/sglang_traffic.py --manifest bench/jit-h200.toml --bundle "$carried/bundle" \
+      --jit-bundle "sglang-jit=$work/bundle.sglang-jit" --jit-cold --seeds "${seeds%%,*}" --work-dir "$work" \
+      --out "$out/jit_traffic_cold.json" 2>&1 | tee -a "$log"
+    echo "h200_proof: jit traffic exit $rc, the control exit ${PIPESTATUS[0]}, $SECONDS s" | tee -a "$log"
+    exit $rc
     ;;
   dp-stall)
     args=()

@@ -18,6 +18,15 @@
 #   PREWARM_MANIFEST       the manifest the server is planned by               (default: the image's manifest)
 #   PREWARM_SOURCE         bundle to install: a dir, a bundle name in the default store, or any fsspec URL
 #                          (s3://..., sftp://...; credentials via FSSPEC_S3 / FSSPEC_SFTP) (default: the image's)
+#   PREWARM_JIT_SOURCES    modules past Triton the server builds with nvcc at first use (`prewarm build` puts them
+#                          beside its cache dir: <dir>.sglang-jit, <dir>.flashinfer-aot, each packed as its own
+#                          bundle): a space-separated list of LAYOUT=SOURCE, each installed where the server's
+#                          library reads it and looked up by that library's own code in verify:
+#                          sglang-jit=...      into SGLANG_JIT_CACHE_DIR (default ~/.cache/sglang/jit, sglang's own;
+#                                              exported to a server exec'd by this script)
+#                          flashinfer-aot=...  into PREWARM_FLASHINFER_AOT_DIR (required with it: the server's
+#                                              flashinfer package's data/aot, which FlashInfer loads without ninja)
+#                                                                              (default: none)
 #   PREWARM_TRUST          a public key: require the bundle to be signed by it, and verify the node in signed
 #                          mode: every entry covered by a receipt whose kept index that key signed (a receipt
 #                          edited, deleted or forged is exit 6; an entry nothing signed covers is exit 13)
@@ -73,6 +82,32 @@ UNVERIFIED=""
 if [ "${PREWARM_ALLOW_UNVERIFIED:-0}" = 1 ]; then
     UNVERIFIED="--allow-unverified"
 fi
+TRUST=""
+if [ -n "${PREWARM_TRUST:-}" ]; then
+    TRUST="--trust $PREWARM_TRUST --require-signature"
+fi
+
+# modules past Triton: each bundle into its library's dir, before the Triton cache (verify below looks them all up)
+JIT_DIRS=""
+for pair in ${PREWARM_JIT_SOURCES:-}; do
+    layout="${pair%%=*}"
+    source="${pair#*=}"
+    case "$layout" in
+        sglang-jit)
+            SGLANG_JIT_CACHE_DIR="${SGLANG_JIT_CACHE_DIR:-$HOME/.cache/sglang/jit}"
+            export SGLANG_JIT_CACHE_DIR
+            dir="$SGLANG_JIT_CACHE_DIR" ;;
+        flashinfer-aot)
+            dir="${PREWARM_FLASHINFER_AOT_DIR:?set PREWARM_FLASHINFER_AOT_DIR to the server's flashinfer package data/aot dir (PREWARM_JIT_SOURCES has flashinfer-aot)}" ;;
+        *)
+            echo "PREWARM_JIT_SOURCES: '$pair': expected sglang-jit=SOURCE or flashinfer-aot=SOURCE" >&2
+            exit 2 ;;
+    esac
+    # shellcheck disable=SC2086  # TRUST: flags
+    prewarm install "$source" --cache-dir "$dir" $TRUST
+    prewarm verify --cache-dir "$dir" $TRUST  # integrity (and trust) of what the dir holds; found-ness: below
+    JIT_DIRS="$JIT_DIRS --jit-dir $layout=$dir"
+done
 
 if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
     prewarm build "$PREWARM_MANIFEST" --cache-dir "$TRITON_CACHE_DIR"
@@ -81,13 +116,13 @@ if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
         # shellcheck disable=SC2086  # a space-separated list of URLs
         prewarm push "$PREWARM_SOURCE" $PREWARM_PUSH
     fi
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS $SERVER
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS $SERVER $JIT_DIRS
 elif [ -n "${PREWARM_TRUST:-}" ]; then
     prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR" --trust "$PREWARM_TRUST" --require-signature
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" --trust "$PREWARM_TRUST" --require-signature $AUTOTUNE $LAUNCHERS $SERVER $UNVERIFIED
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" --trust "$PREWARM_TRUST" --require-signature $AUTOTUNE $LAUNCHERS $SERVER $UNVERIFIED $JIT_DIRS
 else
     prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR"
-    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS $SERVER
+    prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS $SERVER $JIT_DIRS
 fi
 
 PREWARM_GUARD="${PREWARM_GUARD:-warn}"

@@ -23,11 +23,12 @@ from typing import Callable
 from filelock import FileLock
 from triton.runtime.cache import FileCacheManager
 
-from . import __version__, autotune, backends, keys, tritoncompat
+from . import __version__, autotune, backends, jit, keys, layouts, tritoncompat
 from .autotune import TableReport
 from .backends import Target, npu
 from .cachedir import CacheDir
 from .errors import EnvironmentProblem, FingerprintMismatch, ManifestError
+from .jit import JitRequest, Lookup
 from .manifest import Manifest, load
 from .plan import Compile, WillFail, manifest_device, manifest_device_name, plan_for, resolve
 from .probe import probe_all
@@ -58,6 +59,8 @@ class BuildReport:
     autotune: TableReport | None = None  # the plan's tuning keys against the autotune table, results written
     key_drift: list[keys.KeyDrift] = field(default_factory=list)  # recorded requests keyed otherwise here (allowed)
     will_fail: list[WillFail] = field(default_factory=list)  # planned kernels this Triton cannot key: not built
+    jit: list[Lookup] = field(default_factory=list)  # each planned module past Triton, built: its lookup after
+    jit_dirs: dict[str, str] = field(default_factory=dict)  # layout -> the dir its modules were built into
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -67,8 +70,12 @@ class BuildReport:
         return [r for r in self.results if r.status == "failed"]
 
     @property
+    def jit_failed(self) -> list[Lookup]:
+        return [j for j in self.jit if not j.hit]
+
+    @property
     def ok(self) -> bool:
-        return not self.failed
+        return not self.failed and not self.jit_failed
 
     def to_json(self) -> dict:
         return {
@@ -88,6 +95,8 @@ class BuildReport:
             "autotune": self.autotune.to_json() if self.autotune is not None else None,
             "key_drift": [d.to_json() for d in self.key_drift],
             "will_fail": [w.to_json() for w in self.will_fail],
+            "jit": [j.to_json() for j in self.jit],
+            "jit_dirs": self.jit_dirs,
         }
 
 
@@ -234,9 +243,40 @@ def build(
             report.notes.append(report.autotune.summary())
         if report.ok:
             report.notes += target.after_build(providers, m.spec(), cache)
+        if report.ok and planned.jit:
+            build_jit(m, planned.jit, target, cache, report)
         report.seconds = time.perf_counter() - start
         layout.write_build_info(_build_info(m, target, report))
     return report
+
+
+def jit_dir(cache_dir: str | os.PathLike, layout: str) -> Path:
+    """Where a build into ``cache_dir`` puts the modules past Triton of one layout: beside it, ``<cache_dir>.<layout>``
+    (each its own cache dir, packed and shipped as its own bundle)."""
+    return Path(f"{os.path.abspath(cache_dir)}.{layout}")
+
+
+def build_jit(m: Manifest, requests: list[JitRequest], target: Target, cache_dir: str, report: BuildReport) -> None:
+    """Each planned module past Triton, built by its library's own code for the target's arch with this image's
+    toolchain (no accelerator), into :func:`jit_dir`; the dir's build info records the library's toolchain factors
+    (the bundle's fingerprint: a node differing in one would rebuild)."""
+    for name, group in jit.by_library(requests).items():
+        lib = jit.library(name)
+        root = jit_dir(cache_dir, lib.layout)
+        out = CacheDir(root)
+        out.meta.mkdir(parents=True, exist_ok=True)
+        layouts.mark(root, lib.layout)
+        with FileLock(str(out.build_lock)):
+            lookups = lib.build(group, root, target.arch)
+            report.jit += lookups
+            report.jit_dirs[lib.layout] = str(root)
+            out.write_build_info({
+                "prewarm_version": __version__,
+                "manifest": {"name": m.name, "path": str(m.path), "digest": m.digest},
+                "target": {"backend": target.backend, "arch": target.arch, "mode": "offline"},
+                "fingerprint": lib.toolchain(target.arch),
+                "jit": [x.to_json() for x in lookups],
+            })
 
 
 def _build_socs(m: Manifest, cache_dir: str | os.PathLike, workers: int | None, mode: str,

@@ -16,8 +16,13 @@ them to the real absolute location.
 ``index.json`` (canonical JSON: sorted keys, no timestamps, so the same cache packs to the same bytes)::
 
     {"checksum", "format": 1, "tool": "prewarm 0.1.0", "fingerprint": {factor: value}, "manifest": {name, digest} | null,
+     "layout": "sglang-jit" | "flashinfer-aot",                    # only in a bundle of a dir past Triton
      "entries": [{"key", "object", "object_size", "tar_size",
                   "files": [{"path", "sha256", "size"}]}]}          # entries sorted by key, files by path
+
+``layout`` (prewarm.layouts): the kind of cache dir the entries come from and go to; absent, Triton's (every Triton
+bundle keeps the bytes it had before layouts). A key of a nested layout is its entry's path under the dir
+("sm90a/sgl_kernel_jit_x/build-<hex>/deps-<hex>"); group files are Triton's only.
 
 ``checksum`` is the sha256 of the canonical JSON without it, and the bytes must be exactly that canonical form:
 a flipped byte anywhere in an unsigned index is caught (a signature, when used, covers tampering).
@@ -25,10 +30,11 @@ a flipped byte anywhere in an unsigned index is caught (a signature, when used, 
 beyond what the (signed) index declares. ``files[].sha256`` of a group file is that of its relative form.
 
 Reading an index trusts nothing: every field has exactly its JSON type (a bool is not an integer), every key has
-the form of the cache keys of the Triton the bundle was built with (``tritoncompat.key_dir_form``: no other name
-can become a dir in the cache), every object name, path, hash and size is checked before anything uses it. A
-parsed index keeps its bytes and each entry's place in them, not Python objects per file: memory is O(1) per entry
-however many files it lists, and an entry's file records are decoded (and checked) when read.
+the form of the cache keys of the Triton the bundle was built with (``tritoncompat.key_dir_form``), or of its
+layout's, part by part (``layouts.Layout.key_check``: no other name can become a dir in the cache), every object
+name, path, hash and size is checked before anything uses it. A parsed index keeps its bytes and each entry's place
+in them, not Python objects per file: memory is O(1) per entry however many files it lists, and an entry's file
+records are decoded (and checked) when read.
 Nothing here executes bundle content: members are parsed as data and written with O_EXCL|O_NOFOLLOW.
 """
 from __future__ import annotations
@@ -50,6 +56,7 @@ import zstandard
 
 from . import __version__
 from .errors import IntegrityError, PrewarmError, UnsafeBundleError
+from .layouts import LAYOUTS
 
 try:
     from . import _fastunpack
@@ -63,7 +70,6 @@ OBJECTS = "objects"
 GROUP_PREFIX = "__grp__"
 ZSTD_LEVEL = 3
 
-KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_=-]{0,127}")  # (fullmatch) a node's dir prewarm treats as an entry
 _OBJECT_RE = re.compile(r"[0-9a-f]{64}\.tar\.zst")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 _UNSAFE_PATH = re.compile(r"(?:^|/)\.{0,2}(?:/|$)|[\\\x00]")  # an empty, "." or ".." part; a backslash; NUL
@@ -137,13 +143,14 @@ class Index:
     entries: tuple[Entry, ...]
     tool: str = f"prewarm {__version__}"
     format: int = FORMAT
+    layout: str = "triton"  # prewarm.layouts: the kind of cache dir its entries are of
 
     def to_bytes(self) -> bytes:
         """The canonical bytes (a parsed index: the very bytes it was read from), written piece by piece: no Python
         document of the whole index is built."""
         if (src := self.__dict__.get("_source")) is not None:
             return src
-        return index_bytes([e.to_json() for e in self.entries], self.fingerprint, self.manifest, self.tool)
+        return index_bytes([e.to_json() for e in self.entries], self.fingerprint, self.manifest, self.tool, self.layout)
 
     @functools.cached_property
     def digest(self) -> str:
@@ -155,10 +162,13 @@ class Index:
 
 
 def index_bytes(entries: list[bytes], fingerprint: dict[str, str], manifest: dict | None,
-                tool: str = f"prewarm {__version__}") -> bytes:
+                tool: str = f"prewarm {__version__}", layout: str = "triton") -> bytes:
     """The canonical index of entries already in their canonical JSON (``Entry.to_json``, in key order), assembled
-    piece by piece: the same bytes as the whole document encoded at once, without building it."""
+    piece by piece: the same bytes as the whole document encoded at once, without building it. ``layout`` is
+    written only when not Triton's."""
     tail = {"fingerprint": fingerprint, "format": FORMAT, "manifest": manifest, "tool": tool}
+    if layout != "triton":
+        tail["layout"] = layout
     body = b'{"entries":[' + b",".join(entries) + b"]," + _canonical(tail)[1:]
     return b'{"checksum":"' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
 
@@ -256,10 +266,11 @@ def _tarinfo(path: str, size: int, executable: bool):
     return ti
 
 
-def pack_entry(entry_dir: Path, names: list[str]) -> tuple[Entry, bytes]:
+def pack_entry(entry_dir: Path, names: list[str], key: str | None = None, groups: bool = True) -> tuple[Entry, bytes]:
     """One key dir's files (``names``, relative) -> (its index entry, its object bytes). Deterministic for the same
-    files. Links and devices are refused."""
-    key = entry_dir.name
+    files. Links and devices are refused. ``key``: the entry's (default: its dir's name; a nested layout's is its
+    path under the cache dir); ``groups``: Triton's group files stored in relative form."""
+    key = entry_dir.name if key is None else key
     for name in names:
         if not stat.S_ISREG(os.lstat(entry_dir / name).st_mode):
             raise UnsafeBundleError(f"{entry_dir / name}: not a regular file (links and devices are never packed)")
@@ -272,7 +283,7 @@ def pack_entry(entry_dir: Path, names: list[str]) -> tuple[Entry, bytes]:
         for name in names:
             full = entry_dir / name
             data = full.read_bytes()
-            if is_group(name):
+            if groups and is_group(name):
                 data, outside = relative_group(data, key, nameset, str(full))
                 if outside:
                     raise IntegrityError(f"{full}: group points outside its entry: {', '.join(outside)}")
@@ -333,15 +344,12 @@ def parse_index(data: bytes, where: str, *, check_files: bool = True) -> Index:
     _expect(end >= head.end(), where, f"no fingerprint right after the entries; format {FORMAT} has "
             f"{', '.join(_TOP)}")
     top = _parse_top(data[end + 2:], where)
-    from .tritoncompat import key_dir_form  # the Triton the bundle names decides the form of its keys
-
-    fp = top["fingerprint"]
-    key_form, key_words = key_dir_form(fp.get("triton.distribution"), fp.get("triton.version"))
-    built_by = " ".join(filter(None, (fp.get("triton.distribution"), fp.get("triton.version")))) or "any Triton 3.2+"
+    fp, layout = top["fingerprint"], top.get("layout", "triton")
+    key_form, key_words = LAYOUTS[layout].key_check(fp)
 
     def check_key(key, i: int) -> None:
         _expect(type(key) is str and key_form.fullmatch(key) is not None, where,
-                f"entries[{i}].key {key!r} is not a cache key of {built_by} ({key_words})")
+                f"entries[{i}].key {key!r} is not {key_words}")
 
     src = _Source(data, where)
     entries, keys = [], set()
@@ -362,7 +370,7 @@ def parse_index(data: bytes, where: str, *, check_files: bool = True) -> Index:
         _expect(pos == end or pos + 1 < end and data[pos:pos + 1] == b",", where,
                 f"entries[{i}] is not followed by ',' and another entry, or by ']'")
         pos += pos < end
-    index = Index(fp, top["manifest"], tuple(entries), top["tool"], FORMAT)
+    index = Index(fp, top["manifest"], tuple(entries), top["tool"], FORMAT, layout)
     index.__dict__["_source"] = data
     index.__dict__["digest"] = hashlib.sha256(data).hexdigest()
     if check_files:
@@ -378,8 +386,13 @@ def _parse_top(tail: bytes, where: str) -> dict:
     except (ValueError, RecursionError) as e:
         raise UnsafeBundleError(f"{where}: malformed index: the fields after entries are not JSON "
                                 f"({type(e).__name__})") from None
-    _expect(type(top) is dict and sorted(top) == sorted(_TOP[2:]), where,
-            f"top-level fields {sorted(top) if type(top) is dict else top!r}; format {FORMAT} has {', '.join(_TOP)}")
+    _expect(type(top) is dict and sorted(set(top) - {"layout"}) == sorted(_TOP[2:]), where,
+            f"top-level fields {sorted(top) if type(top) is dict else top!r}; format {FORMAT} has {', '.join(_TOP)} "
+            f"(and layout, past Triton)")
+    if "layout" in top:
+        past = [name for name in LAYOUTS if name != "triton"]
+        _expect(top["layout"] in past, where, f"layout {top['layout']!r} is not one this prewarm reads "
+                f"({', '.join(past)}; a Triton bundle has no layout field)")
     fmt, tool, fp, manifest = top["format"], top["tool"], top["fingerprint"], top["manifest"]
     _expect(type(fmt) is int and fmt == FORMAT, where, f"format {fmt!r}: this prewarm reads format {FORMAT} (an "
             f"integer)")
@@ -391,6 +404,19 @@ def _parse_top(tail: bytes, where: str) -> dict:
             f"manifest {manifest!r} is neither null nor {{\"name\": string, \"digest\": string}}")
     _expect(_canonical(top) == doc, where, "the fields after entries are not in canonical form")
     return top
+
+
+def index_layout(data: bytes, where: str) -> str:
+    """The layout an index names, from its fields after the entries alone (install picks the dir by it before it
+    parses the index, if it ever does). Where those are malformed, the error a whole read names first (a checksum
+    that does not match, a truncated index) is raised."""
+    end = data.rfind(b'],"fingerprint":')
+    try:
+        _expect(end >= 0, where, "no fingerprint after the entries")
+        return _parse_top(data[end + 2:], where).get("layout", "triton")
+    except PrewarmError:
+        parse_index(data, where, check_files=False)
+        raise
 
 
 def _entry_error(data: bytes, pos: int, i: int, where: str, check_key):
@@ -521,20 +547,20 @@ def read_bounded(f, limit: int, where: str) -> bytes:
 
 
 def unpack_object(stream, entry: Entry, dest: str, final_dir: str, where: str,
-                  files: tuple[FileRecord, ...] | None = None) -> int:
+                  files: tuple[FileRecord, ...] | None = None, groups: bool = True) -> int:
     """Check one object against its entry (``files``: its records, already read) while writing its files into a
     fresh ``dest`` dir; returns the object's size.
 
     One pass, O(CHUNK) memory: the object is read up to ``object_size`` (its sha256 must be its name), decompressed
     up to ``tar_size`` (an object cannot expand beyond what the index declares), parsed as a stream of members, each
     a plain regular file without setuid/setgid/sticky bits at a safe path, listed in the index, of the listed size
-    and sha256; the members are exactly the listed files. Group files must be in relative form and are written
-    pointing at ``final_dir`` (where the entry will live). Files are created with O_EXCL|O_NOFOLLOW. An object of at
-    most CHUNK bytes both ways (most of a Triton cache) is read, hashed and decompressed whole first, and its members
-    written by the C member loop (prewarm/_fastunpack.c, where it is built), which hands anything but the plain form
-    pack writes to the Python reader; a larger one is streamed through the Python reader. Any failure leaves a
-    partial ``dest``: the caller stages into a dir it removes. A corrupted object is reported as such (its hash)
-    rather than by whatever its corruption broke first.
+    and sha256; the members are exactly the listed files. Group files (``groups``: Triton's) must be in relative
+    form and are written pointing at ``final_dir`` (where the entry will live). Files are created with
+    O_EXCL|O_NOFOLLOW. An object of at most CHUNK bytes both ways (most of a Triton cache) is read, hashed and
+    decompressed whole first, and its members written by the C member loop (prewarm/_fastunpack.c, where it is
+    built), which hands anything but the plain form pack writes to the Python reader; a larger one is streamed
+    through the Python reader. Any failure leaves a partial ``dest``: the caller stages into a dir it removes. A
+    corrupted object is reported as such (its hash) rather than by whatever its corruption broke first.
     """
     where = f"{where} (entry {entry.key})"
     obj = f"object {entry.object}"
@@ -558,13 +584,13 @@ def unpack_object(stream, entry: Entry, dest: str, final_dir: str, where: str,
         if len(tar) > entry.tar_size:
             raise bomb()
         if _fastunpack is None or len(tar) != entry.tar_size or not _write_plain(tar, entry, files, dest, final_dir,
-                                                                                   where):
-            _unpack_tar(_View(tar).read, entry, files, dest, final_dir, where, obj)
+                                                                                   where, groups):
+            _unpack_tar(_View(tar).read, entry, files, dest, final_dir, where, obj, groups)
         return raw.n
     tar_stream = _Reader(_decompressor().stream_reader(raw, read_size=CHUNK, closefd=False),
                          entry.tar_size, bomb)
     try:
-        _unpack_tar(tar_stream.read, entry, files, dest, final_dir, where, obj)
+        _unpack_tar(tar_stream.read, entry, files, dest, final_dir, where, obj, groups)
         raw.drain()
     except (PrewarmError, zstandard.ZstdError) as e:
         _check_object_hash(raw, entry, where, obj)  # corruption first: it explains whatever broke
@@ -659,11 +685,11 @@ def _pax_path(data: bytes, where: str) -> str:
 
 
 def _unpack_tar(read, entry: Entry, files: tuple[FileRecord, ...], dest: str, final_dir: str, where: str,
-                obj: str) -> None:
+                obj: str, groups: bool) -> None:
     os.mkdir(dest, 0o755)
     dest_fd = os.open(dest, DIR_FLAGS)  # every member created relative to it: no path walked per file
     try:
-        _unpack_members(read, entry, files, dest, dest_fd, final_dir, where, obj)
+        _unpack_members(read, entry, files, dest, dest_fd, final_dir, where, obj, groups)
     finally:
         os.close(dest_fd)
 
@@ -674,7 +700,7 @@ _SPECIAL_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
 
 
 def _unpack_members(read, entry: Entry, files: tuple[FileRecord, ...], dest: str, dest_fd: int, final_dir: str,
-                    where: str, obj: str) -> None:
+                    where: str, obj: str, groups: bool) -> None:
     expected = {f.path: f for f in files}
     names = {p.rsplit("/", 1)[-1] for p in expected}
     seen: set[str] = set()
@@ -724,7 +750,7 @@ def _unpack_members(read, entry: Entry, files: tuple[FileRecord, ...], dest: str
         sha = hashlib.sha256()
         fd = os.open(path, _CREATE, 0o755 if mode & 0o111 else 0o644, dir_fd=dest_fd)
         try:
-            if is_group(path):
+            if groups and is_group(path):
                 if size > MAX_GROUP_BYTES:
                     raise UnsafeBundleError(f"{where}: group {path} is {size} bytes (at most {MAX_GROUP_BYTES})")
                 data = bytes(_member_data(read, size, where, obj, path))
@@ -764,11 +790,12 @@ def _installed_group(data: bytes, entry: Entry, names: set[str], path: str, fina
 
 
 def _write_plain(tar: bytes, entry: Entry, files: tuple[FileRecord, ...], dest: str, final_dir: str,
-                 where: str) -> bool:
+                 where: str, groups: bool) -> bool:
     """The C member loop (prewarm/_fastunpack.c) for an object whose every byte is proven, group files here. False,
     with ``dest`` removed again, where the object is not the plain form pack writes or a file is not as listed: the
     Python reader then reads it again and says what is wrong."""
-    listed = {f.path.encode(): (i, f.size, bytes.fromhex(f.sha256), is_group(f.path)) for i, f in enumerate(files)}
+    listed = {f.path.encode(): (i, f.size, bytes.fromhex(f.sha256), groups and is_group(f.path))
+              for i, f in enumerate(files)}
     os.mkdir(dest, 0o755)
     dest_fd = os.open(dest, DIR_FLAGS)
     try:

@@ -1,5 +1,6 @@
-"""A Triton cache dir as prewarm sees it: the one owner of its layout, of "is this entry intact", and of how a file
-is written whole.
+"""A cache dir as prewarm sees it: the one owner of where prewarm keeps its own files in it, of "is this entry
+intact", and of how a file is written whole. How entries are named and found is the dir's layout's (prewarm.layouts:
+Triton's key dirs below, sglang's JIT leaves, FlashInfer's AOT modules); everything else is the same for each.
 
     <cache>/<KEY>/                                  Triton's entries (key dirs); other top-level names are skipped
     <cache>/.prewarm/build-info.json                what `prewarm build` built here, and under which toolchain
@@ -14,6 +15,7 @@ is written whole.
                                                     `verify --trust` checks the index by, whoever can write here
     <cache>/.prewarm/node.json                      this node's fingerprint and the stamp of what it was computed from
     <cache>/.prewarm/toolchain.json                 the Ascend toolchain the dir is claimed for (Triton's key misses it)
+    <cache>/.prewarm/layout                         the dir's layout, where not Triton's (layouts.mark, install)
 
 Nothing under ``.prewarm`` is ever packed or judged as a cache entry (no key dir name starts with a dot).
 """
@@ -31,14 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .bundle import (CHUNK, DIR_FLAGS, KEY_RE, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index,
-                     is_group, open_regular, parse_index, read_bounded, relative_group)
+from . import layouts
+from .bundle import (CHUNK, DIR_FLAGS, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index, is_group,
+                     open_regular, parse_index, read_bounded, relative_group)
 from .errors import FingerprintMismatch, IntegrityError, PrewarmError
 
 if TYPE_CHECKING:  # annotations only: fingerprint is imported where a toolchain is judged
     from .fingerprint import Mismatch
 
-META = ".prewarm"
+META = layouts.META  # no entry of any layout
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 IN_FLIGHT = "tmp.pid_"  # Triton's FileCacheManager writes into such a dir, then renames the files into the entry
 
@@ -192,6 +195,7 @@ class Receipt:
     size: int  # the listed files' bytes
     doc: dict  # the whole receipt (source, signed_by, installed_at: for people)
     history: dict[int, str] = field(default_factory=dict)  # install number -> its index digest ("": not known)
+    layout: str = "triton"  # its bundle's (prewarm.layouts)
 
     @property
     def signature_path(self) -> Path:
@@ -302,6 +306,7 @@ def _load_receipt(path: Path) -> Receipt:
                 raise ValueError(f"it holds index {index.digest}")
             r.entries = {e.key: (e.object, "") for e in index.entries}
             r.fingerprint, r.manifest, r.size = index.fingerprint, index.manifest, index.total_size
+            r.layout = index.layout
         else:
             if doc.get("format") != RECEIPT_FORMAT or doc.get("index_digest") != path.stem or "checksum" not in doc:
                 raise ValueError(f"format {doc.get('format')!r} for index {doc.get('index_digest')!r}")
@@ -309,8 +314,10 @@ def _load_receipt(path: Path) -> Receipt:
             if type(entries) is not dict or type(fp) is not dict or type(size) is not int or not (
                     manifest is None or type(manifest) is dict):
                 raise TypeError("entries, fingerprint, manifest or bytes")
+            r.layout = doc.get("layout", layouts.TRITON.name)  # written where not Triton's
+            key_re = layouts.get(r.layout).key_re
             for key, v in entries.items():
-                if not (KEY_RE.fullmatch(key) and type(v) is list and len(v) == 2 and type(v[0]) is str
+                if not (key_re.fullmatch(key) and type(v) is list and len(v) == 2 and type(v[0]) is str
                         and type(v[1]) is str):
                     raise ValueError(f"entry {key!r}: {v!r}")
             r.entries = {k: tuple(v) for k, v in entries.items()}
@@ -334,9 +341,10 @@ def _load_receipt(path: Path) -> Receipt:
 
 
 class CacheDir:
-    """A Triton cache dir: where prewarm keeps its own files in it, its entries, and their state."""
+    """A cache dir: where prewarm keeps its own files in it, its entries (as its ``layout`` names them: given, else
+    the one the dir states), and their state."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, layout: layouts.Layout | None = None):
         self.root = Path(root)
         self.meta = self.root / META
         self.build_info = self.meta / "build-info.json"
@@ -344,7 +352,26 @@ class CacheDir:
         self.install_lock = self.meta / "install.lock"
         self.receipts_dir = self.meta / "receipts"
         self.toolchain = self.meta / "toolchain.json"
+        self.layout_file = self.meta / layouts.LAYOUT_FILE
         self._loaded: dict[Path, tuple[tuple, Receipt]] = {}
+        if layout is not None:
+            self.__dict__["layout"] = layout
+
+    @functools.cached_property
+    def layout(self) -> layouts.Layout:
+        """The layout the dir states (``layout_file``); Triton's where it states none."""
+        return layouts.stated(self.root) or layouts.TRITON
+
+    def claim_layout(self) -> None:
+        """Refuse to fill this dir with entries of ``layout`` where it is another layout's (it says so, or installs
+        left receipts without saying: a Triton dir; EnvironmentProblem naming both); else state it where not Triton's
+        (absent is Triton's: every Triton dir stays as it was)."""
+        if layouts.stated(self.root) is None and any(self.receipts_dir.glob("*.json")):
+            layouts.refuse_other(self.root, layouts.TRITON, self.layout, "its install receipts")
+        elif self.layout is not layouts.TRITON:
+            layouts.mark(self.root, self.layout.name)
+        elif have := layouts.stated(self.root):
+            layouts.refuse_other(self.root, have, self.layout, str(self.layout_file))
 
     def __repr__(self) -> str:
         return f"CacheDir({str(self.root)!r})"
@@ -352,14 +379,8 @@ class CacheDir:
     # --- entries
 
     def entries(self) -> tuple[list[str], list[str]]:
-        """Keys of the entries (key dirs), sorted, and the top-level names skipped (stray files, links); ``.prewarm``
-        is neither."""
-        keys, skipped = [], []
-        for d in sorted(os.scandir(self.root), key=lambda d: d.name):
-            if d.name == META:
-                continue
-            (keys if d.is_dir(follow_symlinks=False) and KEY_RE.fullmatch(d.name) else skipped).append(d.name)
-        return keys, skipped
+        """Keys of the entries, sorted, and the names skipped (stray files, links); ``.prewarm`` is neither."""
+        return self.layout.entries(self.root)
 
     def files(self, key: str, *, in_flight: bool = True) -> list[str]:
         """Everything under an entry that is not a directory (links and FIFOs included), relative, "/"-separated,
@@ -376,9 +397,10 @@ class CacheDir:
         """The one "is this entry intact". With ``files`` (a bundle's or a receipt's listing): every listed file
         hashed (group files in their relative form: install wrote them absolute), what is not listed is unexpected.
         Without: the entry as Triton's runtime would find it, through its group files (each child present in this
-        entry dir); nothing is hashed. Never follows a link or opens anything but a regular file."""
+        entry dir); nothing is hashed (past Triton: nothing to judge). Never follows a link or opens anything but a
+        regular file."""
         if files is None:
-            return self._group_state(key)
+            return self._group_state(key) if self.layout.groups else EntryState()
         base = f"{self.root}/{key}"
         c = EntryState()
         names = {f.path.rsplit("/", 1)[-1] for f in files}
@@ -397,7 +419,7 @@ class CacheDir:
                 if not stat.S_ISREG(st.st_mode):
                     c.modified.append(f"{rel} (not a regular file)")
                     continue
-                if is_group(f.path):
+                if self.layout.groups and is_group(f.path):
                     # as much as it holds (a buffer of the bound per file costs more than hashing it), one byte
                     # more: a file that grew shows
                     data = os.read(fd, min(st.st_size, MAX_GROUP_BYTES) + 1)
@@ -484,6 +506,9 @@ class CacheDir:
         key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         if (known := self._loaded.get(path)) is None or known[0] != key:
             known = self._loaded[path] = key, _load_receipt(path)
+        if known[1].layout != self.layout.name:
+            raise IntegrityError(f"install receipt {path} is of a {known[1].layout} bundle, in a {self.layout.name} "
+                                 f"dir ({self.layout_file}): {_REINSTALL}")
         return known[1]
 
     def receipts(self, *, strict: bool = True, faults: list[str] | None = None) -> list[Receipt]:

@@ -76,7 +76,7 @@ def cmd_plan(args) -> int:
         return _print_compiles(plans, args)
     docs = []
     for planned, why in plans:  # one per SoC of a multi-SoC npu manifest
-        p = Plan(planned.manifest, planned.requests)
+        p = Plan(planned.manifest, planned.requests, planned.jit)
         coverage = _table_coverage(planned.manifest, p.requests, args) if why is None else None
         tuned = autotuned_kernels(planned.requests, planned.pins) if why is None else []
         if args.json:
@@ -96,12 +96,20 @@ def cmd_plan(args) -> int:
         _print_options(pm)
         _print_table_coverage(coverage)
         _print_pins(tuned, planned.pins)
+        _print_jit(planned.jit)
         _print_will_fail(planned.will_fail)
     if args.json:
         emit_json(docs[0] if len(docs) == 1 else {"manifest": str(m.path), "socs": docs})
     else:
         out.print("autotuned kernels compile once per config: `prewarm plan --compiles` lists Triton's own requests")
     return _will_fail_exit([w for planned, _ in plans for w in planned.will_fail], args)
+
+
+def _print_jit(jit) -> None:
+    """The modules past Triton the plan builds with their library's own code (prewarm.jit), one line each."""
+    for j in jit:
+        out.print(f"jit module: {escape(j.library)} {escape(j.name)} (reached by {escape(j.origin or 'the plan')})",
+                  highlight=False)
 
 
 def _print_will_fail(will_fail) -> None:
@@ -306,11 +314,22 @@ def cmd_build(args) -> int:
                   + (f", [red]{len(r.will_fail)} kernels will fail[/] (cannot be keyed: not built)" if r.will_fail
                      else "")
                   + f" in {r.seconds:.1f} s")
-    if r.failed and args.json:
+        for layout, where in r.jit_dirs.items():
+            built = [j for j in r.jit if j.hit and j.path and j.path.startswith(where)]
+            out.print(f"{layout}: {len(built)} modules past Triton -> {escape(where)} (pack it as its own bundle)",
+                      highlight=False)
+        for j in r.jit_failed:
+            out.print(f"[red]jit module failed[/] {escape(j.request.library)} {escape(j.request.name)}: "
+                      f"{escape(j.reason)}", highlight=False)
+    if (r.failed or r.jit_failed) and args.json:
         return BuildError.exit_code  # the report above is the one JSON document
     if r.failed:
         raise BuildError(f"{len(r.failed)} of {len(r.results)} compiles failed (first: {r.failed[0].label}: "
                          f"{r.failed[0].message.splitlines()[0] if r.failed[0].message else 'no message'})")
+    if r.jit_failed:
+        j = r.jit_failed[0]
+        raise BuildError(f"{len(r.jit_failed)} of {len(r.jit)} modules past Triton were not built (first: "
+                         f"{j.request.library} {j.request.name}: {j.reason})")
     return _will_fail_exit(r.will_fail, args)
 
 
@@ -350,12 +369,14 @@ def cmd_pack(args) -> int:
 
     r = pack(args.cache_dir, args.output, signing_key=args.sign)
     if args.json:
-        emit_json({"bundle": str(r.bundle_dir), "index_digest": r.index.digest, "entries": len(r.index.entries),
+        emit_json({"bundle": str(r.bundle_dir), "index_digest": r.index.digest, "layout": r.index.layout,
+                   "entries": len(r.index.entries),
                    "objects_written": r.objects_written, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
                    "signed": bool(args.sign), "skipped": r.skipped})
         return 0
     out.print(f"packed {len(r.index.entries)} entries ({r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB, "
-              f"{r.objects_written} new objects) into {r.bundle_dir}" + (" [signed]" if args.sign else ""))
+              f"{r.objects_written} new objects) into {r.bundle_dir}" + (" [signed]" if args.sign else "")
+              + (f" ({r.index.layout} layout)" if r.index.layout != "triton" else ""))
     out.print(f"index sha256 {r.index.digest}")
     for name in r.skipped:
         err.print(f"[yellow]skipped[/] {name}: not a cache entry dir")
@@ -394,14 +415,18 @@ def cmd_push(args) -> int:
 
 def cmd_install(args) -> int:
     from .install import install
+    from .layouts import NoNodeDir
 
     with progress_bar(args) as bar:
         task = bar.add_task("install (fetch, check, stage)", total=None)
-        r = install(args.source, args.cache_dir, trusted_keys=args.trust, require_signature=args.require_signature,
-                    allow_fingerprint_mismatch=args.allow_fingerprint_mismatch,
-                    allow_missing_factors=args.allow_missing_factors, workers=args.workers,
-                    lock_timeout=args.lock_timeout, recheck=args.recheck,
-                    progress=lambda done, total: bar.update(task, completed=done, total=total))
+        try:
+            r = install(args.source, args.cache_dir, trusted_keys=args.trust, require_signature=args.require_signature,
+                        allow_fingerprint_mismatch=args.allow_fingerprint_mismatch,
+                        allow_missing_factors=args.allow_missing_factors, workers=args.workers,
+                        lock_timeout=args.lock_timeout, recheck=args.recheck,
+                        progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except NoNodeDir as e:  # known once the bundle is read: the usage error argparse gives a missing option
+            args.usage_error(f"{args.source}: {e}")
     if args.json:
         doc = {k: v for k, v in vars(r).items() if k != "mismatches"}
         doc["mismatches"] = [vars(m) for m in r.mismatches]
@@ -429,13 +454,16 @@ def cmd_verify(args) -> int:
     if args.plan:
         from .willhit import check
 
-        hit = check(args.plan, r.cache_dir)
+        hit = check(args.plan, r.cache_dir, jit_dirs=dict(args.jit_dir))
         judge_plan(r, hit)
     dirs = None
     if args.server:
         from .serverenv import server_cache_dirs
 
-        dirs = server_cache_dirs(args.server, r.cache_dir)
+        from .jit import for_layout
+
+        dirs = server_cache_dirs(args.server, r.cache_dir,
+                                 jit_installed={for_layout(layout).name: d for layout, d in args.jit_dir})
     missed = hit is not None and (not hit.ok or (args.require_autotune and any(not a.present for a in hit.autotune))
                                   or any(a.unread for a in hit.autotune)
                                   or (args.require_launchers and any(not m.present for m in hit.modules)))
@@ -452,6 +480,17 @@ def cmd_verify(args) -> int:
     note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and not code else ""
     out.print(("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})") + note)
     return code
+
+
+def _layout_dir(pair: str) -> tuple[str, str]:
+    """``--jit-dir LAYOUT=DIR`` -> (layout, dir); argparse's usage error otherwise."""
+    from .layouts import LAYOUTS
+
+    layout, sep, where = pair.partition("=")
+    if not sep or layout not in LAYOUTS or layout == "triton" or not where:
+        raise argparse.ArgumentTypeError(f"{pair!r}: expected LAYOUT=DIR with LAYOUT one of "
+                                         f"{', '.join(k for k in LAYOUTS if k != 'triton')}")
+    return layout, where
 
 
 def _server_dirs_json(dirs) -> dict | None:
@@ -517,6 +556,12 @@ def _print_verify_summary(r, hit, args) -> None:
                     else "")
                  + ("" if args.require_autotune or kept == len(hit.autotune) else
                     " (absent: benchmarked on first use; --require-autotune makes it fail)"))
+        if hit.jit:
+            line("jit modules", bad if hit.jit_misses else ok,
+                 f"{len(hit.jit) - len(hit.jit_misses)}/{len(hit.jit)} modules past Triton found by their library's "
+                 f"own lookup (" + ", ".join(f"{k} {v}" for k, v in hit.jit_dirs.items()) + ")")
+            for j in hit.jit_misses:
+                line("", bad, f"{j.request.library} {j.request.name}: {j.reason}")
         if hit.modules:
             have = sum(m.present for m in hit.modules)
             line("C modules", ok if have == len(hit.modules) else (bad if args.require_launchers else info),
@@ -616,6 +661,15 @@ def _print_verify_tables(r, hit, args) -> None:
                       "[green]hit[/]" if x.hit else "[red]MISS[/]", escape(x.detail))
         out.print(t)
         _print_will_fail(hit.will_fail)
+        if hit.jit:
+            t = Table(title=f"modules past Triton ({len(hit.jit) - len(hit.jit_misses)} found, "
+                            f"{len(hit.jit_misses)} the node would build)")
+            for c in ("library", "module", "found", "where / why"):
+                t.add_column(c, overflow="fold")
+            for j in hit.jit:
+                t.add_row(j.request.library, escape(j.request.name), "[green]hit[/]" if j.hit else "[red]MISS[/]",
+                          escape(j.path if j.hit else j.reason))
+            out.print(t)
         if hit.autotune:
             kept = sum(a.present for a in hit.autotune)
             absent = "[red]absent[/]" if args.require_autotune else "[yellow]absent[/]"
@@ -653,7 +707,8 @@ def cmd_ls(args) -> int:
     if args.json:
         emit_json(r.to_json())
         return 0
-    t = Table(title=f"bundles installed in {escape(r.cache_dir)}")
+    t = Table(title=f"bundles installed in {escape(r.cache_dir)}"
+                    + (f" ({r.layout} layout)" if r.layout != "triton" else ""))
     for c in ("manifest", "manifest digest", "installed", "entries", "MB", "signed by", "from"):
         t.add_column(c, overflow="fold")
     for b in r.bundles:
@@ -907,7 +962,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("command", nargs=argparse.REMAINDER)
 
     sp = verb("pack", cmd_pack, "pack a cache dir into a content-addressed bundle")
-    sp.add_argument("cache_dir")
+    sp.add_argument("cache_dir", help="a cache dir of any layout (the one it states in .prewarm/layout: Triton's "
+                                      "where none)")
     sp.add_argument("-o", "--output", required=True)
     sp.add_argument("--sign", metavar="PRIVATE_KEY", help="sign the index with this Ed25519 key (prewarm keygen)")
 
@@ -921,7 +977,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = verb("install", cmd_install, "install a bundle into a node's cache dir, atomically")
     sp.add_argument("source", help="a bundle URL, a local bundle dir, or a bundle name in the default store")
-    sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
+    sp.add_argument("--cache-dir", help="default: the dir the server of the bundle's layout reads: Triton's "
+                                        "TRITON_CACHE_DIR, else ~/.triton/cache; sglang-jit's SGLANG_JIT_CACHE_DIR, "
+                                        "else ~/.cache/sglang/jit; flashinfer-aot: none, required")
+    sp.set_defaults(usage_error=sp.error)
     sp.add_argument("--trust", action="append", default=[], metavar="PUBLIC_KEY", help="trusted signer (repeat)")
     sp.add_argument("--require-signature", action="store_true", help="refuse an unsigned bundle")
     sp.add_argument("--allow-fingerprint-mismatch", action="store_true", help="install despite toolchain mismatch")
@@ -936,7 +995,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--insecure", action="store_true", help="plain HTTP to a loopback OCI registry (tests)")
 
     sp = verb("verify", cmd_verify, "check a cache dir: integrity, compatibility, will-hit")
-    sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
+    sp.add_argument("--cache-dir", help="a cache dir of any layout (default: TRITON_CACHE_DIR, else ~/.triton/cache)")
     sp.add_argument("--plan", metavar="MANIFEST")
     sp.add_argument("--require-autotune", action="store_true",
                     help="with --plan: also fail (exit 5) when a kept autotune result is absent (device bundles)")
@@ -953,12 +1012,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="list entries no verified receipt covers (device builds, node-local compiles), never fail")
     sp.add_argument("--no-fingerprint", action="store_true", help="skip the compatibility check")
     sp.add_argument("--details", action="store_true", help="every row of every check (default: a summary)")
+    sp.add_argument("--jit-dir", action="append", default=[], metavar="LAYOUT=DIR", type=_layout_dir,
+                    help="with --plan: look the planned modules past Triton of this layout (sglang-jit, "
+                         "flashinfer-aot) up in DIR (default: the dir each library reads in this environment)")
     sp.add_argument("--server", choices=tuple(SERVER_IMPORTS),
                     help="also check the Triton cache dir a process of this server, started with this environment, "
                          "would read (its own import run in a child process): exit 14 naming the variable to set")
 
     sp = verb("ls", cmd_ls, "list what a cache dir holds: installed bundles, entries no bundle installed")
-    sp.add_argument("--cache-dir", help="default: TRITON_CACHE_DIR, else ~/.triton/cache")
+    sp.add_argument("--cache-dir", help="a cache dir of any layout (default: TRITON_CACHE_DIR, else ~/.triton/cache)")
 
     sp = verb("explain", cmd_explain, "for each runtime compile request (a record / guard file, a key dir or a "
                                       "cache dir): planned, or the nearest planned compile and what differs")

@@ -22,9 +22,18 @@ UNKNOWN = "unknown"
 
 # Factors whose difference means the cache would miss (a compile on the node) or hold wrong code: refuse.
 # Every other factor is informational: shown, never refused on.
-BLOCKING_PREFIXES = ("triton.", "python.", "target.", "cuda.ptxas", "env.", "ascend.")
+BLOCKING_PREFIXES = ("triton.", "python.", "target.", "cuda.ptxas", "env.", "ascend.",
+                     "sglang.jit.", "flashinfer.")  # the last two: a JIT bundle's factors (prewarm.jit)
 
 WHY = {
+    "sglang.jit.target": "sglang builds its JIT modules for the GPU's exact target: another is another build key",
+    "sglang.jit.nvcc": "sglang keys its JIT modules on nvcc --version: the node would rebuild every one",
+    "sglang.jit.cxx": "sglang keys its JIT modules on the host compiler's --version ($CXX, else c++; its binary name "
+                      "included): the node would rebuild every one. Build them in the node's image",
+    "flashinfer.archs": "FlashInfer loads an AOT module without checking its target: on another GPU it fails at launch",
+    "flashinfer.version": "an AOT module is built from one FlashInfer's sources and bindings",
+    "flashinfer.apache-tvm-ffi": "an AOT module is a tvm-ffi module: another tvm-ffi may not load it",
+    "flashinfer.nvcc": "an AOT module links the libcudart of the CUDA it was built with",
     "triton.distribution": "a different Triton build produces different keys and code",
     "triton.version": "Triton's version is the first part of every cache key",
     "triton.key": "Triton's compiler/language sources or libtriton differ: every key differs",
@@ -37,7 +46,7 @@ WHY = {
 
 
 # Factors read from a visible device: UNKNOWN where there is none (a build box, a CI machine); not compared then.
-DEVICE_FACTORS = ("target.arch", "ascend.soc")
+DEVICE_FACTORS = ("target.arch", "ascend.soc", "sglang.jit.target", "flashinfer.archs")
 # How a node without a visible device states a device factor anyway, by (backend, factor). Such a factor is never
 # left unchecked: triton-ascend's driver takes the SoC from TRITON_ASCEND_ARCH before the device, as detect_arch
 # does, and every Ascend key contains it, so a node that cannot tell it cannot be checked and is refused.

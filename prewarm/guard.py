@@ -27,6 +27,11 @@ covers it), counted (:func:`autotune_benchmarked`), refused in error mode (:clas
 first config runs. With PREWARM_GUARD_PLAN, the guard also gives each kernel pinned in that manifest's autotune table
 (``[[pinned]]``) its pinned config alone before its Autotuner's first call (:mod:`prewarm.autotune`): it never
 benchmarks, where Triton keeps no results (triton-ascend 3.2) as elsewhere.
+Builds past Triton are treated the same way: once the server imports a JIT library (sglang's ``load_jit`` layer,
+FlashInfer's JIT core), its build step is hooked (:mod:`prewarm.jit`, ``watch_builds``): a module the library's own
+cache lookup missed is logged before it builds (sglang's nvcc, FlashInfer's ninja), appended to the record file as an
+``"event": "jit"`` line, counted (``prewarm_guard_jit_builds_total``) and refused in error mode
+(:class:`UncoveredJitBuild`).
 Installing the guard also starts, in a background thread, the one-time work Triton otherwise does at a process's first
 kernel launch, i.e. in the first request (its own key: 0.4 s of hashing libtriton on the H200; the modules its
 specializer imports): :func:`prewarm.tritoncompat.start_process_warmup`. On triton-ascend, arming also checks the
@@ -66,6 +71,16 @@ class UncoveredBenchmark(UncoveredCompile):
         self.kernel, self.explanation = kernel, explanation
 
 
+class UncoveredJitBuild(UncoveredCompile):
+    """Raised by the guard in error mode, before a library builds a module past Triton the node lacks (an sglang JIT
+    module, a FlashInfer module)."""
+
+    def __init__(self, module: str, explanation: str):
+        RuntimeError.__init__(self, f"prewarm guard: {module} is not in the installed cache and would be built "
+                                    f"here: {explanation}")
+        self.kernel, self.explanation = module, explanation
+
+
 class _Guard:
     def __init__(self, mode: str, record: str | None, plan: str | None):
         self.mode, self.record, self.plan = mode, record, plan
@@ -91,10 +106,23 @@ class _Guard:
         request, self.pending.request = getattr(self.pending, "request", None), None
         return request
 
+    def note(self, line: dict) -> None:
+        """Append ``line`` to the record file, if one is set; a failure is said and the server goes on (the log line
+        the caller prints still says what happened)."""
+        from .record import append
+
+        if not self.record:
+            return
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.record)), exist_ok=True)
+            append(self.record, line)
+        except OSError as e:
+            print(f"prewarm guard: cannot append to {self.record}: {e}", file=sys.stderr)
+
     def uncovered(self, key: str, filename: str, fn_compile) -> None:
         """Triton is about to compile: log it with its explanation, record it, and in error mode refuse it."""
         from . import tritoncompat
-        from .record import append, request_entry
+        from .record import request_entry
 
         cache_dir = tritoncompat.cache_dir()
         why = f"no {filename} under {key} in {cache_dir}"
@@ -104,12 +132,8 @@ class _Guard:
             entry = request_entry(*fn_compile)
             kernel = entry["kernel"]
             explanation = self.explain(kernel, entry["specialization_data"], cache_dir, key)
-        if self.record and entry is not None:
-            try:
-                os.makedirs(os.path.dirname(os.path.abspath(self.record)), exist_ok=True)
-                append(self.record, {**entry, "guard": explanation})
-            except OSError as e:  # the server goes on; the log line below still says what compiled
-                print(f"prewarm guard: cannot append to {self.record}: {e}", file=sys.stderr)
+        if entry is not None:
+            self.note({**entry, "guard": explanation})
         doing = "refusing to compile" if self.mode == "error" else "compiling"
         print(f"prewarm guard: {doing} {kernel}: {why}; {explanation}", file=sys.stderr)
         metrics.count(metrics.COMPILES, kernel)
@@ -120,7 +144,7 @@ class _Guard:
         """An Autotuner of this process is about to benchmark its configs for one call (Triton's own benchmarking,
         hooked): log it with what was missing, record it, count it, and in error mode refuse it."""
         from . import tritoncompat
-        from .record import AUTOTUNE_EVENT, append
+        from .record import AUTOTUNE_EVENT
 
         lookup, self.pending.autotune = getattr(self.pending, "autotune", None), None
         if not self.armed:
@@ -142,18 +166,29 @@ class _Guard:
             key, why = None, ("this Autotuner keeps no results (no cache_results, TRITON_CACHE_AUTOTUNING unset "
                               "when its module was imported): it benchmarks in every process")
         what = f"{why}; tuning key {tuning_key}, {configs} configs"
-        if self.record:
-            try:
-                os.makedirs(os.path.dirname(os.path.abspath(self.record)), exist_ok=True)
-                append(self.record, {"event": AUTOTUNE_EVENT, "kernel": kernel, "tuning_key": tuning_key,
-                                     "configs": configs, "key": key, "pid": os.getpid(), "guard": why})
-            except OSError as e:
-                print(f"prewarm guard: cannot append to {self.record}: {e}", file=sys.stderr)
+        self.note({"event": AUTOTUNE_EVENT, "kernel": kernel, "tuning_key": tuning_key, "configs": configs, "key": key,
+                   "pid": os.getpid(), "guard": why})
         doing = "refusing to benchmark" if self.mode == "error" else "benchmarking"
         print(f"prewarm guard: {doing} {kernel}: {what}", file=sys.stderr)
         autotune_benchmarked(kernel)
         if self.mode == "error":
             raise UncoveredBenchmark(kernel, what)
+
+    def jit_build(self, library: str, module: str, detail: str) -> None:
+        """A library of this process is about to build a module past Triton (its own cache lookup missed): log it,
+        record it, count it, and in error mode refuse it. Before arming (the server's own warmup) it goes on
+        unremarked, as a Triton compile does."""
+        from .record import JIT_EVENT
+
+        if not self.armed:
+            return
+        name = f"{library}:{module}"
+        self.note({"event": JIT_EVENT, "library": library, "module": module, "pid": os.getpid(), "guard": detail})
+        doing = "refusing to build" if self.mode == "error" else "building"
+        print(f"prewarm guard: {doing} {name}: {detail}", file=sys.stderr)
+        metrics.count(metrics.JIT_BUILDS, name)
+        if self.mode == "error":
+            raise UncoveredJitBuild(name, detail)
 
     def explain(self, kernel: str, data: str, cache_dir: str, key: str) -> str:
         """The nearest planned compile and what differs; a planned request missing from the cache is explained
@@ -245,13 +280,13 @@ def _settings() -> tuple[str, str | None, str | None, str] | None:
 
 def install_from_env() -> None:
     """From the injected sitecustomize: install the guard when triton is imported; arm it then unless manual."""
-    from .record import when_triton_imported
+    from .record import when_imported
 
     settings = _settings()
     if settings is None:
         return
     mode, record, plan, arm = settings
-    when_triton_imported(lambda: _install(mode, record, plan, armed=arm == "import"))
+    when_imported("triton", lambda: _install(mode, record, plan, armed=arm == "import"))
 
 
 def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> None:
@@ -267,6 +302,7 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
         tritoncompat.set_jit_cache_hook(_guard.hook(tritoncompat.get_jit_cache_hook()))
         tritoncompat.watch_autotune_benchmarks(_guard.benchmark)
         _pin_autotuners(plan)
+        _watch_jit_builds(_guard)
         tritoncompat.start_process_warmup()  # off the first request's path: not a compile, but it stalls one
         if metrics.textfile():
             metrics.installed_bundles(tritoncompat.cache_dir())
@@ -279,6 +315,18 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
 
         check_serving_process(mode)
     _guard.armed = _guard.armed or armed
+
+
+def _watch_jit_builds(guard: _Guard) -> None:
+    """Each JIT library's build step hooked (prewarm.jit: ``watch_builds``) once the module it lives in is imported
+    by the server: a process that never imports the library never imports it for the guard."""
+    from . import jit
+    from .record import when_imported
+
+    for name in jit.LIBRARY_NAMES:
+        lib = jit.library(name)
+        when_imported(lib.hook_module, lambda lib=lib: lib.watch_builds(
+            lambda module, detail, library=lib.name: guard.jit_build(library, module, detail)))
 
 
 def _pin_autotuners(plan: str | None) -> None:
@@ -313,6 +361,11 @@ def arm() -> bool:
     mode, record, plan, _ = settings
     _install(mode, record, plan, armed=True)
     return True
+
+
+def armed() -> bool:
+    """Whether this process is guarded now (installed from its environment, and armed)."""
+    return _guard is not None and _guard.armed
 
 
 def autotune_benchmarked(kernel: str) -> None:

@@ -1,4 +1,6 @@
-"""Install a bundle into a node's Triton cache dir: verified, atomic, locked, idempotent, merging.
+"""Install a bundle into a node's cache dir: verified, atomic, locked, idempotent, merging. The dir is of the bundle's
+layout (prewarm.layouts: Triton's cache, sglang's JIT cache, FlashInfer's AOT dir; by default the one its server
+reads), and a dir of another layout is refused; the work is the same for each.
 
 Order of work (the paths are ``CacheDir``'s, prewarm.cachedir): read the index bytes (and check their signature when
 keys are given or one is required) -> check the bundle's fingerprint against this node (the one place that judges
@@ -15,7 +17,7 @@ prewarm.nodestamp) -> take the dir's ``install_lock`` -> decide what is to do:
   non-reproducibly, a complete entry for the same key, unless a receipt recorded other bytes for it); what is not
   there intact is fetched and checked as it is written, in one streaming pass per object (object sha256 and size,
   bounded decompression, tar members, every file's sha256 and size) into ``new_staging()/<KEY>`` (inside the cache
-  dir: the same filesystem), group files pointing at the final location.
+  dir: the same filesystem; a nested layout's key is a path there), group files pointing at the final location.
 
 Every entry's file records are checked before or as it is staged, so a malformed index or object adds nothing to
 the cache. Durability (``durable``), each flush where the order after a crash depends on it: the cache's filesystem
@@ -25,7 +27,9 @@ left); the cache dir is fsynced after the renames, so that they are on disk befo
 the receipt (the index beside it first, written while the entries stage, then the receipt itself, with the next
 sequence number, each entry's stamp and what is on disk where it differs from the bundle) is written atomically and
 fsynced. No fsync per file: one flush of the filesystem covers them all. A key dir is therefore either absent or
-complete: a crash (SIGKILL anywhere) leaves every previous entry intact and a re-run finishes the job. Entries from
+complete: a crash (SIGKILL anywhere) leaves every previous entry intact and a re-run finishes the job. A nested
+layout's entry (sglang's leaf) is renamed into its parent dir, made first where missing (0755, none of them a link,
+as sglang's own publication does), and the filesystem flushed after the renames instead of the one dir. Entries from
 other sources are never touched. Nothing from the bundle is executed.
 
 Work is spread over the cores (prewarm.workers): a local bundle's entries by forked processes (per-entry work is
@@ -45,10 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import nodestamp
+from . import layouts, nodestamp
 from . import workers as workers_
-from .bundle import (DIR_FLAGS, INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, Entry, FileRecord, Index, is_runtime_module,
-                     parse_index, read_bounded, unpack_object)
+from .bundle import (DIR_FLAGS, INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, Entry, FileRecord, Index, index_layout,
+                     is_runtime_module, parse_index, read_bounded, unpack_object)
 from .cachedir import CacheDir, EntryState, Receipt, fsync_dir, install_history, latest_owners, stamp, syncfs
 from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError, StoreError
 from .stores.base import Store, join, retry
@@ -56,7 +60,7 @@ from .stores.base import Store, join, retry
 
 def default_cache_dir() -> Path:
     """Where Triton itself looks: TRITON_CACHE_DIR, else ~/.triton/cache."""
-    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return layouts.TRITON.node_dir()
 
 
 def resolve_source(source: str) -> str:
@@ -79,6 +83,7 @@ class StoredBundle:
     signed_by: str | None
     where: str
     signature: bytes | None = None  # checked (signed_by): kept beside the receipt as its proof
+    layout: layouts.Layout = layouts.TRITON  # the index's (read from its fields after the entries)
 
     @property
     def index(self) -> Index:
@@ -117,7 +122,8 @@ def read_bundle(
         except IntegrityError as e:  # larger than any signature, or not the blob the registry lists
             raise SignatureError(f"{e}: not a signature") from None
         signed_by = signing.verify(data, sig, list(trusted_keys), where)
-    return StoredBundle(store, data, hashlib.sha256(data).hexdigest(), signed_by, where, sig)
+    return StoredBundle(store, data, hashlib.sha256(data).hexdigest(), signed_by, where, sig,
+                        layouts.get(index_layout(data, where)))
 
 
 def _open_store(url: str, storage_options: dict | None) -> Store:
@@ -178,6 +184,31 @@ def node_fingerprint(cache_dir: Path | None = None) -> dict[str, str]:
     visible device reports its arch unknown: not compared; an Ascend node that cannot tell its SoC is refused; a node
     with another GPU or SoC is a mismatch). With ``cache_dir``: reused from its record while still true."""
     return nodestamp.current(CacheDir(cache_dir).meta if cache_dir else None)[0]
+
+
+def node_factors(layout: layouts.Layout, meta_dir: Path | None) -> tuple[dict[str, str], dict | None]:
+    """(this node's own factors for a bundle of ``layout``, a record to remember them by in ``meta_dir`` or None):
+    what check_node and verify compare a bundle's fingerprint with, and what pack records where the dir's build
+    recorded none. Triton's reused from ``meta_dir``'s record while still true (``node_fingerprint``); a layout past
+    Triton's from its library (``jit_node_factors``)."""
+    if layout is layouts.TRITON:
+        return nodestamp.current(meta_dir)
+    return jit_node_factors(layout), None
+
+
+def jit_node_factors(layout: layouts.Layout) -> dict[str, str]:
+    """This node's factors for a bundle of a layout past Triton: what its library keys its cache on besides the
+    sources, as this node's library computes them (prewarm.jit: imported here, lazily, since prewarm.layouts sits
+    below every module that reads a cache dir), for this node's GPU. A node without a visible GPU states the rest
+    and its target as unknown (a device factor: not compared, as ``target.arch`` is not)."""
+    from . import fingerprint, jit
+
+    lib = jit.for_layout(layout.name)
+    arch = fingerprint.detect_arch("cuda")
+    if arch != fingerprint.UNKNOWN:
+        return lib.toolchain(arch)
+    factors = lib.toolchain("sm_90")  # any arch: only the target factor depends on it
+    return {**factors, lib.target_factor: fingerprint.UNKNOWN}
 
 
 def check_node(built: dict[str, str], node: dict[str, str], cache_dir: Path, allow_mismatch: bool,
@@ -289,6 +320,8 @@ def _stage_entry(bundle: StoredBundle, entry: Entry, files: tuple[FileRecord, ..
     name = f"{OBJECTS}/{entry.object}"
     where = join(bundle.store.url, name)
     dest = f"{staging}/{entry.key}"
+    if bundle.layout.nested:  # staged at the same path as in the cache dir
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
     attempts = []
 
     def once() -> int:
@@ -297,7 +330,8 @@ def _stage_entry(bundle: StoredBundle, entry: Entry, files: tuple[FileRecord, ..
         attempts.append(1)
         with _StoreStream(_open_blob(bundle.store, name, where)) as stream:
             try:
-                return unpack_object(stream, entry, dest, f"{cache_dir}/{entry.key}", where, files)
+                return unpack_object(stream, entry, dest, f"{cache_dir}/{entry.key}", where, files,
+                                     bundle.layout.groups)
             except OSError as e:  # store errors arrive as _StoreRead: this is the local filesystem
                 raise EnvironmentProblem(f"{e.filename or dest}: {e.strerror} (staging entry {entry.key} of "
                                          f"{cache_dir})") from None
@@ -331,16 +365,50 @@ def _place_entries(keys: list[str], todo: list[int], cache_dir: Path, staging: P
 
 
 def _place_entry(key: str, cache_fd: int, staging_fd: int) -> bool:
-    """Rename a staged entry into place; returns whether it replaced an existing (incomplete or other) dir."""
+    """Rename a staged entry into place (a nested key: into its parent dir, made where missing); returns whether it
+    replaced an existing (incomplete or other) dir."""
+    parent, _, leaf = key.rpartition("/")
+    dest_fd = _open_parent(cache_fd, parent) if parent else cache_fd
     try:
-        os.rename(key, key, src_dir_fd=staging_fd, dst_dir_fd=cache_fd)
-        return False
-    except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-            raise
-    os.rename(key, f"old-{key}", src_dir_fd=cache_fd, dst_dir_fd=staging_fd)  # what did not match: set aside
-    os.rename(key, key, src_dir_fd=staging_fd, dst_dir_fd=cache_fd)
-    return True
+        try:
+            os.rename(key, leaf, src_dir_fd=staging_fd, dst_dir_fd=dest_fd)
+            return False
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+        aside = "old-" + key.replace("/", "%")  # no key holds a '%'
+        os.rename(leaf, aside, src_dir_fd=dest_fd, dst_dir_fd=staging_fd)  # what did not match: set aside
+        os.rename(key, leaf, src_dir_fd=staging_fd, dst_dir_fd=dest_fd)
+        return True
+    finally:
+        if dest_fd != cache_fd:
+            os.close(dest_fd)
+
+
+def _open_parent(cache_fd: int, parent: str) -> int:
+    """The dir ``parent`` below the cache dir, opened; each part made where missing (0755) and none followed as a
+    link (ELOOP), so that an entry is never renamed through a link out of the cache dir."""
+    fd = cache_fd
+    try:
+        for part in parent.split("/"):
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                below = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise OSError(e.errno, f"its parent {part!r} is a link or a file, never followed") from None
+            if fd != cache_fd:
+                os.close(fd)
+            fd = below
+        return fd
+    except BaseException:
+        if fd != cache_fd:
+            os.close(fd)
+        raise
 
 
 def install(
@@ -358,23 +426,24 @@ def install(
     recheck: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> InstallResult:
-    """Install ``source`` (a bundle dir or store URL) into ``cache_dir``: every entry checked and staged first, then
-    one rename per entry, then the receipt. ``recheck``: every entry checked by content, stamps or not (what a file
-    rewritten in place needs). ``progress(entries settled, entries to settle)`` as the work goes."""
+    """Install ``source`` (a bundle dir or store URL) into ``cache_dir`` (default: the dir the server of the bundle's
+    layout reads; layouts.NoNodeDir where none is named): every entry checked and staged first, then one rename per
+    entry, then the receipt. ``recheck``: every entry checked by content, stamps or not (what a file rewritten in
+    place needs). ``progress(entries settled, entries to settle)`` as the work goes."""
     t0 = time.monotonic()
-    cache_dir = Path(os.path.abspath(cache_dir or default_cache_dir()))
-    cache = CacheDir(cache_dir)
-    for d in (cache_dir, cache.meta):
-        if os.path.lexists(d) and not d.is_dir():
-            raise EnvironmentProblem(f"{d}: exists and is not a directory (installing into {cache_dir})")
     bundle = read_bundle(
         source, trusted_keys=trusted_keys, require_signature=require_signature, storage_options=storage_options
     )
+    cache_dir = Path(os.path.abspath(cache_dir or bundle.layout.node_dir()))
+    cache = CacheDir(cache_dir, bundle.layout)
+    for d in (cache_dir, cache.meta):
+        if os.path.lexists(d) and not d.is_dir():
+            raise EnvironmentProblem(f"{d}: exists and is not a directory (installing into {cache_dir})")
     own = cache.receipt_of(bundle.digest)  # the index it names is this one, checked whole when installed
     built = own.fingerprint if own else bundle.index.fingerprint
     res = InstallResult(cache_dir, bundle.digest, len(own.entries) if own else len(bundle.index.entries),
                         signed_by=bundle.signed_by)
-    node, record = nodestamp.current(cache.meta if cache.meta.is_dir() else None)
+    node, record = node_factors(bundle.layout, cache.meta if cache.meta.is_dir() else None)
     res.mismatches = check_node(built, node, cache_dir, allow_fingerprint_mismatch, allow_missing_factors)
     try:
         cache.meta.mkdir(parents=True, exist_ok=True)
@@ -390,6 +459,7 @@ def install(
                 f"{cache.install_lock}: another install held the lock for over {lock_timeout:.0f} s"
             ) from None
         try:
+            cache.claim_layout()  # one cache dir, one layout: its server reads no other
             # One cache dir, one Ascend toolchain: Triton's key cannot tell them apart (no-op on CUDA).
             cache.claim_toolchain(node)
             _install_locked(bundle, source, cache, res, workers, durable, recheck, progress)
@@ -444,6 +514,8 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         keys = [e.key for e in entries]
         objects = [e.object for e in entries]
         head = {"fingerprint": bundle.index.fingerprint, "manifest": bundle.index.manifest}
+        if bundle.layout is not layouts.TRITON:
+            head["layout"] = bundle.layout.name
         del entries
 
         def started(forked: bool) -> None:
@@ -478,8 +550,8 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         # phase 2: one rename per entry (a key dir is either absent or complete), then the receipt
         res.replaced = _place_entries(keys, todo, cache_dir, staging, stamps)
         res.installed = len(todo)
-        if durable:
-            fsync_dir(cache_dir)  # the renames on disk before the receipt that describes them
+        if durable:  # the renames on disk before the receipt that describes them (a nested layout's: in many dirs)
+            (syncfs if bundle.layout.nested else fsync_dir)(cache_dir)
         # a refresh keeps its place; a new install takes a number no receipt nor history has named
         seq = own.seq if agrees else max([r.seq for r in receipts] + [n for r in receipts for n in r.history],
                                          default=0) + 1

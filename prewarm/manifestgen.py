@@ -242,6 +242,7 @@ def _parser(server: str) -> _Parser:
         p.add_argument("--max-prefill-tokens", type=_ints)
         p.add_argument("--max-mamba-cache-size", type=_ints)
         p.add_argument("--disable-radix-cache", action="store_true")
+        p.add_argument("--sampling-backend")
     else:
         p.add_argument("--tensor-parallel-size", "-tp", type=_ints)
         p.add_argument("--max-num-seqs", type=_ints)
@@ -402,6 +403,8 @@ def generate(model: str | Path, server: str, kernels: str | None, target: str, s
                      "(see manifests/kimi-linear-h200-vllm.toml)")
     if server == "sglang" and kernels == "sglang" and backend == "npu":
         spec["sglang"] = _sglang_ascend(args, argv, cfg, serving)
+    if server == "sglang" and kernels == "sglang" and backend == "cuda":
+        spec["sglang"] = _sglang_cuda(args)
     gen = GeneratedManifest(name or _name(cfg.path, server), {"backend": backend, "arch": arch, "device": device},
                             kernels, spec, tuple(notes), tuple(ignored), str(cfg.path), server, tuple(argv))
     _check(gen)
@@ -491,6 +494,19 @@ def _vllm_parallel(args, argv: list[str]) -> dict[str, Sourced]:
                  if args.tensor_parallel_size else f"{VLLM}'s default (no --tensor-parallel-size)")
     return {"tensor_parallel": tp,
             "attention_dp": Sourced(1, "vLLM: every data-parallel rank holds a whole TP group (attention-TP = TP)")}
+
+
+def _sglang_cuda(args) -> dict[str, Sourced]:
+    """``[spec.sglang]`` of sglang's CUDA KDA backend (prewarm.providers.sglang.cuda): the sampling backend, whose
+    FlashInfer module the server JIT-builds at the first request with temperature > 0."""
+    from .providers.sglang.common import SAMPLING_BACKENDS
+
+    backend = args.sampling_backend or SAMPLING_BACKENDS[0]
+    if backend not in SAMPLING_BACKENDS:
+        raise ManifestError(f"--sampling-backend {backend}: the plan knows {', '.join(SAMPLING_BACKENDS)} "
+                            f"(sglang's CUDA backends)")
+    return {"sampling_backend": Sourced(backend, "--sampling-backend" if args.sampling_backend else
+                                        f"{SGLANG}'s default where FlashInfer is installed")}
 
 
 def _sglang_decode_sizes(max_bs: int, speculative: bool, no_padding: bool) -> list[int]:

@@ -5,6 +5,9 @@
     prewarm_guard_compiles_total{kernel}                 compiles the cache lacked after the guard was armed
                                                          (warn: compiled; error: refused), every process of the node
     prewarm_guard_autotune_benchmarks_total{kernel}      autotune benchmark runs after arming
+    prewarm_guard_jit_builds_total{kernel}               builds of a module past Triton after arming (kernel:
+                                                         "library:module", e.g. "sglang:sgl_kernel_jit_...",
+                                                         "flashinfer:sampling"; warn: built; error: refused)
     prewarm_installed_bundle_info{cache_dir,bundle,digest} 1   one per bundle installed in a cache dir a guarded
                                                          process uses (bundle: its manifest's name; digest: the
                                                          sha256 of its index, what `prewarm pack` prints)
@@ -28,10 +31,13 @@ import sys
 TEXTFILE = "PREWARM_METRICS_TEXTFILE"
 COMPILES = "prewarm_guard_compiles"
 BENCHMARKS = "prewarm_guard_autotune_benchmarks"
+JIT_BUILDS = "prewarm_guard_jit_builds"
+COUNTERS = (COMPILES, BENCHMARKS, JIT_BUILDS)
 BUNDLES = "prewarm_installed_bundle_info"
 _HELP = {
     COMPILES: "Triton compiles the cache lacked after the prewarm guard was armed (warn: compiled, error: refused)",
     BENCHMARKS: "Triton autotune benchmark runs after the prewarm guard was armed",
+    JIT_BUILDS: "Builds of a module past Triton (sglang JIT, FlashInfer) after the prewarm guard was armed",
     BUNDLES: "Bundles installed in a Triton cache dir a guarded process uses (1 per bundle)",
 }
 _BUNDLE_LABELS = ("cache_dir", "bundle", "digest")
@@ -49,7 +55,8 @@ def textfile() -> str | None:
 
 
 def count(metric: str, kernel: str) -> None:
-    """One more ``metric`` (COMPILES or BENCHMARKS) for ``kernel`` ("module:qualname"), merged into the file."""
+    """One more ``metric`` (one of COUNTERS) for ``kernel`` ("module:qualname"; a JIT build: "library:module"),
+    merged into the file."""
     def add(counts, bundles):
         per_kernel = counts.setdefault(metric, {})
         per_kernel[kernel] = per_kernel.get(kernel, 0.0) + 1
@@ -87,7 +94,7 @@ def read(path: str) -> tuple[dict[str, dict[str, float]], set[tuple[str, str, st
         return counts, bundles
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if family.name in (COMPILES, BENCHMARKS) and sample.name == family.name + "_total":
+            if family.name in COUNTERS and sample.name == family.name + "_total":
                 counts.setdefault(family.name, {})[sample.labels["kernel"]] = sample.value
             elif family.name == BUNDLES and sample.value == 1:
                 bundles.add(tuple(sample.labels[k] for k in _BUNDLE_LABELS))
@@ -104,7 +111,7 @@ class _Snapshot:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        for name in (COMPILES, BENCHMARKS):
+        for name in COUNTERS:
             family = CounterMetricFamily(name, _HELP[name], labels=["kernel"])
             for kernel, value in sorted(self.counts.get(name, {}).items()):
                 family.add_metric([kernel], value)

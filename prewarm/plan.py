@@ -6,6 +6,10 @@ tensors and their launches captured; nothing compiles. :func:`expand` then turns
 Triton itself would do (one per autotune config), by driving the real JIT entry point (``warmup``) with a
 ``jit_cache_hook`` that records the specialization data and skips the compile. Build and will-hit both replay
 those with ``preload``, so plan, build and check share one definition of "the request".
+
+A provider's ``launches(spec)`` may also yield :class:`prewarm.jit.JitRequest` objects: the modules past Triton its
+calls reach (an sglang ``load_jit`` module, a FlashInfer JIT module), built by the library's own code
+(:mod:`prewarm.jit`); they are the plan's ``jit`` list.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Any
 
 from . import devices, tritoncompat
 from .errors import ManifestError
+from .jit import JitRequest
 from .manifest import KernelSource, Manifest
 from .record import RecordedKey, read
 
@@ -91,6 +96,7 @@ class Compile:
 class Plan:
     manifest: Manifest
     requests: list[Request]
+    jit: list[JitRequest] = field(default_factory=list)  # modules past Triton the calls reach, each once
 
     def to_json(self) -> dict:
         m = self.manifest
@@ -100,6 +106,7 @@ class Plan:
             "spec": m.spec(),
             "options": provider_options(m),
             "requests": [r.to_json() for r in self.requests],
+            "jit": [j.to_json() for j in self.jit],
         }
 
 
@@ -123,13 +130,17 @@ def plan(manifest: Manifest) -> Plan:
     Activates nothing: the caller gives the process its device view first (a target's ``activate``, or
     ``prewarm.backends.activate_for_planning``), before a provider imports a library that asks the device."""
     requests: dict[str, Request] = {}
+    jit: dict[JitRequest, JitRequest] = {}
     for source in manifest.kernels:
         for req in _from_source(manifest, source):
-            requests.setdefault(req.ident, req)
-    return Plan(manifest, list(requests.values()))
+            if isinstance(req, JitRequest):
+                jit.setdefault(req, req)
+            else:
+                requests.setdefault(req.ident, req)
+    return Plan(manifest, list(requests.values()), list(jit.values()))
 
 
-def _from_source(manifest: Manifest, src: KernelSource) -> list[Request]:
+def _from_source(manifest: Manifest, src: KernelSource) -> list[Request | JitRequest]:
     if src.kind == "provider":
         return _from_provider(manifest, src)
     if src.kind == "record":
@@ -141,7 +152,7 @@ def _from_source(manifest: Manifest, src: KernelSource) -> list[Request]:
     return _from_function(manifest, src)
 
 
-def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request]:
+def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitRequest]:
     where = f"{manifest.path}: {src.where}.provider = {src.ref!r}"
     try:
         module = importlib.import_module(src.ref)
@@ -158,6 +169,9 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request]:
         raise ManifestError(f"{where}: launches(spec) failed: {type(e).__name__}: {e}") from e
     out = []
     for n, launch in enumerate(launches):
+        if isinstance(launch, JitRequest):
+            out.append(launch)
+            continue
         label = getattr(launch, "label", "") or f"{src.ref}#{n}"
         ref = _ref_for(launch.kernel, f"{where}, launch {label!r}")
         args = tuple(_encode(a, f"{where}, launch {label!r}, argument {i}") for i, a in enumerate(launch.args))
@@ -463,6 +477,7 @@ class Planned:
     compiles: list[Compile]
     will_fail: list[WillFail] = field(default_factory=list)
     pins: dict = field(default_factory=dict)  # kernel -> its autotune pin (prewarm.pins.PinnedRow): planned alone
+    jit: list[JitRequest] = field(default_factory=list)  # modules past Triton (prewarm.jit): built by their library
 
     def counts(self) -> list[CompileCount]:
         """Compiles per manifest entry and kernel, the most first (a compile two requests make counts once, for
@@ -480,9 +495,10 @@ def plan_for(manifest: Manifest, target: Any) -> Planned:
     request expanded into Triton's compiles under it, except those of a kernel this Triton cannot key
     (:func:`set_apart_will_fail`). Build, will-hit, explain and ``plan --compiles`` use it."""
     target.activate()
-    requests, will_fail = set_apart_will_fail(plan(manifest).requests)
+    p = plan(manifest)
+    requests, will_fail = set_apart_will_fail(p.requests)
     pins = manifest_pins(manifest)
-    return Planned(manifest, target, requests, expand_all(requests, pins), will_fail, pins)
+    return Planned(manifest, target, requests, expand_all(requests, pins), will_fail, pins, p.jit)
 
 
 def expand_all(requests: list[Request], pins: dict | None = None) -> list[Compile]:

@@ -133,6 +133,7 @@ def observed(jit, compile: dict) -> dict:
 
 
 AUTOTUNE_EVENT = "autotune"  # a guard record line's "event": an autotune benchmark, no compile request
+JIT_EVENT = "jit"  # a guard record line's "event": a module past Triton built (prewarm.jit), no Triton request
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,8 @@ def read(path: str | os.PathLike) -> list[RecordLine]:
         where = f"{path}:{n}"
         try:
             entry = json.loads(line)
-            if isinstance(entry, dict) and entry.get("event") == AUTOTUNE_EVENT:
-                continue  # the guard's note of an autotune benchmark: nothing to compile (the autotune table's)
+            if isinstance(entry, dict) and entry.get("event") in (AUTOTUNE_EVENT, JIT_EVENT):
+                continue  # the guard's note of an autotune benchmark or a JIT build: no Triton compile to replay
             kernel, data = entry["kernel"], entry["specialization_data"]
             json.loads(data)["name"]
             key = entry.get("key")
@@ -222,17 +223,18 @@ def hook_this_process(path: str) -> None:
     tritoncompat.set_jit_cache_hook(make_hook(path, tritoncompat.get_jit_cache_hook()))
 
 
-class _AfterTritonImport:
-    """A meta path finder that runs the queued installers right after ``import triton`` completes (not before:
-    importing triton in every Python process the command starts would slow down and could break the ones that
-    never use it). It stays on ``sys.meta_path`` until triton is really imported: torch and fla first probe with
-    ``importlib.util.find_spec("triton")``, which asks this finder too and then imports nothing."""
+class _AfterImport:
+    """A meta path finder that runs the queued installers of a module right after its import completes (not before:
+    importing triton, or a JIT library, in every Python process the command starts would slow down and could break
+    the ones that never use it). It stays on ``sys.meta_path`` until each such module is really imported: torch and
+    fla first probe with ``importlib.util.find_spec("triton")``, which asks this finder too and then imports
+    nothing."""
 
     def __init__(self):
-        self.installers: list = []
+        self.installers: dict[str, list] = {}  # module name -> installers to run once it is imported
 
     def find_spec(self, name, import_path=None, target=None):
-        if name != "triton":
+        if name not in self.installers:
             return None
         spec = next((s for s in (f.find_spec(name, import_path, target) for f in sys.meta_path
                                  if f is not self and hasattr(f, "find_spec")) if s is not None), None)
@@ -242,29 +244,31 @@ class _AfterTritonImport:
 
         def exec_then_install(module):
             exec_module(module)
-            if finder in sys.meta_path:
+            installers = finder.installers.pop(name, [])
+            if not finder.installers and finder in sys.meta_path:
                 sys.meta_path.remove(finder)
-            for install_one in finder.installers:
+            for install_one in installers:
                 install_one()
 
         spec.loader.exec_module = exec_then_install
         return spec
 
 
-def when_triton_imported(installer) -> None:
-    """Run ``installer()`` now if triton is loaded, else right after it gets imported (one finder for every hook)."""
-    if "triton" in sys.modules:
+def when_imported(name: str, installer) -> None:
+    """Run ``installer()`` now if module ``name`` is loaded, else right after it gets imported (one finder for every
+    hook)."""
+    if name in sys.modules:
         installer()
         return
-    finder = next((f for f in sys.meta_path if isinstance(f, _AfterTritonImport)), None)
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
     if finder is None:
-        finder = _AfterTritonImport()
+        finder = _AfterImport()
         sys.meta_path.insert(0, finder)
-    finder.installers.append(installer)
+    finder.installers.setdefault(name, []).append(installer)
 
 
 def install_from_env() -> None:
     """Called from the injected sitecustomize: hook now if triton is loaded, else when it gets imported."""
     path = os.environ.get(ENV)
     if path:
-        when_triton_imported(lambda: hook_this_process(path))
+        when_imported("triton", lambda: hook_this_process(path))

@@ -1,5 +1,6 @@
 """What a node's cache dir holds (`prewarm ls`): the bundles installed into it, the entries no bundle installed
-(compiled by the runtime on this node, or copied in by hand), and the Ascend toolchain the dir is claimed for.
+(compiled by the runtime on this node, or copied in by hand), and the Ascend toolchain the dir is claimed for. A dir
+of any layout (prewarm.layouts: the one it states), its entries as that layout names them.
 
 A frozen report read from the install receipts and the dir itself; it judges nothing (that is verify's job) and
 hashes nothing, so it is instant on any cache size.
@@ -39,6 +40,7 @@ class CacheScan:
     bundles: tuple[InstalledBundle, ...]
     other_entries: tuple[OtherEntry, ...]  # key dirs no receipt names
     toolchain: dict | None  # the Ascend toolchain claim, if any
+    layout: str = "triton"  # the dir's (prewarm.layouts)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -70,4 +72,4 @@ def scan(cache_dir: str | os.PathLike) -> CacheScan:
             str(receipt.get("source", "")), receipt.get("signed_by"), len(keys), len(keys & present),
             r.size))  # fmt: skip
     others = tuple(_other_entry(cache, key) for key in sorted(present - named))
-    return CacheScan(str(cache.root), tuple(bundles), others, cache.read_toolchain())
+    return CacheScan(str(cache.root), tuple(bundles), others, cache.read_toolchain(), cache.layout.name)

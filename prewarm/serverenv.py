@@ -7,8 +7,9 @@ A server's own import can move it: ``import sglang`` (0.5.23: its package init c
 ``CUDA_CACHE_PATH``, ``TILELANG_CACHE_DIR`` and ``FLASHINFER_WORKSPACE_BASE`` beside it. A server started without the
 pre-launch job's environment then reads none of the installed cache while verify of the installed dir says clean.
 So nothing here restates a server's rules: :func:`server_cache_dirs` runs the server's own import in a child process
-with the server's environment and asks that process's Triton where its cache is. The other dirs the import set are
-reported, not judged: a bundle holds Triton's cache only. Inside a serving process the guard, when it arms, checks
+with the server's environment and asks that process's Triton where its cache is, and each JIT library whose modules
+were installed (prewarm.jit: sglang's ``SGLANG_JIT_CACHE_DIR``, FlashInfer's AOT dir in its package) where it reads
+them. The other dirs the import set are reported, not judged. Inside a serving process the guard, when it arms, checks
 the dir Triton reads there holds an install receipt or a build's info (:func:`check_serving_process`: a stat and a
 listing).
 """
@@ -18,7 +19,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import CacheDirMismatch, EnvironmentProblem
 
@@ -26,14 +27,17 @@ VARIABLE = "TRITON_CACHE_DIR"
 SERVER_IMPORTS = {"sglang": "sglang"}  # what a process of each server imports first (python -m sglang.launch_server)
 _MARK = "prewarm-serverenv "
 
-# run as `python -c _PROBE MODULE`: the environment before and after the server's import, and Triton's own answer
+# run as `python -c _PROBE MODULE LIBRARIES`: the environment before and after the server's import, Triton's own
+# answer, and each named JIT library's (prewarm.jit: the dir it reads its built modules from, after that import)
 _PROBE = f"""
 import json, os, sys
 before = dict(os.environ)
 __import__(sys.argv[1])
-from prewarm import tritoncompat
+from prewarm import jit, tritoncompat
 dirs = {{k: v for k, v in os.environ.items() if before.get(k) != v and os.path.isabs(v)}}
-print({_MARK!r} + json.dumps({{"given": before.get({VARIABLE!r}), "triton": tritoncompat.cache_dir(), "set": dirs}}))
+libs = {{name: str(jit.library(name).node_dir(os.environ)) for name in json.loads(sys.argv[2])}}
+print({_MARK!r} + json.dumps({{"given": before.get({VARIABLE!r}), "triton": tritoncompat.cache_dir(), "set": dirs,
+                               "jit": libs}}))
 """
 
 
@@ -46,10 +50,17 @@ class ServerCacheDirs:
     triton: str  # Triton's cache dir in that process, after the server's import
     given: str | None  # TRITON_CACHE_DIR in the environment it starts with (None: unset)
     set_by_import: dict[str, str]  # variables the server's import set to a path (its compilers' caches)
+    jit_installed: dict[str, str] = field(default_factory=dict)  # JIT library -> the dir its modules were installed in
+    jit: dict[str, str] = field(default_factory=dict)  # JIT library -> the dir it reads in that process
+
+    @property
+    def jit_wrong(self) -> list[str]:
+        """The JIT libraries that would read another dir than their modules were installed in."""
+        return [n for n, d in self.jit_installed.items() if os.path.realpath(self.jit[n]) != os.path.realpath(d)]
 
     @property
     def ok(self) -> bool:
-        return os.path.realpath(self.triton) == os.path.realpath(self.installed)
+        return os.path.realpath(self.triton) == os.path.realpath(self.installed) and not self.jit_wrong
 
     def summary(self) -> str:
         why = (f"{VARIABLE} unset" if self.given is None else f"{VARIABLE}={self.given}") + " in this environment"
@@ -61,23 +72,36 @@ class ServerCacheDirs:
                f"({why})"
 
     def problem(self) -> str:
-        return f"{self.summary()}, not {self.installed} where the bundle was installed and verified: set " \
-               f"{VARIABLE}={self.installed} in the server's environment"
+        from . import jit
+
+        wrong = []
+        if os.path.realpath(self.triton) != os.path.realpath(self.installed):
+            wrong.append(f"{self.summary()}, not {self.installed} where the bundle was installed and verified: set "
+                         f"{VARIABLE}={self.installed} in the server's environment")
+        for name in self.jit_wrong:
+            lib = jit.library(name)
+            wrong.append(f"its {name} reads built modules from {self.jit[name]}, not {self.jit_installed[name]} where "
+                         f"the {lib.layout} bundle was installed: {lib.where_to_point(self.jit_installed[name])}")
+        return "; ".join(wrong)
 
 
-def server_cache_dirs(server: str, installed: str | os.PathLike, env: dict[str, str] | None = None) -> ServerCacheDirs:
-    """Run ``server``'s own import in a child process with ``env`` (default: this process's) and ask its Triton."""
+def server_cache_dirs(server: str, installed: str | os.PathLike, env: dict[str, str] | None = None,
+                      jit_installed: dict[str, str] | None = None) -> ServerCacheDirs:
+    """Run ``server``'s own import in a child process with ``env`` (default: this process's) and ask its Triton, and
+    each JIT library of ``jit_installed`` (library -> the dir its modules were installed in), where they read."""
     module = SERVER_IMPORTS[server]
+    jit_installed = dict(jit_installed or {})
     # a probe is never guarded: none of the guard's settings (PREWARM_GUARD, PREWARM_GUARD_PLAN, ...) reach it
     env = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("PREWARM_GUARD")}
-    done = subprocess.run([sys.executable, "-c", _PROBE, module], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", _PROBE, module, json.dumps(sorted(jit_installed))], env=env,
+                          capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith(_MARK)]
     if done.returncode or not lines:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise EnvironmentProblem(f"--server {server}: `import {module}` failed in {sys.executable} (run to learn the "
                                  f"cache dirs a {server} process uses): {last}")
     doc = json.loads(lines[-1][len(_MARK):])
-    return ServerCacheDirs(server, str(installed), doc["triton"], doc["given"], doc["set"])
+    return ServerCacheDirs(server, str(installed), doc["triton"], doc["given"], doc["set"], jit_installed, doc["jit"])
 
 
 def check_serving_process(mode: str) -> None:

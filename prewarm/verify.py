@@ -21,6 +21,8 @@ counted and listed as unverified (their group files judged): install merges. Fai
 reported as tampered, naming it; a dir with no receipt and no ``--bundle`` has unknown integrity (IntegrityError),
 except a build's own output dir (its build info says so: only its group files are checked; will-hit does the rest).
 Compatibility: each fingerprint factor of the bundle(s) against this node's own, mismatches explained.
+A dir of any layout (prewarm.layouts: the one it states) is checked the same way: its entries as its layout names
+them, this node's factors for that layout; a receipt or ``--bundle`` of another layout is a fault, naming both.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from . import workers as workers_
 from .bundle import Entry, is_runtime_module, open_regular, read_bounded
 from .cachedir import CacheDir, Receipt, latest_owners
 from .errors import FingerprintMismatch, IntegrityError, SignatureError, UnverifiedEntries
-from .install import default_cache_dir, kept_as_built, node_fingerprint, read_bundle
+from .install import default_cache_dir, kept_as_built, node_factors, node_fingerprint, read_bundle
 
 _OTHER = "other"  # a key dir no receipt names: counted, only its group files judged
 
@@ -90,6 +92,7 @@ _AS_BUILT = "a C module kept as this node built it (not the signed bytes)"
 class VerifyReport:
     cache_dir: str
     against: list[str]  # receipt files or the bundle URL
+    layout: str = "triton"  # the dir's (prewarm.layouts)
     entries: int = 0
     entries_ok: int = 0
     files: int = 0
@@ -183,8 +186,9 @@ def _receipt_proof(r: Receipt, keys: dict | None) -> tuple[str | None, str]:
             f"{where} does not record what its index lists ({len(listed.keys() - recorded.keys())} entries of the "
             f"index missing, {len(recorded.keys() - listed.keys())} not in it, {differ} with other objects): edited; "
             "re-install its bundle")
-    if (r.fingerprint, r.manifest) != (index.fingerprint, index.manifest):
-        raise IntegrityError(f"{where}: its fingerprint or manifest is not its index's: edited; re-install its bundle")
+    if (r.fingerprint, r.manifest, r.layout) != (index.fingerprint, index.manifest, index.layout):
+        raise IntegrityError(f"{where}: its fingerprint, manifest or layout is not its index's: edited; re-install its "
+                             "bundle")
     return signer, why
 
 
@@ -211,7 +215,7 @@ def _lost_receipts(cache: CacheDir, receipts: list[Receipt]) -> list[str]:
 
 
 def compare_factors(built: dict[str, str], node: dict[str, str] | None = None) -> list[FactorRow]:
-    node = node or node_fingerprint()
+    node = node_fingerprint() if node is None else node
     diffs = {m.factor: m for m in fingerprint.compare(built, node)}
     rows = []
     for factor in sorted(set(built) | set(node)):
@@ -287,13 +291,16 @@ def verify(
     cache = CacheDir(cache_dir)
     if not cache_dir.is_dir():
         raise IntegrityError(f"{cache_dir}: cache dir does not exist or is not a directory")
-    report = VerifyReport(str(cache_dir), [], signed=bool(trusted_keys), require_signature=require_signature,
-                          allow_unverified=allow_unverified)
+    report = VerifyReport(str(cache_dir), [], cache.layout.name, signed=bool(trusted_keys),
+                          require_signature=require_signature, allow_unverified=allow_unverified)
     unverified: dict[str, str] = {}  # key -> why
     if bundle:
         b = read_bundle(
             bundle, trusted_keys=trusted_keys, require_signature=require_signature, storage_options=storage_options
         )  # with keys: signed by one of them, or a SignatureError
+        if b.layout is not cache.layout:
+            raise IntegrityError(f"{bundle} is a {b.layout.name} bundle, {cache_dir} a {cache.layout.name} cache dir "
+                                 f"({cache.layout_file}): not what was installed there")
         fingerprints = [b.index.fingerprint]
         report.against = [bundle + (f" (signed by {b.signed_by})" if b.signed_by else "")]
         owners = latest_owners(cache.receipts(strict=False))  # runtime-built modules kept by install
@@ -335,7 +342,7 @@ def verify(
     report.unverified = [Unverified(key, unverified[key]) for key in sorted(unverified)]
     if check_fingerprint:
         seen: list[dict] = []
-        node = node_fingerprint(cache_dir)
+        node = node_factors(cache.layout, cache.meta)[0]
         for fp in fingerprints:
             if fp not in seen:
                 seen.append(fp)

@@ -8,6 +8,10 @@ launch (about a second, no kernel compile). A planned kernel this environment's 
 (``plan.WillFail``) is no hit and no miss: the node's first call of it raises before any lookup; the report lists
 it (``will_fail``).
 
+Each planned module past Triton (an sglang JIT module, a FlashInfer module: prewarm.jit) is looked up by its library's
+own lookup in the dir that library reads (``jit``): sglang recomputes its build key and checks the leaf's recorded
+dependencies, as ``load_jit`` does before deciding to compile.
+
 A kernel pinned in the manifest's autotune table, and every autotuned kernel where Triton keeps no results
 (triton-ascend 3.2), is one row: pinned (its config: the guard runs it alone) or absent (the node benchmarks its
 configs in every process). Other autotuned calls are probed the same way one level up
@@ -21,10 +25,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from . import backends, keys
+from . import backends, jit, keys
 from .autotune import autotuned_kernels, kept_timings, planned_tunings
 from .backends import npu
+from .jit import JitRequest, Lookup
 from .manifest import load
 from .plan import Request, WillFail, plan_for
 from .probe import ModuleResult, RequestResult, probe_all
@@ -63,6 +69,8 @@ class WillHitReport:
     modules: list[ModuleResult] = field(default_factory=list)  # CUDA launchers and cuda_utils
     key_drift: list[keys.KeyDrift] = field(default_factory=list)  # recorded requests this process keys otherwise
     will_fail: list[WillFail] = field(default_factory=list)  # planned kernels this Triton cannot key (never looked up)
+    jit: list[Lookup] = field(default_factory=list)  # each planned module past Triton, by its library's own lookup
+    jit_dirs: dict[str, str] = field(default_factory=dict)  # layout -> the dir it was looked up in
 
     @property
     def hits(self) -> int:
@@ -73,8 +81,12 @@ class WillHitReport:
         return len(self.results) - self.hits
 
     @property
+    def jit_misses(self) -> list[Lookup]:
+        return [j for j in self.jit if not j.hit]
+
+    @property
     def ok(self) -> bool:
-        return self.misses == 0
+        return self.misses == 0 and not self.jit_misses
 
     def to_json(self) -> dict:
         return {
@@ -93,6 +105,9 @@ class WillHitReport:
             "modules_absent": sum(not m.present for m in self.modules),
             "key_drift": [d.to_json() for d in self.key_drift],
             "will_fail": [w.to_json() for w in self.will_fail],
+            "jit": [j.to_json() for j in self.jit],
+            "jit_misses": len(self.jit_misses),
+            "jit_dirs": self.jit_dirs,
         }
 
 
@@ -146,13 +161,29 @@ def _config_text(config: str) -> str:
     return " ".join(kw + [f"warps={parts.get('num_warps')}", f"stages={parts.get('num_stages')}"])
 
 
-def check(manifest_path: str, cache_dir: str, mode: str = "auto") -> WillHitReport:
-    """For every compile the manifest plans, would this environment's runtime find it in ``cache_dir``?"""
+def check(manifest_path: str, cache_dir: str, mode: str = "auto",
+          jit_dirs: dict[str, str] | None = None) -> WillHitReport:
+    """For every compile the manifest plans, would this environment's runtime find it in ``cache_dir``? And every
+    planned module past Triton in its library's dir (``jit_dirs``: layout -> dir; by default the dir each library
+    reads in this environment)?"""
     with npu.prints_to_stderr():
-        return _check(manifest_path, cache_dir, mode)
+        return _check(manifest_path, cache_dir, mode, jit_dirs or {})
 
 
-def _check(manifest_path: str, cache_dir: str, mode: str) -> WillHitReport:
+def check_jit(requests: list[JitRequest], dirs: dict[str, str], arch: str | None) -> tuple[list[Lookup], dict[str, str]]:
+    """Each module past Triton looked up by its library's own code (no build) in ``dirs[layout]``, else in the dir
+    the library reads in this environment, for ``arch`` (None: this process's GPU, as the server's lookup); (the
+    lookups, layout -> the dir looked in)."""
+    lookups, used = [], {}
+    for name, group in jit.by_library(requests).items():
+        lib = jit.library(name)
+        root = Path(dirs.get(lib.layout) or lib.node_dir())
+        used[lib.layout] = str(root)
+        lookups += lib.lookup(group, root, arch)
+    return lookups, used
+
+
+def _check(manifest_path: str, cache_dir: str, mode: str, jit_dirs: dict[str, str]) -> WillHitReport:
     planned = plan_for(*backends.select(load(manifest_path), mode))
     report = WillHitReport(planned.manifest.name, os.path.abspath(cache_dir), planned.target.describe())
     report.will_fail = planned.will_fail
@@ -164,4 +195,7 @@ def _check(manifest_path: str, cache_dir: str, mode: str) -> WillHitReport:
         report.results[d.compile_index].detail += f"; {d.summary()}"
     report.autotune = probe_autotune_all(planned.requests, os.path.abspath(cache_dir), planned.pins)
     report.modules = backends.probe_modules(planned.target, planned.compiles, report.results, cache_dir)
+    # on a node (device mode) the GPU decides, as in the server; elsewhere the manifest's target
+    arch = None if planned.target.mode == "device" else planned.target.arch
+    report.jit, report.jit_dirs = check_jit(planned.jit, jit_dirs, arch)
     return report

@@ -14,6 +14,38 @@ from prewarm.bundle import GROUP_PREFIX, absolute_group, relative_group
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
+TOOLKIT = REPO / "build" / "cuda"  # .ci/setup's CUDA toolkit (pip nvcc): CUDA_HOME of the JIT build box and "node"
+JIT_MODULE = "sgl_kernel_jit_kda_packed_decode_8_8_true"  # sglang's packed decode: 8 warps, PDL (Hopper)
+# sglang's packed decode planned on an H200 (decode batches 1..8): a few Triton compiles, and sglang's JIT module for
+# the batch of 8 (bf16, int32 indices, fp32 gate parameters: what it covers)
+JIT_MANIFEST = """
+name = "jit-pipeline"
+[target]
+backend = "cuda"
+arch = "sm_90"
+device = "H200"
+[spec.model]
+kda_heads = 32
+head_k_dim = 128
+head_v_dim = 128
+layers = 1
+[spec.dtypes]
+activation = "bfloat16"
+gate = "bfloat16"
+beta = "bfloat16"
+gate_params = "float32"
+index = ["int32"]
+[spec.serving]
+prefill = false
+decode_batch_buckets = [1, 8]
+max_running_requests = 8
+[spec.sglang]
+paths = ["packed_decode"]
+beta_row_strides = [32]
+sampling_backend = "pytorch"
+[[kernels]]
+provider = "prewarm.providers.sglang.cuda"
+"""
 
 
 def build_toy_cache(cache_dir: Path) -> Path:
@@ -54,6 +86,22 @@ def synthetic_cache(root: Path, entries: int, seed: int = 0, scale: float = 0.1)
         for name, data in files.items():
             (entry / name).write_bytes(data)
     return root
+
+
+def build_jit_bundles(work: Path, env: dict[str, str]) -> dict[str, Path]:
+    """``JIT_MANIFEST`` built without a GPU into ``work/build`` (the Triton cache; sglang's module beside it, built by
+    sglang's own load_jit with ``env``'s CUDA_HOME) and each dir packed: {manifest, bundle (Triton), jit (sglang-jit)}."""
+    assert (TOOLKIT / "bin" / "nvcc").is_file(), f"{TOOLKIT}: run .ci/setup (it assembles this CUDA toolkit)"
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = work / "jit.toml"
+    manifest.write_text(JIT_MANIFEST)
+    p = run_cli("build", manifest, "--cache-dir", work / "build", "--json", env=env)
+    report = json.loads(p.stdout)
+    assert [(j["library"], j["name"], j["hit"]) for j in report["jit"]] == [("sglang", JIT_MODULE, True)], report["jit"]
+    assert report["jit_dirs"] == {"sglang-jit": str(work / "build.sglang-jit")}
+    for suffix in ("", ".sglang-jit"):
+        run_cli("pack", work / f"build{suffix}", "-o", work / f"bundle{suffix}", env=env)
+    return {"manifest": manifest, "bundle": work / "bundle", "jit": work / "bundle.sglang-jit"}
 
 
 def run_cli(*args: str, env: dict | None = None, check: int | None = 0) -> subprocess.CompletedProcess:

@@ -258,8 +258,15 @@ def test_the_k3_config_nests_its_text_model_and_the_sglang_kernels_get_the_reque
     untracked = sglang(*REPORT_LINE, "--speculative-num-draft-tokens", "4", "--max-mamba-cache-size", "256",
                        "--disable-radix-cache", model=K3, kernels="sglang", target="npu:Ascend910_9391")
     assert untracked.spec["sglang"]["track_state"].value is False
+    # on CUDA: the sampling backend, whose FlashInfer module the server builds at its first sampled request
     cuda = sglang("--tp-size", "2", "--cuda-graph-bs", "8", "--max-running-requests", "8", kernels="sglang")
-    assert cuda.provider == "prewarm.providers.sglang.cuda" and "sglang" not in cuda.spec
+    assert cuda.provider == "prewarm.providers.sglang.cuda" and cuda.spec["sglang"]["sampling_backend"].value == \
+        "flashinfer" and "default" in cuda.spec["sglang"]["sampling_backend"].source
+    greedy = sglang("--cuda-graph-bs", "8", "--max-running-requests", "8", "--sampling-backend", "pytorch",
+                    kernels="sglang")
+    assert {k: v.value for k, v in greedy.spec["sglang"].items()} == {"sampling_backend": "pytorch"}
+    with pytest.raises(ManifestError, match="--sampling-backend ascend"):
+        sglang("--cuda-graph-bs", "8", "--max-running-requests", "8", "--sampling-backend", "ascend", kernels="sglang")
     own = sglang(*REPORT_LINE, "--speculative-num-draft-tokens", "4", model=K3, target="npu:Ascend910_9391")
     assert "max_running_requests" not in own.spec["serving"] and any("max running requests 48" in n for n in own.notes)
 

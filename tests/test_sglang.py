@@ -17,6 +17,7 @@ import pytest
 from closure_traffic import fresh_seed
 from prewarm import tritoncompat
 from prewarm.backends import get_target
+from prewarm.jit import JitRequest
 from prewarm.manifest import load
 from prewarm.plan import Compile, expand_all, load_record, plan_for
 from prewarm.probe import planned_keys
@@ -39,9 +40,10 @@ def planned():
     return m, p, planned_keys(p.compiles)
 
 
-def runtime_compiles(spec: dict, calls) -> tuple[dict[str, Compile], list[str]]:
+def runtime_compiles(spec: dict, calls) -> tuple[dict[str, Compile], list]:
     """Every compile request the calls make (specialization data -> Compile), by Triton's own JIT binding of each
-    captured launch on meta tensors of the launch's layout, and the calls sglang's CUDA JIT kernel took."""
+    captured launch on meta tensors of the launch's layout, and the sglang JIT modules the calls loaded (sglang's own
+    ``load_jit`` resolved each: prewarm.jit.JitRequest)."""
     out: dict[str, Compile] = {}
     with sglang_env.fake_device("cuda") as state:
         for call in calls:
@@ -53,7 +55,7 @@ def runtime_compiles(spec: dict, calls) -> tuple[dict[str, Compile], list[str]]:
                 ref = tritoncompat.kernel_ref(launch.kernel)
                 for data in captured:
                     out.setdefault(data, Compile("runtime", ref, f"{call.label} -> {ref.split(':')[1]}", data))
-    return out, state.jit_calls
+    return out, state.jit
 
 
 def not_planned(compiles: list[Compile], planned) -> str:
@@ -93,8 +95,12 @@ def test_independent_traffic_requests_nothing_the_plan_lacks(planned, seed):
     assert not missing, f"seed {seed} (rerun: PREWARM_CLOSURE_SEED={seed}): not planned:\n{missing}"
     kinds = {c.options["kind"] for c in calls}
     assert kinds == {"extend", "packed_decode", "decode", "target_verify"} and len(compiles) > 50
-    # packed decode batches of 8+ with sglang's own dtypes went to its CUDA JIT kernel, counted, never planned
-    assert all(call.startswith("kda_packed_decode(batch=") for call in jit)
+    # packed decode batches of 8+ with sglang's own dtypes load its CUDA JIT module: every module the traffic's calls
+    # made sglang resolve (its name spells the template arguments) is one the plan builds
+    _, p, _ = planned
+    assert any(j.name.startswith("sgl_kernel_jit_kda_packed_decode") for j in jit), jit
+    unplanned = sorted({j.name for j in jit} - {j.name for j in p.jit if j.library == "sglang"})
+    assert not unplanned, f"seed {seed}: sglang JIT modules reached, not planned: {unplanned}"
 
 
 def test_the_plan_makes_the_h200s_host_decisions(planned):
@@ -134,6 +140,8 @@ def _expanded(launches) -> list[Compile]:
 
     requests = {}
     for launch in launches:
+        if isinstance(launch, JitRequest):  # a module past Triton the calls reach: no Triton compile
+            continue
         r = Request(_ref_for(launch.kernel, "test"), launch.label, "test", tuple(_encode(a, "") for a in launch.args),
                     {k: _encode(v, "") for k, v in launch.kwargs.items()})
         requests.setdefault(r.ident, r)

@@ -11,9 +11,10 @@ sglang 0.5.23 makes host-side decisions from the tensors it is given, and planni
   beside a fake index tensor, and inside :func:`fake_device` each library's ``prepare_chunk_indices`` computes from
   them with its own function on the CPU. Data-dependent shapes (the Ascend backend's ``nonzero()`` over valid state
   rows) get unbacked sizes from a shape environment; no Triton launch receives one.
-- ``fused_recurrent_kda_packed_decode`` hands bf16 batches of 8 or more to a CUDA JIT kernel (tvm_ffi + nvcc,
-  ``kda_packed_decode``), which is not a Triton kernel: prewarm cannot build it and a planner must not call it.
-  Inside :func:`fake_device` that call does nothing and is counted (:attr:`FakeDevice.jit_calls`).
+- ``fused_recurrent_kda_packed_decode`` hands bf16 batches of 8 or more to a CUDA JIT module (sglang's ``load_jit``:
+  tvm_ffi + nvcc, ``kda_packed_decode``), not a Triton kernel. Inside :func:`fake_device` sglang's own ``load_jit``
+  resolves the module it would build and a stand-in takes the call (``prewarm.jit.sglang.capture_requests``): the
+  modules reached (:attr:`FakeDevice.jit`) are the plan's JIT requests, built by sglang's own code (:mod:`prewarm.jit`).
 
 :func:`read_spec` is the manifest's envelope as both see it. The deviceless machinery itself (fake tensors, index
 values, launch capture, ``as_meta``) is :mod:`prewarm.providers.capture`'s, shared with vLLM's provider.
@@ -41,9 +42,12 @@ PATHS = {"cuda": ("extend", "packed_decode", "decode", "target_verify"),
 # recompute, state and output kernels)
 PREFILLS = ("cann", "triton")
 # [spec.sglang] keys each backend reads, beside paths and track_state
-BACKEND_KEYS = {"cuda": ("beta_row_strides", "eagle_tree"),
+BACKEND_KEYS = {"cuda": ("beta_row_strides", "eagle_tree", "sampling_backend"),
                 "npu": ("beta_row_strides", "prefill", "mamba_pool_slots", "conv_kernel")}
 ROLES = ("activation", "gate", "beta", "gate_params", "state", "index")  # [spec.dtypes] roles, in label order
+# cuda: sglang's --sampling-backend values; "flashinfer" (sglang's default where FlashInfer is installed) builds
+# FlashInfer's sampling module at the first request with temperature > 0, after the server says ready
+SAMPLING_BACKENDS = ("flashinfer", "pytorch")
 MAX_PREFILL_TOKENS = 16384  # a prefill batch's token budget when the spec gives none (sglang's chunked prefill)
 
 
@@ -68,6 +72,7 @@ class SglangSpec:
     prefill: tuple = ()  # npu: PREFILLS planned
     mamba_pool_slots: int = 0  # npu: the mamba state pool's slots (its size + the padding slot): a conv stride
     conv_kernel: int = 4  # npu: the short conv's kernel size (the conv state window is kernel - 1 + drafts - 1)
+    sampling_backend: str = ""  # cuda: --sampling-backend (SAMPLING_BACKENDS): "flashinfer" JIT-builds its sampling module
 
     @property
     def device(self) -> str:
@@ -88,6 +93,7 @@ def read_spec(spec: dict) -> SglangSpec:
                            as a view of Kimi-Linear's fused q/k/v/beta/f_a/g_a projection (both rows per rank);
                            npu: [heads]
         eagle_tree = true (cuda)
+        sampling_backend = "flashinfer" (cuda: sglang's default; "pytorch" builds nothing)
         prefill = ["cann", "triton"], mamba_pool_slots (required with target_verify), conv_kernel = 4 (npu)
 
     A bad value is a SpecError naming ``spec.<key>``."""
@@ -128,13 +134,18 @@ def read_spec(spec: dict) -> SglangSpec:
             switches[key] = extra.get(key, True)
             if not isinstance(switches[key], bool):
                 raise SpecError(f"sglang.{key}", switches[key], "true or false")
-    npu = {}
+    own = {}  # the backend's own keys (BACKEND_KEYS)
+    if backend == "cuda":
+        own["sampling_backend"] = extra.get("sampling_backend", SAMPLING_BACKENDS[0])
+        if own["sampling_backend"] not in SAMPLING_BACKENDS:
+            raise SpecError("sglang.sampling_backend", own["sampling_backend"],
+                            f"one of {', '.join(SAMPLING_BACKENDS)} (sglang's --sampling-backend)")
     if backend == "npu":
-        npu["prefill"] = extra.get("prefill", list(PREFILLS))
-        if not isinstance(npu["prefill"], list) or not npu["prefill"] or \
-                len(set(npu["prefill"])) != len(npu["prefill"]) or any(p not in PREFILLS for p in npu["prefill"]):
-            raise SpecError("sglang.prefill", npu["prefill"], f"a non-empty list out of {list(PREFILLS)}")
-        npu["prefill"] = tuple(npu["prefill"])
+        own["prefill"] = extra.get("prefill", list(PREFILLS))
+        if not isinstance(own["prefill"], list) or not own["prefill"] or \
+                len(set(own["prefill"])) != len(own["prefill"]) or any(p not in PREFILLS for p in own["prefill"]):
+            raise SpecError("sglang.prefill", own["prefill"], f"a non-empty list out of {list(PREFILLS)}")
+        own["prefill"] = tuple(own["prefill"])
         for key, least, why in (("mamba_pool_slots", 2, "the mamba state pool's slots (sglang's mamba pool size "
                                  "+ 1): conv_state_rollback takes the conv pool's layer stride as a constexpr"),
                                 ("conv_kernel", 2, "the model's short conv kernel size (config.json)")):
@@ -143,7 +154,7 @@ def read_spec(spec: dict) -> SglangSpec:
                 raise SpecError(f"sglang.{key}", ..., why)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
                 raise SpecError(f"sglang.{key}", value, f"an integer >= {least}: {why}")
-            npu[key] = value or 0
+            own[key] = value or 0
     decoding = any(p in paths for p in ("packed_decode", "decode", "target_verify"))
     max_batch = max([*read["decode_batch_buckets"], read["max_running_requests"] or 0])
     if decoding and not max_batch:
@@ -154,7 +165,7 @@ def read_spec(spec: dict) -> SglangSpec:
                       paths=tuple(paths), max_batch=max(max_batch, 1),
                       draft_widths=tuple(sorted(d for d in read["draft_widths"] if d > 1)),
                       max_prefill_tokens=read["max_prefill_tokens"] or MAX_PREFILL_TOKENS,
-                      beta_row_strides=tuple(rows), **switches, **npu)
+                      beta_row_strides=tuple(rows), **switches, **own)
 
 
 @dataclass
@@ -162,19 +173,21 @@ class FakeDevice:
     """The device a :func:`fake_device` block creates tensors on, and what sglang did there outside Triton."""
 
     device: str  # "cuda" | "npu"
-    jit_calls: list[str] = field(default_factory=list)  # one entry per call of sglang's CUDA JIT packed decode
+    jit: list = field(default_factory=list)  # the sglang JIT modules the calls reached (prewarm.jit.JitRequest)
 
 
 @contextlib.contextmanager
 def fake_device(device: str) -> Iterator[FakeDevice]:
     """Within the block, tensors made on ``device`` (``"cuda"`` or ``"npu"``, whose queries a device profile answers)
     are fake (:func:`prewarm.providers.capture.fake_tensors`); the chunk counting of sglang's fla copy and of
-    sgl-kernel-npu (whichever is imported) reads ``capture.index_tensor`` values; sglang's CUDA JIT packed decode is not
-    called."""
+    sgl-kernel-npu (whichever is imported) reads ``capture.index_tensor`` values; each sglang JIT module a call loads
+    is resolved by sglang's ``load_jit`` and listed, not built nor run."""
     import sglang.srt.layers.attention.linear.kernels.kda_triton  # noqa: F401  (every kernel module, imported)
 
+    from ...jit.sglang import capture_requests
+
     state = FakeDevice(device)
-    with jit_skipped() as state.jit_calls, fake_tensors(CHUNK_INDEX_HOMES):
+    with capture_requests() as state.jit, fake_tensors(CHUNK_INDEX_HOMES):
         yield state
 
 

@@ -13,7 +13,7 @@ The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda`
 
 - Paths (``spec.sglang.paths``): ``extend`` (``chunk_kda``), ``packed_decode`` (the decode sglang takes without a
   gate lower bound; bf16 batches of 8 or more with int32 indices and fp32 parameters leave Triton for sglang's CUDA
-  JIT kernel, which prewarm cannot build), ``decode`` (``fused_sigmoid_gating_delta_rule_update``: the decode with
+  JIT module ``kda_packed_decode``: planned as a JIT request, built by sglang's own ``load_jit``), ``decode`` (``fused_sigmoid_gating_delta_rule_update``: the decode with
   a lower bound) and ``target_verify`` (the same kernel over draft tokens).
 - Decode batch sizes 1..max(largest bucket, ``max_running_requests``) (sglang runs eager batches of any size):
   what they change is the verify kernel's ``NP2_T`` (next power of two of the tokens; ``B`` is 1: sglang packs
@@ -28,6 +28,7 @@ The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda`
   (``beta_is_raw``, sglang's call: its strides are constexprs, at each ``spec.sglang.beta_row_strides``) and
   sigmoided beta; the gate activated in-kernel with and without ``dt_bias``, and pre-activated (``A_log=None``);
   with and without the prefix-cache track snapshot (``track_state``); the model's ``gate_lower_bound``.
+- ``spec.sglang.sampling_backend`` (``--sampling-backend``, default flashinfer): FlashInfer's sampling module.
 - Dtypes per role (``[spec.dtypes]``): activation (q, k, v, the conv output), gate (a), beta (b), gate_params
   (A_log and dt_bias), state (the pool and the verify scratch), index (query_start_loc, cache and scratch indices,
   the track rows; one dtype per call, as a server builds them); the cross product is planned.
@@ -52,11 +53,14 @@ NT_BUCKETS = (32, 128)  # chunk_gated_delta_rule_fwd_h: NT_BUCKET 0 up to 32 chu
 
 
 def launches(spec: dict) -> list:
-    """Every kernel launch sglang's KDA backend makes within ``spec``'s envelope, on fake tensors (nothing runs)."""
+    """Every kernel launch sglang's KDA backend makes within ``spec``'s envelope, on fake tensors (nothing runs),
+    then the modules past Triton the server builds at first use (:class:`prewarm.jit.JitRequest`): each sglang JIT
+    module those calls reached (sglang's ``load_jit`` resolved it) and FlashInfer's sampling module where sglang
+    samples with FlashInfer (:func:`sampling_modules`)."""
     s = read_spec(spec)
     _import_sglang()
     out = []
-    with fake_device(s.device):
+    with fake_device(s.device) as device:
         for label, call in _calls(s, s.device):
             for launch in launches_of(call):
                 bad = [name for name, v in _arguments(launch) if misaligned(v)]
@@ -65,7 +69,19 @@ def launches(spec: dict) -> list:
                                      f"not 16-byte aligned, which a plan cannot encode")
                 launch.label = f"{label}/{_kernel_name(launch)}"
                 out.append(launch)
-    return out
+    return out + list(dict.fromkeys(device.jit)) + sampling_modules(s)
+
+
+def sampling_modules(s: SglangSpec) -> list:
+    """FlashInfer's sampling module where ``--sampling-backend`` is flashinfer (sglang's default where FlashInfer is
+    installed): sglang's sampler calls it for every batch with temperature > 0, and FlashInfer JIT-builds it at the
+    first such request (sglang's own warmup request is greedy: after the server says ready)."""
+    if s.sampling_backend != "flashinfer":
+        return []
+    from ...jit.flashinfer import module_request
+
+    return [module_request("flashinfer.jit.sampling:gen_sampling_module",
+                           origin="sglang's sampler (--sampling-backend flashinfer): top-k/top-p/min-p sampling")]
 
 
 def prefill_layouts(heads: int, max_tokens: int, max_seqs: int) -> list[tuple[str, list[int]]]:

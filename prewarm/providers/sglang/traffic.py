@@ -14,7 +14,8 @@ sees every size), the draft width and whether the adaptive scratch keeps the wid
 sequence counts and every length up to the token budget, physical tokens past the logical ones (DP padding), raw
 beta as its own tensor or a view of the fused projection, or beta the caller sigmoided, the gate with or without
 ``dt_bias`` or activated by the caller, the prefix-cache track snapshot, the shapes ``packed_decode`` documents for
-``a`` and ``b``. ``Call.options`` holds what a call drew.
+``a`` and ``b``. ``Call.options`` holds what a call drew. :func:`sampling_calls`: sglang's FlashInfer sampling of
+batches with temperature > 0 (FlashInfer's JIT sampling module, not Triton).
 """
 from __future__ import annotations
 
@@ -197,6 +198,41 @@ class _Traffic:
             query_start_loc=self.index(list(itertools.accumulate(lens, initial=0)), dts),
             intermediate_states_buffer=scratch, intermediate_state_indices=self.index(list(range(s.max_batch + 1)), dts),
             cache_steps=width, retrieve_parent_token=parent, lower_bound=s.lower_bound)
+
+
+VOCAB = 163840  # Kimi-Linear's and K3's vocabulary: the logits' last dimension
+
+
+def sampling_calls(max_batch: int, seed: int, n: int, device: str) -> Iterator[Call]:
+    """``n`` seeded calls of sglang 0.5.23's FlashInfer sampling (``Sampler.forward_sampling_backend``, backend
+    ``flashinfer``, ``sampler.py``) for batches with temperature > 0: probabilities from logits over the vocabulary
+    at each request's temperature, then either the joint top-k/top-p sampler (``top_k_top_p_sampling_from_probs``,
+    ``filter_apply_order="joint"``) or, where a request sets min_p, the renorms and the min-p sampler; per-request
+    int32 ``top_ks`` and fp32 ``top_ps`` / ``min_ps`` (``sampling_batch_info.py``). The batch size is drawn from
+    1..``max_batch`` like the KDA calls'."""
+    rng = random.Random(seed)
+    batches = _cycle(rng, range(1, max_batch + 1))
+    for i in range(n):
+        batch, min_p = next(batches), rng.random() < 0.3
+        temps = [rng.uniform(0.3, 1.5) for _ in range(batch)]
+
+        def run(batch=batch, min_p=min_p, temps=temps, draw=random.Random(rng.random())):
+            import torch
+            from flashinfer.sampling import (min_p_sampling_from_probs, top_k_renorm_prob,
+                                             top_k_top_p_sampling_from_probs, top_p_renorm_prob)
+
+            logits = torch.randn(batch, VOCAB, device=device, dtype=torch.float32)
+            probs = torch.softmax(logits / torch.tensor(temps, device=device).view(-1, 1), dim=-1)
+            top_ks = torch.tensor([draw.choice([1, 20, 50, VOCAB]) for _ in range(batch)], dtype=torch.int32,
+                                  device=device)
+            top_ps = torch.tensor([draw.uniform(0.5, 1.0) for _ in range(batch)], device=device)
+            if min_p:
+                probs = top_p_renorm_prob(top_k_renorm_prob(probs, top_ks), top_ps)
+                min_ps = torch.tensor([draw.uniform(0.0, 0.2) for _ in range(batch)], device=device)
+                return min_p_sampling_from_probs(probs, min_ps)
+            return top_k_top_p_sampling_from_probs(probs.contiguous(), top_ks, top_ps, filter_apply_order="joint")
+
+        yield Call(f"sample#{i}[batch={batch},min_p={min_p}]", run, {"kind": "sample", "batch": batch, "min_p": min_p})
 
 
 def _cycle(rng: random.Random, values) -> Iterator:
