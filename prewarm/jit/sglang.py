@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -77,6 +78,11 @@ def _session(root: Path | None = None, arch: str | None = None) -> Iterator[None
                                  f"{sys.executable}: {e}") from e
 
     saved = os.environ.get(CACHE_VAR)
+    # sglang warns "Cannot detect CUDA architecture." where no GPU is visible (a build box, a planner, an Ascend
+    # host): the arch here is the manifest's or a device profile's, so the warning would only mislead
+    arch_log = logging.getLogger("sglang.kernels.jit.utils.arch")
+    level = arch_log.level
+    arch_log.setLevel(logging.ERROR)
     _forget_memos()
     try:
         if root is not None:
@@ -94,6 +100,7 @@ def _session(root: Path | None = None, arch: str | None = None) -> Iterator[None
             else:
                 os.environ[CACHE_VAR] = saved
         _forget_memos()
+        arch_log.setLevel(level)
 
 
 @contextlib.contextmanager
