@@ -5,7 +5,7 @@ the manifest's arch and this image's toolchain, packs them as bundles of their c
 installs them into the dir the server reads, and asks the library's own lookup whether a node would find each one.
 
 One small interface (:class:`JitLibrary`), one implementation per library (``sglang.py``, ``flashinfer.py``);
-``LIBRARIES`` maps a request's ``library`` to it.
+:func:`library` gives a request's, :func:`for_layout` a cache dir's.
 """
 from __future__ import annotations
 
@@ -32,10 +32,6 @@ class JitRequest:
 
     def to_json(self) -> dict:
         return {"library": self.library, "name": self.name, "call": dict(self.call), "origin": self.origin}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "JitRequest":
-        return cls(d["library"], d["name"], d.get("call") or {}, d.get("origin", ""))
 
 
 @dataclass(frozen=True)
