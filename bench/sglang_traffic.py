@@ -226,10 +226,10 @@ def _install_jit(bundles: dict[str, str], node: Path, work: Path, env: dict, ins
     Path(added[TEXTFILE]).unlink(missing_ok=True)
     for layout, bundle in bundles.items():
         lib = jit.for_layout(layout)
-        if layout == "sglang-jit":
-            where = Path(str(node) + ".sglang-jit")
+        if lib.env_var:  # a dir the process is pointed at: a fresh one beside the node's
+            where = Path(f"{node}.{layout}")
             added[lib.env_var] = str(where)
-        else:
+        else:  # inside the library's package (FlashInfer's AOT dir): where that process's copy reads
             where = lib.node_dir(env)
         shutil.rmtree(where, ignore_errors=True)
         if install:

@@ -314,8 +314,10 @@ def cmd_build(args) -> int:
                   + (f", [red]{len(r.will_fail)} kernels will fail[/] (cannot be keyed: not built)" if r.will_fail
                      else "")
                   + f" in {r.seconds:.1f} s")
+        from .jit import library
+
         for layout, where in r.jit_dirs.items():
-            built = [j for j in r.jit if j.hit and j.path and j.path.startswith(where)]
+            built = [j for j in r.jit if j.hit and library(j.request.library).layout == layout]
             out.print(f"{layout}: {len(built)} modules past Triton -> {escape(where)} (pack it as its own bundle)",
                       highlight=False)
         for j in r.jit_failed:
