@@ -37,8 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORK = Path(os.environ.get("PREWARM_BENCH_WORK", "/tmp/prewarm-bench"))
 DEFAULT_MANIFEST = REPO / "manifests" / "kimi-linear-h200.toml"
 
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+TESTS = REPO / "tests"  # the independent traffic generators: ``traffic.<module>`` (tests/traffic/__init__.py)
+for _path in (TESTS, REPO):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from prewarm.bundle import INDEX, parse_index  # noqa: E402
 from prewarm.cachedir import write_atomic  # noqa: E402
@@ -165,7 +167,8 @@ def parse_seed_options(p: argparse.ArgumentParser) -> argparse.Namespace:
 
 
 def child_env(work: Path, **extra: str) -> dict[str, str]:
-    """Environment for any child: repo + kernels shim on PYTHONPATH, no inherited Triton cache dir."""
+    """Environment for any child: repo, kernels shim and tests/ (the traffic generators) on PYTHONPATH, no inherited
+    Triton cache dir."""
     shim = work / "shim"
     link = shim / "prewarm_kernels"
     if link.is_symlink() and Path(os.readlink(link)) != REPO / "kernels":
@@ -175,7 +178,7 @@ def child_env(work: Path, **extra: str) -> dict[str, str]:
         link.symlink_to(REPO / "kernels", target_is_directory=True)
     env = dict(os.environ)
     env.pop("TRITON_CACHE_DIR", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), str(REPO), str(TESTS), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

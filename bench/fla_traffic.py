@@ -2,8 +2,8 @@
 
     python3 bench/fla_traffic.py [--bundle BUNDLE] --seeds 1,2,3 [--device-runs N] [--expect-zero] [--out JSON]
 
-The traffic is ``prewarm.providers.fla_traffic.calls``: written from fla's public API and the manifest's envelope
-only, independently of the provider's call builder (``prewarm.providers.fla_kda``); every call draws every option of
+The traffic is ``traffic.fla_kda.calls``: written from fla's public API and the manifest's envelope
+only, independently of the provider's call builder (``prewarm.providers.fla.kda``); every call draws every option of
 its entry point (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd, fused_kda_gate) on its own, and each run's
 JSON row says which values it drew (``options_drawn``: option -> value -> calls). ``tests/test_fla.py`` runs the
 same generator on ``meta`` tensors against the plan.
@@ -30,7 +30,7 @@ from _common import (  # noqa: E402
     REPO, Probes, add_seed_options, bench_parser, bundle_for, child_env, child_main, init_device, load_spec, log,
     parse_seed_options, run_calls, run_child, seed_runs, write_json,
 )
-from prewarm.providers.fla_traffic import calls  # noqa: E402
+from traffic.fla_kda import calls  # noqa: E402
 
 DEFAULT_FLA_MANIFEST = REPO / "manifests" / "kimi-linear-h200-fla.toml"
 

@@ -9,7 +9,7 @@ The bundle is `prewarm build MANIFEST --mode offline` (on a machine without a GP
 MANIFEST --require-autotune` (exit 0 expected: every planned tuning key's result is shipped), then ``--together``
 fresh processes started at once on that dir, then ``--sequential`` more one after another, each with its own seed
 (from the clock) of traffic the planner did not write: ``prewarm_kernels.kda.traffic`` for this project's kernels,
-``prewarm.providers.fla_traffic`` for fla-core's (chosen by the manifest's provider). Every process runs with
+``traffic.fla_kda`` for fla-core's (chosen by the manifest's provider). Every process runs with
 TRITON_CACHE_AUTOTUNING=1 under `prewarm guard` (warn mode), as deploy/prelaunch.sh starts a server.
 
 Counted in each process, for real: compiles (Triton's compilation listener, ``cache_hit=False``), autotune
@@ -42,7 +42,7 @@ from _common import (  # noqa: E402
     install_bundle, load_spec, log, result_header, run_calls, write_json,
 )
 
-FLA_PROVIDER = "prewarm.providers.fla_kda"
+FLA_PROVIDER = "prewarm.providers.fla.kda"
 
 
 def uses_fla(manifest: Path) -> bool:
@@ -65,7 +65,7 @@ def measure(args) -> dict:
     t0 = time.perf_counter()
     if args.fla:
         import fla.ops.kda  # noqa: F401  (fla reads the device at import: part of the first step)
-        from prewarm.providers.fla_traffic import calls
+        from traffic.fla_kda import calls
 
         traffic = calls(spec, args.seed, args.calls * args.steps, "cuda")
     else:
@@ -157,7 +157,7 @@ def orchestrate(args) -> dict:
     manifest = Path(args.manifest).resolve()
     limit = args.first_step_limit or (1.5 if args.fla else 1.0)
     bundle, described = bundle_for(args.bundle, manifest, work, args.timeout)
-    res = {**result_header(manifest), "bundle": described, "traffic": "prewarm.providers.fla_traffic" if args.fla
+    res = {**result_header(manifest), "bundle": described, "traffic": "traffic.fla_kda" if args.fla
            else "prewarm_kernels.kda.traffic", "calls_per_step": args.calls, "steps": args.steps,
            "first_step_limit_s": limit, "runs": []}
     node = work / "node"

@@ -6,7 +6,7 @@ the serving process computed, and where one does not, which part of the key diff
 
 On the GPU node:
 1. a fresh "server" process under ``prewarm record`` runs ``--calls`` seeded calls of sglang's ``TritonKDAKernel``
-   (``prewarm.providers.sglang.traffic``: written from sglang's call sites, not from the planner's provider) within
+   (``traffic.sglang_cuda``: written from sglang's call sites, not from the planner's provider) within
    the manifest's envelope on cuda:0, with an empty TRITON_CACHE_DIR; each record line carries the key that
    process's Triton computed, the key's parts and the device;
 2. the recorded keys are checked against the key dirs that process compiled into (``server_keys_match``);
@@ -44,7 +44,7 @@ def child(args) -> dict:
     C++ with no Triton key, and building it needs the serving stack the device does not carry."""
     torch = init_device()
     from prewarm.providers.sglang.common import jit_skipped
-    from prewarm.providers.sglang.traffic import calls
+    from traffic.sglang_cuda import calls
 
     with jit_skipped() as skipped:
         labels = run_calls(calls(load_spec(Path(args.manifest)), args.seed, args.calls, "cuda"), args.calls, None,

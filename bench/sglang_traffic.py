@@ -3,7 +3,7 @@
     python3 bench/sglang_traffic.py --bundle BUNDLE [--sglang-path DIR] [--seeds 1,2,3,4,5] [--expect-zero] [--out JSON]
         [--jit-bundle sglang-jit=BUNDLE --jit-bundle flashinfer-aot=BUNDLE --sampling N]
 
-The traffic is ``prewarm.providers.sglang.traffic.calls``: TritonKDAKernel's public methods called as sglang
+The traffic is ``traffic.sglang_cuda.calls``: TritonKDAKernel's public methods called as sglang
 0.5.23's KDA backend and Kimi-Linear's layer call them, written independently of the provider's call builder
 (``prewarm.providers.sglang.cuda``); ``tests/test_sglang.py`` runs the same generator on fake tensors against the plan.
 Every process draws its batch sizes as seeded permutations of 1..the manifest's largest batch, so a process of
@@ -57,7 +57,7 @@ DEFAULT_SGLANG_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
 
 def child(args) -> dict:
     from prewarm.providers.sglang.common import jit_skipped
-    from prewarm.providers.sglang.traffic import calls, sampling_calls
+    from traffic.sglang_cuda import calls, sampling_calls
 
     torch = init_device()
     probes = Probes()

@@ -2,9 +2,9 @@
 
     python3 bench/vllm_traffic.py --bundle BUNDLE [--vllm-path DIR] [--seeds 1,2,3,4,5] [--expect-zero] [--out JSON]
 
-The traffic is ``prewarm.providers.vllm_traffic.calls``: vLLM 0.34.0's KDA entry points called as its Kimi-Linear
+The traffic is ``traffic.vllm_kda.calls``: vLLM 0.34.0's KDA entry points called as its Kimi-Linear
 layer (``KimiGatedDeltaNetAttention``) calls them, written independently of the provider's call builder
-(``prewarm.providers.vllm_kda``, which this bench never imports); ``tests/test_vllm.py`` runs the same generator on
+(``prewarm.providers.vllm.kda``, which this bench never imports); ``tests/test_vllm.py`` runs the same generator on
 fake tensors against the plan. Each call draws on its own the batch's make-up (prefill, decode, spec verify, spec
 beside either), each index pointer's dtype, prefill sequence counts and lengths up to the token budget, and the decode
 batch size as a seeded permutation of 1..the largest batch (``--max-num-seqs``: past the largest CUDA-graph capture
@@ -53,7 +53,7 @@ def paths_of(kind: str) -> list[str]:
 
 
 def child(args) -> dict:
-    from prewarm.providers.vllm_traffic import calls
+    from traffic.vllm_kda import calls
 
     torch = init_device()
     probes = Probes()
@@ -93,7 +93,7 @@ def coverage(runs: list[dict], spec: dict) -> dict:
     """What the runs saw together, against the envelope the traffic draws within (read as the traffic reads it) and
     the manifest's capture sizes (``serving.decode_batch_buckets``); ``missed`` lists what is still to be seen."""
     import_kernels()
-    from prewarm.providers.vllm_traffic import read_spec
+    from traffic.vllm_kda import read_spec
 
     s = read_spec(spec)  # checks the spec, the capture sizes too
     largest_capture = max(spec["serving"].get("decode_batch_buckets", []), default=0)

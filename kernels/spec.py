@@ -1,7 +1,7 @@
 """The KDA serving spec: a manifest's ``[spec]`` table as a KDA provider receives it, validated and derived.
 
 A manifest's core is ``[target]`` and ``[[kernels]]``; the model and serving envelope is the providers' business.
-Both KDA providers (``prewarm_kernels.kda.serving`` and ``prewarm.providers.fla_kda``) and the traffic generators
+Both KDA providers (``prewarm_kernels.kda.serving`` and ``prewarm.providers.fla.kda``) and the traffic generators
 read it through :func:`read_kda`, the one place that knows its keys and derives what the kernels see (heads per
 rank = ``model.kda_heads`` / attention-TP). A bad value raises :class:`SpecError` naming ``spec.<key>``, the value
 and what was expected; the planner adds the manifest's path (kernels/ never imports prewarm).
@@ -13,7 +13,7 @@ and what was expected; the planner adds the manifest's path (kernels/ never impo
                      qk_l2norm = true, max_prefill_tokens (a prefill batch's token budget; providers default it),
                      max_running_requests (a server's cap on concurrent requests: eager decode batches up to it)
 
-fla-core's call options (read for ``prewarm.providers.fla_kda`` and ``fla_traffic``; this project's own kernels have
+fla-core's call options (read for ``prewarm.providers.fla.kda`` and its test traffic; this project's own kernels have
 no such switches, their wrappers canonicalize, and their provider refuses them: :func:`fla_only_key`): each ``[spec.serving]`` key of :data:`FLA_CALL_OPTIONS` is a list of
 the values to plan (default: see the table), ``[spec.dtypes]`` beta, gate_params (A_log and dt_bias), state (a
 recurrent call's initial state or pool) and index (cu_seqlens, state indices, accepted-token counts), and
@@ -27,7 +27,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 INDEX_DTYPES = ("int32", "int64")
 # spec.serving key -> (every value fla-core 0.6.0's KDA accepts, the values planned when the manifest does not say):
 # every value, except the switches of fla's schedule and state layout (chunk size, CUDA-graph mode, recompute, state
-# layout), planned at fla's own default unless listed. What each changes in fla: prewarm.providers.fla_kda.
+# layout), planned at fla's own default unless listed. What each changes in fla: prewarm.providers.fla.kda.
 FLA_CALL_OPTIONS = {
     "initial_state": ((False, True), (False, True)),
     "final_state": ((False, True), (False, True)),

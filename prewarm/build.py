@@ -12,7 +12,6 @@ exits 12), so a container build step loses nothing it could have built.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib
 import multiprocessing
 import os
 import time
@@ -32,6 +31,7 @@ from .jit import JitRequest, Lookup
 from .manifest import Manifest, load
 from .plan import Compile, WillFail, manifest_device, manifest_device_name, plan_for, resolve
 from .probe import probe_all
+from .providers import provider
 
 
 @dataclass
@@ -234,7 +234,7 @@ def build(
             compile_into([compiles[i] for i in missing], cache, target, min(workers, len(missing)),
                          lambda j, result: finish(missing[j], result))
         report.results = [r for r in results if r is not None]
-        providers = [importlib.import_module(k.ref) for k in m.kernels if k.kind == "provider"]
+        providers = [provider(k.ref) for k in m.kernels if k.kind == "provider"]
         table = autotune.table_path(m, tuned) if use_table else None
         if report.ok and table is not None:
             device = manifest_device_name(m, "--tuned" if tuned is not None else "target.tuned")

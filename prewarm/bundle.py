@@ -56,7 +56,7 @@ import zstandard
 
 from . import __version__
 from .errors import IntegrityError, PrewarmError, UnsafeBundleError
-from .layouts import LAYOUTS
+from . import layouts
 
 try:
     from . import _fastunpack
@@ -345,7 +345,7 @@ def parse_index(data: bytes, where: str, *, check_files: bool = True) -> Index:
             f"{', '.join(_TOP)}")
     top = _parse_top(data[end + 2:], where)
     fp, layout = top["fingerprint"], top.get("layout", "triton")
-    key_form, key_words = LAYOUTS[layout].key_check(fp)
+    key_form, key_words = layouts.get(layout).key_check(fp)
 
     def check_key(key, i: int) -> None:
         _expect(type(key) is str and key_form.fullmatch(key) is not None, where,
@@ -390,7 +390,7 @@ def _parse_top(tail: bytes, where: str) -> dict:
             f"top-level fields {sorted(top) if type(top) is dict else top!r}; format {FORMAT} has {', '.join(_TOP)} "
             f"(and layout, past Triton)")
     if "layout" in top:
-        past = [name for name in LAYOUTS if name != "triton"]
+        past = [name for name in layouts.known() if name != "triton"]
         _expect(top["layout"] in past, where, f"layout {top['layout']!r} is not one this prewarm reads "
                 f"({', '.join(past)}; a Triton bundle has no layout field)")
     fmt, tool, fp, manifest = top["format"], top["tool"], top["fingerprint"], top["manifest"]

@@ -486,12 +486,12 @@ def cmd_verify(args) -> int:
 
 def _layout_dir(pair: str) -> tuple[str, str]:
     """``--jit-dir LAYOUT=DIR`` -> (layout, dir); argparse's usage error otherwise."""
-    from .layouts import LAYOUTS
+    from .layouts import known
 
     layout, sep, where = pair.partition("=")
-    if not sep or layout not in LAYOUTS or layout == "triton" or not where:
+    if not sep or layout not in known() or layout == "triton" or not where:
         raise argparse.ArgumentTypeError(f"{pair!r}: expected LAYOUT=DIR with LAYOUT one of "
-                                         f"{', '.join(k for k in LAYOUTS if k != 'triton')}")
+                                         f"{', '.join(k for k in known() if k != 'triton')}")
     return layout, where
 
 
@@ -912,7 +912,9 @@ class _ArgsAfterDashes(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .serverenv import SERVER_IMPORTS
+    from .manifestgen import kernel_choices
+    from .providers import servers
+    from .serverenv import server_imports
 
     p = argparse.ArgumentParser(prog="prewarm", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"prewarm {__version__}")
@@ -1017,7 +1019,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--jit-dir", action="append", default=[], metavar="LAYOUT=DIR", type=_layout_dir,
                     help="with --plan: look the planned modules past Triton of this layout (sglang-jit, "
                          "flashinfer-aot) up in DIR (default: the dir each library reads in this environment)")
-    sp.add_argument("--server", choices=tuple(SERVER_IMPORTS),
+    sp.add_argument("--server", choices=tuple(server_imports()),
                     help="also check the Triton cache dir a process of this server, started with this environment, "
                          "would read (its own import run in a child process): exit 14 naming the variable to set")
 
@@ -1057,10 +1059,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = verb("manifest", cmd_manifest, "write a KDA serving manifest from the model's config.json and the server's "
                                         "launch arguments given after -- (each value commented with its source)")
     sp.add_argument("model", help="the model dir, or its config.json")
-    sp.add_argument("--server", required=True, choices=("sglang", "vllm"), help="whose launch arguments follow --")
-    sp.add_argument("--kernels", choices=("own", "fla", "sglang", "vllm"),
-                    help="the KDA kernels the server runs: own (prewarm_kernels), fla (fla-core), sglang or vllm (the "
-                         "server's own; the default for --server vllm)")
+    sp.add_argument("--server", required=True, choices=tuple(servers()), help="whose launch arguments follow --")
+    defaults = ", ".join(f"--server {n}" for n, s in servers().items() if s.default_kernels == n)
+    sp.add_argument("--kernels", choices=kernel_choices(),
+                    help=f"the KDA kernels the server runs: own (prewarm_kernels), or those of "
+                         f"{', '.join(kernel_choices()[1:])} (the server's own are the default with {defaults})")
     sp.add_argument("--target", required=True, metavar="BACKEND:ARCH[:DEVICE]",
                     help="e.g. cuda:sm_90:H200 or npu:Ascend910_9391 (a device lets server defaults that depend on "
                          "its memory be taken)")

@@ -323,7 +323,7 @@ def _watch_jit_builds(guard: _Guard) -> None:
     from . import jit
     from .record import when_imported
 
-    for name in jit.LIBRARY_NAMES:
+    for name in jit.library_names():
         lib = jit.library(name)
         when_imported(lib.hook_module, lambda lib=lib: lib.watch_builds(
             lambda module, detail, library=lib.name: guard.jit_build(library, module, detail)))

@@ -4,25 +4,18 @@ kinds of dir prewarm packs, ships and installs with the same code (bundle.py, pa
 - ``triton``: Triton's cache. An entry is a top-level key dir (``KEY_RE``; a bundle's keys have the form of
   the Triton its fingerprint names: ``tritoncompat.key_dir_form``), its group files rewritten to where it is
   installed. The node's dir: ``TRITON_CACHE_DIR``, else ``~/.triton/cache``. The default, everywhere.
-- ``sglang-jit``: sglang's ``load_jit`` cache (sglang/kernels/jit/utils/compile/cache.py)::
-
-      <root>/<target>/<module_name>/build-<16 hex>/deps-<16 hex>/{sgl_deps.json, <module_name>.so}
-
-  An entry is one such leaf (sglang's ninja build dir, renamed: its sources, build file and objects too), its key
-  the path under the root ("sm90a/sgl_kernel_jit_x/build-.../deps-..."); sglang's own ``.lock`` and
-  ``.staging-<uuid>`` beside the leaves are neither entries nor reported. A leaf is published by one rename, as
-  sglang itself does. The node's dir: ``SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit``.
-- ``flashinfer-aot``: FlashInfer's AOT dir (``flashinfer/data/aot/<name>/<name>.so``, which ``JitSpec`` loads
-  without building): an entry is ``<name>``. It lives inside the server's flashinfer package: no variable names
-  it, install needs the dir given.
+- each JIT library's (``sglang-jit``, ``flashinfer-aot``), declared beside its library's code in its integration's
+  folder (``prewarm/providers/<name>/jit.py``: ``JitLibrary.cache_layout``) and found through prewarm.providers'
+  registry (:func:`known`).
 
 A dir states its layout in ``<dir>/.prewarm/layout`` (one line, written once: ``mark``, by whoever builds such a dir
 and by install; absent: triton). A bundle has one layout: its index's ``"layout"`` field, written only when not
 triton (every Triton bundle keeps its bytes). Every part of a key matches its form: no key can name ``..``, an
 absolute path or an empty part, nor anything outside its entry dir. ``.prewarm`` (prewarm's own files in a cache dir,
-cachedir.py's) is no entry of any layout. Imports nothing of prewarm's but its errors (and Triton's key forms where
-asked for): the format's reader (bundle.py) and the dir's owner (cachedir.py) both use it, so this node's factors
-for a layout are install's (``install.node_factors``), which may import the libraries' code.
+cachedir.py's) is no entry of any layout. Imports nothing of prewarm's but its errors (Triton's key forms, and the
+JIT libraries' layouts through the registry, where asked for): the format's reader (bundle.py) and the dir's owner
+(cachedir.py) both use it, so this node's factors for a layout are install's (``install.node_factors``), which may
+import the libraries' code.
 """
 from __future__ import annotations
 
@@ -121,22 +114,22 @@ def _home(path: str, environ: Mapping[str, str]) -> Path:
 
 
 TRITON = Layout("triton", (KEY_RE,), "a Triton cache key", "TRITON_CACHE_DIR", "~/.triton/cache", False, groups=True)
-SGLANG_JIT = Layout(
-    "sglang-jit",
-    (re.compile(r"[A-Za-z0-9_]{1,32}"), re.compile(r"sgl_kernel_jit_[A-Za-z0-9_.+-]{1,200}"),
-     re.compile(r"build-[0-9a-f]{16}"), re.compile(r"deps-[0-9a-f]{16}")),
-    "<target>/sgl_kernel_jit_<module>/build-<16 hex>/deps-<16 hex>", "SGLANG_JIT_CACHE_DIR", "~/.cache/sglang/jit",
-    True, own_names=re.compile(r"\.lock|\.staging-.*"))
-FLASHINFER_AOT = Layout("flashinfer-aot", (re.compile(r"[A-Za-z0-9_]{1,128}"),), "<module name>", None, None, False)
-LAYOUTS = {x.name: x for x in (TRITON, SGLANG_JIT, FLASHINFER_AOT)}
+
+
+@functools.cache
+def known() -> dict[str, Layout]:
+    """Every layout prewarm knows, by name: Triton's, then each JIT library's (prewarm.providers' registry)."""
+    from . import jit
+
+    return {TRITON.name: TRITON, **{lib.layout: lib.cache_layout for lib in map(jit.library, jit.library_names())}}
 
 
 def get(name: str) -> Layout:
     """The layout of that name; ValueError naming the known ones."""
     try:
-        return LAYOUTS[name]
+        return known()[name]
     except (KeyError, TypeError):
-        raise ValueError(f"layout {name!r} is not one prewarm knows ({', '.join(LAYOUTS)})") from None
+        raise ValueError(f"layout {name!r} is not one prewarm knows ({', '.join(known())})") from None
 
 
 def stated(root: str | os.PathLike) -> Layout | None:

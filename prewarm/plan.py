@@ -113,10 +113,12 @@ class Plan:
 def provider_options(manifest: Manifest) -> dict[str, list[dict]]:
     """Each provider entry's ``options(spec)``, where its module has one: per axis of its library's API, the values
     planned against every value the library accepts, so that a narrowed axis is never silent (plan prints them)."""
+    from .providers import provider
+
     out = {}
     for src in manifest.kernels:
-        options = getattr(importlib.import_module(src.ref), "options", None) if src.kind == "provider" else None
-        if callable(options):
+        options = getattr(provider(src.ref), "options", None) if src.kind == "provider" else None
+        if options is not None:
             out[f"{src.where} {src.ref}"] = options(manifest.spec())
     return out
 
@@ -153,14 +155,16 @@ def _from_source(manifest: Manifest, src: KernelSource) -> list[Request | JitReq
 
 
 def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitRequest]:
+    from .providers import provider
+
     where = f"{manifest.path}: {src.where}.provider = {src.ref!r}"
     try:
-        module = importlib.import_module(src.ref)
+        module = provider(src.ref)
+    except ManifestError as e:
+        raise ManifestError(f"{manifest.path}: {src.where}: {e}") from e
     except Exception as e:
         raise ManifestError(f"{where}: cannot import it ({type(e).__name__}: {e}): expected an installed provider "
                             f"module") from e
-    if not callable(getattr(module, "launches", None)):
-        raise ManifestError(f"{where}: the module has no launches(spec) function: expected a kernel provider")
     try:
         launches = list(module.launches(manifest.spec()))
     except Exception as e:

@@ -1,17 +1,15 @@
 """The Triton cache dir a serving process really reads, as the server's own code leaves it (`verify --server`, and
 the guard when it arms).
 
-A server's own import can move it: ``import sglang`` (0.5.23: its package init calls
-``sglang.srt.environ.redirect_third_party_caches`` before anything else) sets ``TRITON_CACHE_DIR`` to
-``$SGLANG_CACHE_DIR/triton`` (``~/.cache/sglang/triton``) where the variable is unset, and ``TORCHINDUCTOR_CACHE_DIR``,
-``CUDA_CACHE_PATH``, ``TILELANG_CACHE_DIR`` and ``FLASHINFER_WORKSPACE_BASE`` beside it. A server started without the
-pre-launch job's environment then reads none of the installed cache while verify of the installed dir says clean.
-So nothing here restates a server's rules: :func:`server_cache_dirs` runs the server's own import in a child process
-with the server's environment and asks that process's Triton where its cache is, and each JIT library whose modules
-were installed (prewarm.jit: sglang's ``SGLANG_JIT_CACHE_DIR``, FlashInfer's AOT dir in its package) where it reads
-them. The other dirs the import set are reported, not judged. Inside a serving process the guard, when it arms, checks
-the dir Triton reads there holds an install receipt or a build's info (:func:`check_serving_process`: a stat and a
-listing).
+A server's own import can move it (what each server's does: its ``prewarm/providers/<server>/server.py``; sglang's
+sets ``TRITON_CACHE_DIR`` where it is unset): a server started without the pre-launch job's environment then reads
+none of the installed cache while verify of the installed dir says clean. So nothing here restates a server's rules:
+:func:`server_cache_dirs` runs the module a server process imports first (its :attr:`Server.imports
+<prewarm.providers.contract.Server.imports>`) in a child process with the server's environment and asks that
+process's Triton where its cache is, and each JIT library whose modules were installed (prewarm.jit) where it reads
+them. The other dirs the import set are reported, not judged. Inside a serving process the guard, when it arms,
+checks the dir Triton reads there holds an install receipt or a build's info (:func:`check_serving_process`: a stat
+and a listing).
 """
 from __future__ import annotations
 
@@ -24,7 +22,6 @@ from dataclasses import dataclass, field
 from .errors import CacheDirMismatch, EnvironmentProblem
 
 VARIABLE = "TRITON_CACHE_DIR"
-SERVER_IMPORTS = {"sglang": "sglang"}  # what a process of each server imports first (python -m sglang.launch_server)
 _MARK = "prewarm-serverenv "
 
 # run as `python -c _PROBE MODULE LIBRARIES`: the environment before and after the server's import, Triton's own
@@ -39,6 +36,14 @@ libs = {{name: str(jit.library(name).node_dir(os.environ)) for name in json.load
 print({_MARK!r} + json.dumps({{"given": before.get({VARIABLE!r}), "triton": tritoncompat.cache_dir(), "set": dirs,
                                "jit": libs}}))
 """
+
+
+def server_imports() -> dict[str, str]:
+    """Server -> the module a process of it imports first, for each registered server whose import can be run here
+    (prewarm.providers' registry): the servers ``verify --server`` can check."""
+    from .providers import servers
+
+    return {name: s.imports for name, s in servers().items() if s.imports}
 
 
 @dataclass
@@ -65,7 +70,7 @@ class ServerCacheDirs:
     def summary(self) -> str:
         why = (f"{VARIABLE} unset" if self.given is None else f"{VARIABLE}={self.given}") + " in this environment"
         if VARIABLE in self.set_by_import:
-            why += f"; `import {SERVER_IMPORTS[self.server]}` sets it"
+            why += f"; `import {server_imports()[self.server]}` sets it"
         elif self.given is None:
             why += ": Triton's default"
         return f"a {self.server} server process started with this environment reads Triton's cache at {self.triton} " \
@@ -89,8 +94,15 @@ def server_cache_dirs(server: str, installed: str | os.PathLike, env: dict[str, 
                       jit_installed: dict[str, str] | None = None) -> ServerCacheDirs:
     """Run ``server``'s own import in a child process with ``env`` (default: this process's) and ask its Triton, and
     each JIT library of ``jit_installed`` (library -> the dir its modules were installed in), where they read."""
-    module = SERVER_IMPORTS[server]
+    from .providers import server as server_named
+
+    module = server_imports()[server]
     jit_installed = dict(jit_installed or {})
+    unreached = [name for name in jit_installed if name not in server_named(server).jit_libraries]
+    if unreached:
+        raise EnvironmentProblem(f"--server {server}: a {server} process builds no {', '.join(unreached)} modules "
+                                 f"(it reaches {', '.join(server_named(server).jit_libraries) or 'no JIT library'}): "
+                                 "drop that --jit-dir")
     # a probe is never guarded: none of the guard's settings (PREWARM_GUARD, PREWARM_GUARD_PLAN, ...) reach it
     env = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("PREWARM_GUARD")}
     done = subprocess.run([sys.executable, "-c", _PROBE, module, json.dumps(sorted(jit_installed))], env=env,

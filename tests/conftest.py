@@ -27,7 +27,7 @@ from prewarm_helpers import build_toy_cache, copy_cache
 
 
 def pytest_configure(config):
-    # one fresh traffic seed per run (closure_traffic.fresh_seed), the same in every module and in every process a
+    # one fresh traffic seed per run (traffic.closure.fresh_seed), the same in every module and in every process a
     # test starts; a failing id names it (rerun: PREWARM_CLOSURE_SEED=<n>)
     os.environ.setdefault("PREWARM_CLOSURE_SEED", str(random.SystemRandom().randrange(10**3, 10**9)))
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from closure_traffic import failure_report, run_traffic, seeds
+from traffic.closure import failure_report, run_traffic, seeds
 
 from prewarm.autotune import planned_tunings
 from prewarm.manifest import load

@@ -1,7 +1,7 @@
 """fla-core 0.6.0's KDA, its whole public API, planned and built offline under the H200 profile
-(prewarm.providers.fla_kda).
+(prewarm.providers.fla.kda).
 
-Coverage is checked against traffic written independently of the provider (``prewarm.providers.fla_traffic``:
+Coverage is checked against traffic written independently of the provider (``traffic.fla_kda``:
 every option of chunk_kda / fused_recurrent_kda / fused_recurrent_kda_fwd / fused_kda_gate drawn per call, random
 lengths, sequence counts, batch sizes, views) run through fla's public API on meta tensors: the cache key Triton
 computes for every compile it requests must be a planned one's. Builds run as CLI processes, so the device profile
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from closure_traffic import seeds
+from traffic.closure import seeds
 from prewarm import backends, devices, tritoncompat
 from prewarm.manifest import load
 from prewarm.plan import Compile, expand, expand_all, plan, resolve
 from prewarm.probe import planned_keys
-from prewarm.providers import fla_traffic
+from traffic import fla_kda as fla_traffic
 from prewarm_kernels.spec import SpecError, read_kda
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_every_l2norm_token_bucket_of_the_envelope_is_planned(planned):
     import torch
     from fla.modules.norm.l2norm import l2norm_fwd
 
-    from prewarm.providers.fla_kda import intercepted
+    from prewarm.providers.fla.kda import intercepted
 
     _, p, _, _ = planned
     nb_planned = {r.kwargs["NB"] for r in p.requests if r.kernel.endswith(":l2norm_fwd_kernel")}
@@ -113,7 +113,7 @@ def test_the_options_measured_missing_on_the_h200_are_planned(planned):
 def requested(label: str, run, into: dict[str, Compile]) -> None:
     """Run one fla call on meta tensors with its launches captured; add each compile request Triton's JIT makes for
     them (compiles skipped) to ``into``, labelled with the call."""
-    from prewarm.providers.fla_kda import intercepted
+    from prewarm.providers.fla.kda import intercepted
 
     with intercepted() as launches:
         run()
@@ -208,7 +208,7 @@ def small_manifest(tmp_path: Path, device_line: str, serving: str, dtypes: str =
     path.write_text(f'[target]\nbackend = "cuda"\narch = "sm_90"\n{device_line}\n'
                     "[spec.model]\nkda_heads = 32\nhead_k_dim = 128\nhead_v_dim = 128\n"
                     f"[spec.dtypes]\n{dtypes}\n[spec.serving]\n{serving}\n"
-                    '[[kernels]]\nprovider = "prewarm.providers.fla_kda"\n')
+                    '[[kernels]]\nprovider = "prewarm.providers.fla.kda"\n')
     return path
 
 
@@ -232,7 +232,7 @@ def test_a_narrowed_option_is_planned_on_its_values_only_and_plan_says_so(tmp_pa
     done = run_cli("plan", str(path), "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout)
-    rows = {r["key"]: r for r in doc["options"]["kernels[0] prewarm.providers.fla_kda"]}
+    rows = {r["key"]: r for r in doc["options"]["kernels[0] prewarm.providers.fla.kda"]}
     assert rows["spec.serving.final_state"] == {"key": "spec.serving.final_state", "planned": [True],
                                                 "accepted": [False, True], "given": True, "narrowed": True}
     assert rows["spec.serving.initial_state"]["planned"] == [False, True] and not rows["spec.serving.initial_state"][
@@ -242,7 +242,7 @@ def test_a_narrowed_option_is_planned_on_its_values_only_and_plan_says_so(tmp_pa
     assert {k["h0"] is None for k in recurrent} == {True, False}
     text = run_cli("plan", str(path))
     assert text.returncode == 0, text.stderr[-3000:]
-    assert "narrowed: kernels[0] prewarm.providers.fla_kda: spec.serving.final_state = [true] (set in the manifest; " \
+    assert "narrowed: kernels[0] prewarm.providers.fla.kda: spec.serving.final_state = [true] (set in the manifest; " \
         "the library accepts [false, true])" in text.stdout.replace("\n", " ")
 
 
@@ -316,8 +316,8 @@ from prewarm.backends import get_target
 get_target("cuda", "sm_90", "offline", "H200").activate()  # stands in for the GPU the recording was made on
 from prewarm import tritoncompat
 from prewarm.manifest import load
-from prewarm.providers import fla_traffic
-from prewarm.providers.fla_kda import intercepted
+from traffic import fla_kda as fla_traffic
+from prewarm.providers.fla.kda import intercepted
 
 spec = load(sys.argv[1]).spec()
 for call in fla_traffic.calls(spec, 11, 6, "meta"):
@@ -337,7 +337,8 @@ def test_a_record_only_manifest_over_an_fla_recording_from_another_host_builds_o
 
     app = tmp_path / "app.py"
     app.write_text(RECORDED_FLA_APP)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "app-cache")}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "app-cache"),  # tests/ on the path: traffic.fla_kda
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run([sys.executable, "-m", "prewarm.cli", "record", "-o", str(tmp_path / "local.jsonl"), "--",
                            sys.executable, str(app), str(MANIFEST)],
                           capture_output=True, text=True, cwd=REPO, env=env)  # fmt: skip
@@ -391,7 +392,7 @@ def test_every_parameter_of_flas_public_api_is_planned_or_said_not_to_be(planned
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     from fla.ops.kda.gate import fused_kda_gate
 
-    from prewarm.providers import fla_kda
+    from prewarm.providers.fla import kda as fla_kda
 
     fns = {fn.__name__: fn for fn in (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd, fused_kda_gate)}
     assert set(fns) == set(fla_kda.API)

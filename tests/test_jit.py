@@ -12,8 +12,8 @@ import torch
 
 from prewarm.errors import BuildError
 from prewarm.jit import Lookup, library
-from prewarm.jit.flashinfer import FlashInferJit, module_request
-from prewarm.jit.sglang import SglangJit, _forget_memos, capture_requests
+from prewarm.providers.flashinfer.jit import FlashInferJit, module_request
+from prewarm.providers.sglang.jit import SglangJit, _forget_memos, capture_requests
 
 TOOLKIT = Path(__file__).resolve().parent.parent / "build" / "cuda"
 PACKED_DECODE = "sgl_kernel_jit_kda_packed_decode_8_8_true"  # 8 warps, PDL (Hopper)

@@ -54,7 +54,7 @@ def sglang_dir(root: Path) -> list[str]:
         (scope / ".staging-0f1e" / f"{module}.so").write_bytes(b"half")
         keys.append(leaf.relative_to(root).as_posix())
     # what the builder records: the library's factors (this box's, so that this node's check agrees)
-    CacheDir(root).write_build_info({"fingerprint": jit_node_factors(layouts.SGLANG_JIT),
+    CacheDir(root).write_build_info({"fingerprint": jit_node_factors(layouts.get("sglang-jit")),
                                      "manifest": {"name": "kda", "digest": "cd" * 32}})
     return keys
 
@@ -247,7 +247,7 @@ def test_the_node_check_compares_the_layouts_own_factors(world, tmp_path):
     that this node does not have is a gap (exit 8, named), Triton's factors the bundle lacks are no concern."""
     src = tmp_path / "build"
     subprocess.run(["cp", "-r", world["root"] / "sglang-build", src], check=True)
-    CacheDir(src).write_build_info({"fingerprint": {**jit_node_factors(layouts.SGLANG_JIT),
+    CacheDir(src).write_build_info({"fingerprint": {**jit_node_factors(layouts.get("sglang-jit")),
                                                     "test.built-elsewhere": "a toolchain no node has"}})
     run_cli("pack", src, "-o", tmp_path / "b")
     p = run_cli("install", tmp_path / "b", "--cache-dir", tmp_path / "node", check=FingerprintMismatch.exit_code)

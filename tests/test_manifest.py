@@ -231,6 +231,6 @@ def test_a_record_only_manifest_needs_no_spec_and_a_provider_says_what_it_lacks(
     path.write_text('[target]\nbackend = "cuda"\narch = "sm_90"\n[[kernels]]\nprovider = "prewarm_kernels.kda.serving"\n')
     assert spec_error(path) == (f"{path}: spec.model.kda_heads is missing: expected a positive integer (checked by "
                                 f"kernels[0].provider = 'prewarm_kernels.kda.serving')")
-    path.write_text('[target]\nbackend = "cuda"\narch = "sm_90"\n[[kernels]]\nprovider = "prewarm.providers.fla_kda"\n'
+    path.write_text('[target]\nbackend = "cuda"\narch = "sm_90"\n[[kernels]]\nprovider = "prewarm.providers.fla.kda"\n'
                     '[spec.model]\nkda_heads = 4\nhead_k_dim = 64\nhead_v_dim = 64\n[spec.serving]\ndraft_width = [2]\n')
     assert spec_error(path).startswith(f"{path}: spec.serving.draft_width = [2]: expected no such key here")

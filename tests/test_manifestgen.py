@@ -15,7 +15,9 @@ import pytest
 from prewarm.cli import main
 from prewarm.errors import ManifestError
 from prewarm.manifest import load
-from prewarm.manifestgen import SGLANG, VLLM, generate
+from prewarm.manifestgen import generate
+from prewarm.providers.sglang.server import VERSION as SGLANG
+from prewarm.providers.vllm.server import VERSION as VLLM
 from prewarm_kernels.spec import read_kda
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +104,7 @@ def test_ignored_arguments_are_listed_on_stderr_and_in_json(capsys):
     assert main([*verb, "--json", *launch]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ignored"] == ["python3", "-m sglang.launch_server", "--port 30000", "--trust-remote-code"]
-    assert doc["provider"] == "prewarm.providers.fla_kda"
+    assert doc["provider"] == "prewarm.providers.fla.kda"
     assert doc["spec"]["parallel"]["tensor_parallel"] == {"value": 2, "source": "--tp-size 2"}
     assert doc["spec"]["serving"]["decode_batch_buckets"]["value"] == [1, 8]
     assert "prefill token budget: not written" in " ".join(doc["notes"])  # no device: sglang's default unknown
@@ -272,7 +274,7 @@ def test_the_k3_config_nests_its_text_model_and_the_sglang_kernels_get_the_reque
 
 
 def test_vllm_plans_its_own_kda_kernels_by_default(tmp_path, capsys):
-    """`--server vllm` without --kernels plans vLLM's own KDA kernels (prewarm.providers.vllm_kda): the request cap
+    """`--server vllm` without --kernels plans vLLM's own KDA kernels (prewarm.providers.vllm.kda): the request cap
     (eager batches of any size up to --max-num-seqs) is written for it, and `prewarm plan` plans its prefill,
     packed decode and spec-decode verify; vLLM's kernels with an sglang server are refused."""
     out = tmp_path / "vllm.toml"
@@ -281,7 +283,7 @@ def test_vllm_plans_its_own_kda_kernels_by_default(tmp_path, capsys):
                  "--dtype", "bfloat16"]) == 0
     capsys.readouterr()
     m = load(out)
-    assert m.kernels[0].ref == "prewarm.providers.vllm_kda" and m.spec()["serving"]["max_running_requests"] == 64
+    assert m.kernels[0].ref == "prewarm.providers.vllm.kda" and m.spec()["serving"]["max_running_requests"] == 64
     comments = " ".join(line.lstrip("# ") for line in out.read_text().splitlines() if line.startswith("#"))
     assert "add [spec.vllm] state_slot_strides" in comments  # the one value the launch line cannot give
     assert main(["plan", str(out), "--json"]) == 0

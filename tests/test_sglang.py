@@ -1,6 +1,6 @@
 """sglang 0.5.23's own KDA kernels (``prewarm.providers.sglang.cuda``) planned for the H200, checked against what
 sglang really compiles: the 80 compile requests a real H200 process made (``prewarm record`` around sglang's
-``TritonKDAKernel``), and independent traffic (``prewarm.providers.sglang.traffic``: written from sglang's backend
+``TritonKDAKernel``), and independent traffic (``traffic.sglang_cuda``: written from sglang's backend
 and model, not from the provider) run through sglang's own wrappers on fake tensors. Both compare by the key Triton
 computes for each request (``prewarm.probe.planned_keys``), the key the node's runtime looks up. No build: keys need
 none.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from closure_traffic import fresh_seed
+from traffic.closure import fresh_seed
 from prewarm import tritoncompat
 from prewarm.backends import get_target
 from prewarm.jit import JitRequest
@@ -22,7 +22,8 @@ from prewarm.manifest import load
 from prewarm.plan import Compile, expand_all, load_record, plan_for
 from prewarm.probe import planned_keys
 from prewarm.providers import capture
-from prewarm.providers.sglang import common as sglang_env, cuda as sglang_kda, traffic as sglang_traffic
+from prewarm.providers.sglang import common as sglang_env, cuda as sglang_kda
+from traffic import sglang_cuda as sglang_traffic
 from prewarm_kernels.spec import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,7 +231,7 @@ def test_the_bench_drives_independent_traffic_and_without_a_gpu_says_why_nothing
 
     script = REPO / "bench" / "sglang_traffic.py"
     imports = {n.module for n in ast.walk(ast.parse(script.read_text())) if isinstance(n, ast.ImportFrom)}
-    assert "prewarm.providers.sglang.traffic" in imports and not any("sglang.cuda" in (m or "") for m in imports)
+    assert "traffic.sglang_cuda" in imports and not any("sglang.cuda" in (m or "") for m in imports)
     pack(triton_cache, tmp_path / "bundle")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES")}
     done = subprocess.run([sys.executable, str(script), "--bundle", str(tmp_path / "bundle"), "--seeds", "3",

@@ -1,6 +1,6 @@
-"""vLLM 0.34.0's own KDA kernels (``prewarm.providers.vllm_kda``) planned for the H200 from the wheel's real kernel
+"""vLLM 0.34.0's own KDA kernels (``prewarm.providers.vllm.kda``) planned for the H200 from the wheel's real kernel
 files (``build/vllm``, assembled by ``.ci/setup``), checked against independent traffic
-(``prewarm.providers.vllm_traffic``: written from vLLM's Kimi-Linear layer, not from the provider) run through vLLM's
+(``traffic.vllm_kda``: written from vLLM's Kimi-Linear layer, not from the provider) run through vLLM's
 own wrappers on fake tensors, compared by the key Triton computes for each request (``prewarm.probe.planned_keys``).
 No build: keys need none. No H200 recording of vLLM exists yet (README, Known limits).
 """
@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from closure_traffic import fresh_seed
+from traffic.closure import fresh_seed
 from prewarm import tritoncompat
 from prewarm.backends import get_target
 from prewarm.manifest import load
 from prewarm.plan import Compile, plan_for
 from prewarm.probe import planned_keys
-from prewarm.providers import vllm_kda, vllm_traffic
+from prewarm.providers.vllm import kda as vllm_kda
+from traffic import vllm_kda as vllm_traffic
 from prewarm.providers.capture import as_meta, launches_of
 from prewarm_kernels.spec import SpecError
 
@@ -163,7 +164,7 @@ def test_the_bench_drives_independent_traffic_and_without_a_gpu_says_why_nothing
 
     script = REPO / "bench" / "vllm_traffic.py"
     imports = {n.module for n in ast.walk(ast.parse(script.read_text())) if isinstance(n, ast.ImportFrom)}
-    assert "prewarm.providers.vllm_traffic" in imports and not any("vllm_kda" in (m or "") for m in imports)
+    assert "traffic.vllm_kda" in imports and not any("providers.vllm" in (m or "") for m in imports)
     pack(triton_cache, tmp_path / "bundle")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES")}
 

@@ -59,7 +59,7 @@ def _check(spec: dict) -> dict:
     if read["backend"] is None:
         raise SpecError("backend", ..., "the target's backend (cuda or npu)")
     if fla_only_key(spec):  # these wrappers canonicalize what fla-core's calls vary: the key would change nothing
-        raise SpecError(*fla_only_key(spec), "absent: an option of fla-core's KDA (prewarm.providers.fla_kda)")
+        raise SpecError(*fla_only_key(spec), "absent: an option of fla-core's KDA (prewarm.providers.fla.kda)")
     if read["head_k_dim"] > 256:
         raise SpecError("model.head_k_dim", read["head_k_dim"], "at most 256 (the kernels' head dim limit)")
     return read

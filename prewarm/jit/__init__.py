@@ -4,8 +4,9 @@ its own (sglang's ``load_jit`` modules, FlashInfer's JIT modules). prewarm plans
 the manifest's arch and this image's toolchain, packs them as bundles of their cache's layout (prewarm.layouts),
 installs them into the dir the server reads, and asks the library's own lookup whether a node would find each one.
 
-One small interface (:class:`JitLibrary`), one implementation per library (``sglang.py``, ``flashinfer.py``);
-:func:`library` gives a request's, :func:`for_layout` a cache dir's.
+One small interface (:class:`JitLibrary`), one implementation per library, in its integration's folder
+(``prewarm/providers/sglang/jit.py``, ``prewarm/providers/flashinfer/jit.py``), found through prewarm.providers'
+registry: :func:`library` gives a request's, :func:`for_layout` a cache dir's.
 """
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ import abc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
 class JitRequest:
     """One module a server's call reaches, as the library would be asked for it.
 
-    ``library``: "sglang" | "flashinfer". ``name``: the module as the library names it (sglang: ``BuildSpec.module_name``,
-    e.g. ``sgl_kernel_jit_kda_packed_decode_8_8_true``; flashinfer: ``JitSpec.name``, e.g. ``sampling``). ``call``:
-    JSON-able, what the library needs to ask for it again (sglang: ``load_jit``'s positional args and keyword args as
-    the call site passed them; flashinfer: the dotted path of the ``gen_*_module`` function and its args).
+    ``library``: its integration's name in prewarm.providers' registry ("sglang", "flashinfer"). ``name``: the module
+    as the library names it (sglang: ``BuildSpec.module_name``, e.g. ``sgl_kernel_jit_kda_packed_decode_8_8_true``;
+    flashinfer: ``JitSpec.name``, e.g. ``sampling``). ``call``: JSON-able, what the library needs to ask for it again
+    (sglang: ``load_jit``'s positional args and keyword args as the call site passed them; flashinfer: the dotted path
+    of the ``gen_*_module`` function and its args).
     ``origin``: the planned call that reached it (for messages)."""
     library: str
     name: str
@@ -47,11 +49,16 @@ class Lookup:
 
 
 class JitLibrary(abc.ABC):
-    name: str  # the request's library
-    layout: str  # the bundle layout its cache dir has (prewarm.layouts)
+    name: str  # the request's library: its integration's name in prewarm.providers' registry
+    cache_layout: Any  # the prewarm.layouts.Layout its cache dir has (not imported: layouts reads this registry)
     env_var: str  # the variable that moves the dir the server reads
     hook_module: str  # the library's module whose import lets ``watch_builds`` hook it (the guard waits for it)
     target_factor: str  # the factor of ``toolchain`` that names the GPU target (a device factor: prewarm.fingerprint)
+
+    @property
+    def layout(self) -> str:
+        """The name of :attr:`cache_layout`."""
+        return self.cache_layout.name
 
     @abc.abstractmethod
     def node_dir(self, environ: Mapping[str, str] = os.environ) -> Path:
@@ -93,21 +100,27 @@ def parse_arch(arch: str) -> tuple[int, int, str]:
     return int(m.group(1)), int(m.group(2)), m.group(3)
 
 
-_IMPLEMENTATIONS = {"sglang": "prewarm.jit.sglang:SglangJit", "flashinfer": "prewarm.jit.flashinfer:FlashInferJit"}
-LIBRARY_NAMES = tuple(_IMPLEMENTATIONS)
+def library_names() -> tuple[str, ...]:
+    """The integrations with a JIT library (prewarm.providers' registry), in registry order."""
+    from ..providers import jit_libraries
+
+    return tuple(jit_libraries())
 
 
 def library(name: str) -> JitLibrary:
-    """The implementation for a request's ``library`` (imported on first use: each imports its library lazily)."""
+    """The implementation for a request's ``library``, as its integration names it in prewarm.providers' registry
+    (imported on first use: each imports its library lazily)."""
     import importlib
 
-    module, cls = _IMPLEMENTATIONS[name].split(":")
+    from ..providers import jit_libraries
+
+    module, cls = jit_libraries()[name].split(":")
     return getattr(importlib.import_module(module), cls)()
 
 
 def for_layout(layout: str) -> JitLibrary:
     """The library whose built modules a dir of ``layout`` holds."""
-    for name in LIBRARY_NAMES:
+    for name in library_names():
         lib = library(name)
         if lib.layout == layout:
             return lib

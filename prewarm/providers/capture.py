@@ -8,11 +8,11 @@ providers (sglang's, vLLM's) and their independent traffic share.
 - Wrappers count chunks on the host (``prepare_chunk_indices``: ``.tolist()`` of ``cu_seqlens``), which a fake tensor
   cannot answer: :func:`index_tensor` keeps the values beside a fake index tensor, and inside :func:`fake_tensors`
   each library's own ``prepare_chunk_indices`` (named by its home module) computes from them on the CPU.
-- :func:`launches_of` runs one call with every ``kernel[grid](...)`` captured (``prewarm.providers.fla_kda``'s
+- :func:`launches_of` runs one call with every ``kernel[grid](...)`` captured (``prewarm.providers.fla.kda``'s
   interception), never launched; :func:`as_meta` turns a fake tensor into a ``meta`` tensor of the same layout,
   which Triton's JIT can bind (its alignment class included) where it cannot bind a fake one.
 - :func:`batch_sizes`: the batch sizes whose launches stand for every size up to a maximum; :class:`TensorCache`,
-  what a provider's call builder makes once; :class:`Call`, one call an independent traffic generator drew.
+  what a provider's call builder makes once.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import contextlib
 import importlib
 import sys
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 VALUES = "_prewarm_values"  # attribute of a fake index tensor: its values, for host code that reads them
@@ -100,8 +99,8 @@ def _deviceless_fake_mode():
 
 
 def launches_of(call: Callable[[], object]) -> list:
-    """The kernel launches ``call`` makes (``prewarm.providers.fla_kda.Launch`` each), captured, none launched."""
-    from .fla_kda import intercepted
+    """The kernel launches ``call`` makes (``prewarm.providers.fla.kda.Launch`` each), captured, none launched."""
+    from .fla.kda import intercepted
 
     with intercepted() as records:
         call()
@@ -151,15 +150,6 @@ class TensorCache:
         import torch
 
         return torch.zeros(*shape, dtype=dtype, device=self.device)
-
-
-@dataclass
-class Call:
-    """One call a traffic generator drew: run it (inside a capture or on a device) to make its launches."""
-
-    label: str
-    run: Callable[[], object]
-    options: dict = field(default_factory=dict)  # what this call drew (for the bench's JSON and the coverage check)
 
 
 def _is_fake(t) -> bool:

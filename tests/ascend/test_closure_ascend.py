@@ -10,7 +10,7 @@ tests/test_closure.py: fixed ones plus a fresh one, or PREWARM_CLOSURE_SEED.
 from __future__ import annotations
 
 import pytest
-from closure_traffic import failure_report, planned_compiles, run_traffic, seeds
+from traffic.closure import failure_report, planned_compiles, run_traffic, seeds
 from conftest import REPO
 
 from prewarm.backends import npu

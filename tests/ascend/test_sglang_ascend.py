@@ -1,6 +1,6 @@
 """sglang 0.5.23's Ascend KDA backend on triton-ascend 3.2.0 (no NPU, no torch_npu, the CANN ops stood in): the A3
-profile answers torch.npu's queries as torch_npu would; independent traffic (``prewarm.providers.sglang.
-ascend_traffic``: the backend made by its own constructors, pools and metadata from sglang's sources, the report-era
+profile answers torch.npu's queries as torch_npu would; independent traffic (``traffic.sglang_ascend``,
+in tests/traffic: the backend made by its own constructors, pools and metadata from sglang's sources, the report-era
 prefill from the report author's fork) drives ``AscendKDAAttnBackend`` through both prefill layouts, decode and DSPARK
 verify with the state updates after it, and every launch is checked against the shipped manifest's plan: a kernel
 this triton-ascend keys is compiled there with the launch's very specialization (Triton's own JIT binding computes
@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 
 import pytest
-from closure_traffic import fresh_seed
+from traffic.closure import fresh_seed
 from conftest import REPO
 
 from prewarm import devices, tritoncompat
@@ -67,7 +67,8 @@ def test_independent_traffic_makes_only_planned_requests(planned, verdict, seed)
     traffic could not key; both prefill layouts, decode and verify (each width, dense and ragged) ran."""
     from prewarm.pins import pin_chooser
     from prewarm.providers import capture
-    from prewarm.providers.sglang import ascend_traffic, common
+    from prewarm.providers.sglang import common
+    from traffic import sglang_ascend as ascend_traffic
     from prewarm.providers.sglang.ascend import cann_ops
 
     m, p = planned

@@ -1,7 +1,7 @@
 """Seeded, server-like calls of fla-core's public KDA API (``chunk_kda``, ``fused_recurrent_kda``,
 ``fused_recurrent_kda_fwd``, ``fused_kda_gate``) within a manifest's envelope: the independent traffic that
 ``bench/fla_traffic.py`` (on a GPU) and ``tests/test_fla.py`` (on ``meta`` tensors) check the plan of
-:mod:`prewarm.providers.fla_kda` against.
+:mod:`prewarm.providers.fla.kda` against.
 
 Written from fla's signatures and docstrings and the KDA serving spec only, never from the provider's call builder
 (a proof driven by the planner's own calls cannot see what the plan misses). Every call draws every option of its
@@ -21,17 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import random
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
+
+from . import Call
 
 TOKEN_BUDGET = 16384  # a serving engine's max batched tokens per prefill step when the spec gives none
-
-
-@dataclass
-class Call:
-    label: str
-    run: Callable[[], object]
-    options: dict = field(default_factory=dict)  # what this call drew: option -> value (for the bench's JSON)
 
 
 def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:

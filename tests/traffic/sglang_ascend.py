@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Iterator
 
-from ..capture import Call, index_tensor
-from .common import read_spec
-from .traffic import _cycle, _short
+from prewarm.providers.capture import index_tensor
+from prewarm.providers.sglang.common import read_spec
+
+from . import Call
+from .sglang_cuda import _cycle, _short
 
 MAMBA_CHUNK = 64  # hf_text_config.mamba_chunk_size's default: the chunk the prefix cache tracks states at
 RMS_NORM_EPS = 1e-5

@@ -23,9 +23,10 @@ import itertools
 import random
 from typing import Iterator
 
-from ..capture import Call, index_tensor
-from .common import read_spec
+from prewarm.providers.capture import index_tensor
+from prewarm.providers.sglang.common import read_spec
 
+from . import Call
 
 
 def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:

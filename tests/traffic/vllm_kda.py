@@ -1,6 +1,6 @@
 """Seeded, server-like calls of vLLM's KDA kernels within a manifest's envelope: the independent traffic that
 ``tests/test_vllm.py`` (on fake tensors, inside ``vllm_kda.fake_cuda``) checks the plan of
-:mod:`prewarm.providers.vllm_kda` against.
+:mod:`prewarm.providers.vllm.kda` against.
 
 Written from vLLM 0.34.0's own call site, never from the provider's call builder: ``KimiGatedDeltaNetAttention``
 (``vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py``): ``forward`` splits one fused projection
@@ -21,11 +21,12 @@ import itertools
 import random
 from typing import Iterator
 
-from .capture import Call, index_tensor
-from .vllm_kda import read_spec
+from prewarm.providers.capture import index_tensor
+from prewarm.providers.vllm.kda import read_spec
+
+from . import Call
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
-
 
 
 def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:

@@ -1,5 +1,5 @@
 """fla-core's KDA (flash-linear-attention 0.6.0), its whole public API, as a provider:
-``provider = "prewarm.providers.fla_kda"``.
+``provider = "prewarm.providers.fla.kda"``.
 
 fla launches its kernels itself (``kernel[grid](...)``), so :func:`launches` calls fla's public entry points on
 ``meta`` tensors with Triton's launch entry point (``KernelInterface.__getitem__``) intercepted: each launch is

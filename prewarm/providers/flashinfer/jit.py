@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,8 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..errors import BuildError, EnvironmentProblem
-from . import JitLibrary, JitRequest, Lookup, parse_arch
+from ... import layouts
+from ...errors import BuildError, EnvironmentProblem
+from ...jit import JitLibrary, JitRequest, Lookup, parse_arch
 
 _MARK = "prewarm-flashinfer "
 
@@ -113,9 +115,14 @@ def _spec_name(call: str, arch: str | None) -> str:
     return row["name"]
 
 
+# FlashInfer's AOT dir (``flashinfer/data/aot/<name>/<name>.so``, which ``JitSpec`` loads without building): an entry
+# is ``<name>``. It lives inside the server's flashinfer package: no variable names it, install needs the dir given.
+LAYOUT = layouts.Layout("flashinfer-aot", (re.compile(r"[A-Za-z0-9_]{1,128}"),), "<module name>", None, None, False)
+
+
 class FlashInferJit(JitLibrary):
     name = "flashinfer"
-    layout = "flashinfer-aot"
+    cache_layout = LAYOUT
     env_var = ""  # none: the AOT dir is inside the flashinfer package
     hook_module = "flashinfer.jit.core"
     target_factor = "flashinfer.archs"

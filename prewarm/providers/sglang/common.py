@@ -13,8 +13,8 @@ sglang 0.5.23 makes host-side decisions from the tensors it is given, and planni
   rows) get unbacked sizes from a shape environment; no Triton launch receives one.
 - ``fused_recurrent_kda_packed_decode`` hands bf16 batches of 8 or more to a CUDA JIT module (sglang's ``load_jit``:
   tvm_ffi + nvcc, ``kda_packed_decode``), not a Triton kernel. Inside :func:`fake_device` sglang's own ``load_jit``
-  resolves the module it would build and a stand-in takes the call (``prewarm.jit.sglang.capture_requests``): the
-  modules reached (:attr:`FakeDevice.jit`) are the plan's JIT requests, built by sglang's own code (:mod:`prewarm.jit`).
+  resolves the module it would build and a stand-in takes the call (:func:`prewarm.providers.sglang.jit.
+  capture_requests`): the modules reached (:attr:`FakeDevice.jit`) are the plan's JIT requests, built by sglang's own code (:mod:`prewarm.jit`).
 
 :func:`read_spec` is the manifest's envelope as both see it. The deviceless machinery itself (fake tensors, index
 values, launch capture, ``as_meta``) is :mod:`prewarm.providers.capture`'s, shared with vLLM's provider.
@@ -105,7 +105,7 @@ def read_spec(spec: dict) -> SglangSpec:
     fla_only = sorted(set(spec.get("serving", {})) & set(FLA_CALL_OPTIONS))  # read_kda's; not silently ignored
     if fla_only:
         raise SpecError(f"serving.{fla_only[0]}", spec["serving"][fla_only[0]], "absent: an option of fla-core's "
-                        "KDA (prewarm.providers.fla_kda); sglang's are under [spec.sglang]")
+                        "KDA (prewarm.providers.fla.kda); sglang's are under [spec.sglang]")
     for key, why in (("qk_l2norm", "TritonKDAKernel always L2-normalises q and k in-kernel"),
                      ("fused_gate", "sglang's KDA backend always hands the raw gate with A_log and dt_bias")):
         if not read[key]:
@@ -184,7 +184,7 @@ def fake_device(device: str) -> Iterator[FakeDevice]:
     is resolved by sglang's ``load_jit`` and listed, not built nor run."""
     import sglang.srt.layers.attention.linear.kernels.kda_triton  # noqa: F401  (every kernel module, imported)
 
-    from ...jit.sglang import capture_requests
+    from .jit import capture_requests
 
     state = FakeDevice(device)
     with capture_requests() as state.jit, fake_tensors(CHUNK_INDEX_HOMES):

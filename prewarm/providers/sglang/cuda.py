@@ -78,7 +78,7 @@ def sampling_modules(s: SglangSpec) -> list:
     first such request (sglang's own warmup request is greedy: after the server says ready)."""
     if s.sampling_backend != "flashinfer":
         return []
-    from ...jit.flashinfer import module_request
+    from ..flashinfer.jit import module_request
 
     return [module_request("flashinfer.jit.sampling:gen_sampling_module",
                            origin="sglang's sampler (--sampling-backend flashinfer): top-k/top-p/min-p sampling")]

@@ -21,14 +21,15 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from .. import layouts
-from ..errors import BuildError, EnvironmentProblem
-from . import JitLibrary, JitRequest, Lookup, parse_arch
+from ... import layouts
+from ...errors import BuildError, EnvironmentProblem
+from ...jit import JitLibrary, JitRequest, Lookup, parse_arch
 
 CACHE_VAR = "SGLANG_JIT_CACHE_DIR"
 KEY_FILE = "prewarm-key.json"
@@ -172,8 +173,8 @@ def _fingerprint_parts() -> dict[str, str]:
         except (PackageNotFoundError, ValueError):
             versions.append((name, "absent"))
     if cache._hash_parts([target, compilers, versions]) != cache._environment_fingerprint():
-        raise RuntimeError("sglang's JIT environment fingerprint hashes more than prewarm.jit.sglang reads (target, "
-                           "nvcc/c++ --version, package versions): this sglang is newer than prewarm knows")
+        raise RuntimeError("sglang's JIT environment fingerprint hashes more than prewarm.providers.sglang.jit reads "
+                           "(target, nvcc/c++ --version, package versions): this sglang is newer than prewarm knows")
     return {"sglang.jit.target": target, "sglang.jit.nvcc": compilers[0].strip(),
             "sglang.jit.cxx": compilers[1].strip(), **{f"sglang.jit.{name}": v for name, v in versions}}
 
@@ -311,16 +312,32 @@ def capture_requests(arch: str | None = None) -> Iterator[list[JitRequest]]:
             module.load_jit = real
 
 
+# sglang's ``load_jit`` cache (sglang/kernels/jit/utils/compile/cache.py)::
+#
+#     <root>/<target>/<module_name>/build-<16 hex>/deps-<16 hex>/{sgl_deps.json, <module_name>.so}
+#
+# An entry is one such leaf (sglang's ninja build dir, renamed: its sources, build file and objects too), its key the
+# path under the root ("sm90a/sgl_kernel_jit_x/build-.../deps-..."); sglang's own ``.lock`` and ``.staging-<uuid>``
+# beside the leaves are neither entries nor reported. A leaf is published by one rename, as sglang itself does. The
+# node's dir: ``SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit``.
+LAYOUT = layouts.Layout(
+    "sglang-jit",
+    (re.compile(r"[A-Za-z0-9_]{1,32}"), re.compile(r"sgl_kernel_jit_[A-Za-z0-9_.+-]{1,200}"),
+     re.compile(r"build-[0-9a-f]{16}"), re.compile(r"deps-[0-9a-f]{16}")),
+    "<target>/sgl_kernel_jit_<module>/build-<16 hex>/deps-<16 hex>", CACHE_VAR, "~/.cache/sglang/jit",
+    True, own_names=re.compile(r"\.lock|\.staging-.*"))
+
+
 class SglangJit(JitLibrary):
     name = "sglang"
-    layout = "sglang-jit"
+    cache_layout = LAYOUT
     env_var = CACHE_VAR
     hook_module = "sglang.kernels.jit.utils.compile.ninja"
     target_factor = "sglang.jit.target"
 
     def node_dir(self, environ: Mapping[str, str] = os.environ) -> Path:
         """As sglang's ``cache.cache_root``: ``$SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit`` (the layout's)."""
-        return layouts.get(self.layout).node_dir(environ)
+        return self.cache_layout.node_dir(environ)
 
     def toolchain(self, arch: str) -> dict[str, str]:
         with _session(None, arch):

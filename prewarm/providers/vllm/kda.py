@@ -1,4 +1,4 @@
-"""vLLM's own KDA kernels as its Kimi-Linear layer calls them: ``provider = "prewarm.providers.vllm_kda"``.
+"""vLLM's own KDA kernels as its Kimi-Linear layer calls them: ``provider = "prewarm.providers.vllm.kda"``.
 
 vLLM (0.34.0) serves Kimi-Linear's KDA layers (``KimiGatedDeltaNetAttention``,
 ``vllm/model_executor/layers/mamba/gdn/kimi_gdn_linear_attn.py``) with its own copy of the kernels
@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 
 from prewarm_kernels.spec import FLA_CALL_OPTIONS, INDEX_DTYPES, SpecError, read_kda
 
-from .capture import TensorCache, batch_sizes, fake_tensors, index_tensor, launches_of, misaligned
+from ..capture import TensorCache, batch_sizes, fake_tensors, index_tensor, launches_of, misaligned
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
@@ -126,7 +126,7 @@ def read_spec(spec: dict) -> VllmSpec:
     fla_only = sorted(set(spec.get("serving", {})) & set(FLA_CALL_OPTIONS))
     if fla_only:
         raise SpecError(f"serving.{fla_only[0]}", spec["serving"][fla_only[0]], "absent: an option of fla-core's "
-                        "KDA (prewarm.providers.fla_kda); vLLM's are under [spec.vllm]")
+                        "KDA (prewarm.providers.fla.kda); vLLM's are under [spec.vllm]")
     for key, why in (("qk_l2norm", "vLLM's Kimi-Linear layer always L2-normalises q and k in-kernel"),
                      ("fused_gate", "vLLM's Kimi-Linear layer always hands the raw gate with A_log and dt_bias")):
         if not read[key]:

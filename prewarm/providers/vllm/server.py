@@ -1,0 +1,252 @@
+"""vLLM as a server: what ``prewarm manifest --server vllm`` reads from its launch line.
+
+vLLM 0.34.0 (``vllm/config/vllm.py`` ``VllmConfig._set_cudagraph_sizes``, ``vllm/engine/arg_utils.py``
+``EngineArgs.get_batch_defaults``, ``vllm/utils/argparse_utils.py``): capture sizes (tokens) ``[1, 2, 4] +
+range(8, 256, 8) + range(256, top + 1, 16)`` (``--performance-mode interactivity``: every size up to 32 first) with
+top = min(max_num_seqs * (1 + speculative tokens) * 2, 1024 on sm_10x else 512, max_num_batched_tokens), plus
+max_num_batched_tokens and the uniform decode sizes (requests x (1 + speculative tokens)) that fit; the `vllm serve`
+defaults max_num_seqs / max_num_batched_tokens 1024 / 16384 on a device of 160 GiB or more, 1024 / 8192 on 70 GiB or
+more that is not an A100, else 256 / 2048, both doubled by ``--performance-mode throughput``; no CUDA graphs with
+``--enforce-eager``, ``-O0`` or ``cudagraph_mode`` NONE (decode batches of every size then). Its spellings: ``--a_b``
+for ``--a-b``, ``-O3``, dotted ``-cc.key value`` / ``--speculative-config.key=value``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from ...errors import ManifestError
+from ...manifestgen import GIB, NUMBER, Sourced, device_memory, flag_source, json_object_arg, positive_int, \
+    positive_int_arg
+from ..contract import Server
+
+VERSION = "vLLM 0.34.0"
+
+
+class Vllm(Server):
+    name = "vllm"
+    version = VERSION
+    kernel_providers = {"*": "prewarm.providers.vllm.kda"}
+    reads_running_requests = True
+    default_kernels = "vllm"  # its own KDA kernels
+
+    def argv(self, argv: list[str]) -> list[str]:
+        return _argv(list(argv))
+
+    def add_flags(self, parser) -> None:
+        parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int_arg)
+        parser.add_argument("--max-num-seqs", type=positive_int_arg)
+        parser.add_argument("--max-num-batched-tokens", type=positive_int_arg)
+        parser.add_argument("--cudagraph-capture-sizes", type=positive_int_arg, nargs="+")
+        parser.add_argument("--max-cudagraph-capture-size", type=positive_int_arg)
+        parser.add_argument("--compilation-config", "-cc", type=json_object_arg)
+        parser.add_argument("--speculative-config", type=json_object_arg)
+        parser.add_argument("--performance-mode", choices=("balanced", "interactivity", "throughput"))
+        parser.add_argument("--optimization-level", choices=("0", "1", "2", "3"))
+        parser.add_argument("--enforce-eager", action="store_true")
+
+    def parallel(self, args, argv: list[str]) -> dict[str, Sourced]:
+        tp = Sourced(args.tensor_parallel_size or 1, flag_source(argv, "--tensor-parallel-size", "-tp")
+                     if args.tensor_parallel_size else f"{VERSION}'s default (no --tensor-parallel-size)")
+        return {"tensor_parallel": tp,
+                "attention_dp": Sourced(1, "vLLM: every data-parallel rank holds a whole TP group (attention-TP = TP)")}
+
+    def serving(self, args, argv, profile, arch):
+        return _serving(args, argv, profile, arch)
+
+    def own_kernels_spec(self, args, argv, cfg, serving, backend):
+        return {}, ["state slot stride: not written (vLLM lays each state slot out as one page with the conv state, "
+                     "padded to the attention page, by its KV-cache planning at startup): the provider plans a dense "
+                     "pool; add [spec.vllm] state_slot_strides = [layer.kv_cache[1].stride(0)] as the node has it "
+                     "(see manifests/kimi-linear-h200-vllm.toml)"]
+
+    def check_spec(self, spec: dict) -> None:
+        from .kda import read_spec
+
+        read_spec(spec)
+
+
+def _argv(argv: list[str]) -> list[str]:
+    """A vLLM launch line in the spelling :meth:`Vllm.add_flags` reads, as vLLM's FlexibleArgumentParser rewrites it
+    first: ``--a_b`` is ``--a-b``; ``-O3`` / ``-O=3`` / ``-O 3`` is ``--optimization-level 3``; dotted keys of a JSON
+    flag (``-cc.cudagraph_mode=NONE``, ``--speculative-config.num_speculative_tokens 3``, ``key+ a,b`` for a list) are
+    merged into that flag's object."""
+    if "--cuda-graph-sizes" in (w.split("=", 1)[0] for w in argv):
+        raise ManifestError(f"--cuda-graph-sizes: not a {VERSION} flag (vLLM renamed it --cudagraph-capture-sizes): "
+                            "use that spelling")
+    out: list[str] = []
+    dotted: dict[str, dict] = {}
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        i += 1
+        if word.startswith("--"):
+            key, eq, value = word.partition("=")
+            head, dot, tail = key[2:].partition(".")
+            word = "--" + head.replace("_", "-") + dot + tail + eq + value
+        if re.fullmatch(r"-O=?[0-3]", word):
+            out += ["--optimization-level", word[-1]]
+            continue
+        if word == "-O" and i < len(argv) and argv[i] in ("0", "1", "2", "3"):
+            word = "--optimization-level"
+        key, eq, value = word.partition("=")
+        if word.startswith("-") and "." in key and not NUMBER.fullmatch(word):  # (a negative value is no flag)
+            if not eq:
+                if i >= len(argv):
+                    raise ManifestError(f"{word}: no value follows it")
+                value, i = argv[i], i + 1
+            flag, *path = key.rstrip("+").split(".")
+            flag = "--compilation-config" if flag == "-cc" else flag
+            try:
+                parsed = json.dumps(value.split(",")) if key.endswith("+") else value
+                parsed = json.loads(parsed)
+            except json.JSONDecodeError:
+                parsed = value
+            node = dotted.setdefault(flag, {})
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = parsed
+            continue
+        out.append(word)
+    for flag, doc in dotted.items():
+        given = next((j for j, w in enumerate(out) if w.split("=", 1)[0] == flag), None)
+        if given is None:
+            out += [flag, json.dumps(doc)]
+            continue
+        whole = out[given].partition("=")[2] if "=" in out[given] else out[given + 1]
+        try:
+            base = json.loads(whole)
+        except json.JSONDecodeError:
+            base = None
+        if not isinstance(base, dict):
+            raise ManifestError(f"{flag} {whole}: not a JSON object")
+        base.update(doc)
+        out[given:given + (1 if "=" in out[given] else 2)] = [flag, json.dumps(base)]
+    return out
+
+
+def _defaults(profile, mode: str) -> tuple[int, int, str] | None:
+    """vLLM 0.34.0's `vllm serve` defaults (max_num_seqs, max_num_batched_tokens, why) for a device profile."""
+    memory = device_memory(profile)
+    if memory is None:
+        return None
+    if memory >= 160 * GIB:
+        seqs, tokens, tier = 1024, 16384, "160 GiB or more"
+    elif memory >= 70 * GIB and "a100" not in profile.name.lower():
+        seqs, tokens, tier = 1024, 8192, "70 GiB or more, not an A100"
+    else:
+        seqs, tokens, tier = 256, 2048, "under 70 GiB or an A100"
+    if mode == "throughput":
+        return 2 * seqs, 2 * tokens, f"for the {profile.name} ({tier}), doubled by --performance-mode throughput"
+    return seqs, tokens, f"for the {profile.name} ({tier})"
+
+
+def _grid(top: int) -> list[int]:
+    """vLLM's stride grid up to ``top``: 1, 2, 4, then every 8th below 256, then every 16th (capture sizes in
+    tokens, and the request counts of uniform decode batches alike)."""
+    return [*(s for s in (1, 2, 4) if s <= top), *range(8, min(top + 1, 256), 8), *range(256, top + 1, 16)]
+
+
+def _capture_sizes(top: int, tokens: int | None, seqs: int | None, query: int, mode: str,
+                        ceiling: int) -> list[int]:
+    """VllmConfig._set_cudagraph_sizes' default list (tokens) up to ``top``."""
+    fine = list(range(1, min(top, 32) + 1)) if mode == "interactivity" else []  # every small size first
+    sizes = fine + _grid(top)
+    if tokens is not None and tokens <= top:
+        sizes.append(tokens)
+    if seqs is not None:  # uniform decode batches: requests x query tokens, as many as fit
+        requests = min(seqs, ceiling)
+        counts = {*_grid(requests), requests}
+        uniform = sorted(n * query for n in counts if n * query <= top) if query > 1 else \
+            ([seqs] if seqs <= top else [])
+        sizes += [s for s in uniform if tokens is None or s <= tokens]
+    return sorted(set(sizes))
+
+
+def _config_ints(compilation: dict, key: str, many: bool = False):
+    """--compilation-config's ``key``: a positive int (``many``: a list of them; a dotted ``key+ 1,2`` gives strings,
+    which vLLM's config then reads as ints)."""
+    if (value := compilation.get(key)) is None:
+        return None
+    ints = [int(v) if isinstance(v, str) and v.isdecimal() else v for v in (value if many else [value])] \
+        if isinstance(value, list) == many else []
+    if not ints or not all(map(positive_int, ints)):
+        raise ManifestError(f"--compilation-config {key} = {json.dumps(value)}: expected "
+                            f"{'a list of positive integers' if many else 'a positive integer'}")
+    return ints if many else ints[0]
+
+
+def _serving(args, argv, profile, arch: str):
+    """The same from vLLM's flags: capture sizes are token counts, (1 + speculative tokens) per decode request."""
+    notes: list[str] = []
+    serving: dict[str, Sourced] = {}
+    mode = args.performance_mode or "balanced"
+    defaults = _defaults(profile, mode)
+    if args.max_num_seqs:
+        seqs = Sourced(args.max_num_seqs, flag_source(argv, "--max-num-seqs"))
+    elif defaults:
+        seqs = Sourced(defaults[0], f"{VERSION}'s default max_num_seqs {defaults[2]}")
+    else:
+        seqs = None
+    if args.max_num_batched_tokens:
+        tokens = Sourced(args.max_num_batched_tokens, flag_source(argv, "--max-num-batched-tokens"))
+    elif defaults:
+        tokens = Sourced(defaults[1], f"{VERSION}'s default max_num_batched_tokens {defaults[2]}")
+    else:
+        tokens = None
+        notes.append("prefill token budget: not written (vLLM's --max-num-batched-tokens default depends on the "
+                     "device: add it or name the device in --target); the provider's default applies")
+
+    drafts = 0
+    if args.speculative_config is not None:
+        drafts = args.speculative_config.get("num_speculative_tokens")
+        if not positive_int(drafts):
+            raise ManifestError(f"--speculative-config {json.dumps(args.speculative_config)}: num_speculative_tokens "
+                                "is missing: add it (the verify width is num_speculative_tokens + 1)")
+    compilation = args.compilation_config or {}
+    graph_mode = str(compilation.get("cudagraph_mode", "")).upper()
+    eager = None  # what turns CUDA graphs off, if anything does
+    if args.enforce_eager:
+        eager = "--enforce-eager"
+    elif graph_mode == "NONE":
+        eager = "--compilation-config cudagraph_mode NONE"
+    elif not graph_mode and args.optimization_level == "0":
+        eager = "--optimization-level 0 (its cudagraph_mode is NONE)"
+    given = args.cudagraph_capture_sizes or _config_ints(compilation, "cudagraph_capture_sizes", many=True)
+    top = args.max_cudagraph_capture_size or _config_ints(compilation, "max_cudagraph_capture_size")
+    ceiling = 1024 if re.fullmatch(r"sm_10\d+a?", arch) else 512  # is_device_capability_family(100)
+    if eager:
+        if seqs is None:
+            raise ManifestError(f"decode batch buckets: {eager} runs decode batches of every size up to "
+                                "--max-num-seqs, whose default depends on the device: add --max-num-seqs N or name the "
+                                "device in --target BACKEND:ARCH:DEVICE")
+        sizes, how = list(range(1, seqs.value + 1)), f"{eager}: no CUDA graphs, eager decode batches of every size"
+    elif given:
+        sizes = sorted({s for s in given if tokens is None or s <= tokens.value})
+        how = (flag_source(argv, "--cudagraph-capture-sizes", many=True) if args.cudagraph_capture_sizes
+               else "--compilation-config cudagraph_capture_sizes")
+    elif seqs is None:
+        raise ManifestError("decode batch buckets: vLLM derives its CUDA-graph sizes from --max-num-seqs, whose "
+                            "default depends on the device: add --cudagraph-capture-sizes N ... or --max-num-seqs N "
+                            "to the launch arguments, or name the device in --target BACKEND:ARCH:DEVICE")
+    else:
+        top = top or min(seqs.value * (1 + drafts) * 2, ceiling)
+        top = min(top, tokens.value) if tokens is not None else top
+        sizes = _capture_sizes(top, tokens and tokens.value, seqs.value, 1 + drafts, mode, ceiling)
+        how = f"{VERSION}'s default capture sizes up to {top}" + (f" ({mode} mode)" if mode != "balanced" else "")
+    if drafts and not eager:  # uniform decode batches of (1 + K) tokens per request
+        sizes = sorted({math.ceil(s / (1 + drafts)) for s in sizes})
+        how += f", as requests of {1 + drafts} tokens"
+    if seqs is not None:
+        sizes = [s for s in sizes if s <= seqs.value] or [seqs.value]
+        how += f", at most {seqs.value} requests ({seqs.source})"
+    serving["decode_batch_buckets"] = Sourced(sizes, how)
+    if drafts:
+        serving["draft_widths"] = Sourced([drafts + 1], f"--speculative-config num_speculative_tokens {drafts} + 1 "
+                                                        "(the verify step reads the last token and the drafts)")
+    else:
+        notes.append("draft widths: none (no --speculative-config: no speculative verify)")
+    if tokens is not None:
+        serving["max_prefill_tokens"] = tokens
+    return serving, seqs, notes

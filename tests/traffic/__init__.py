@@ -1,0 +1,26 @@
+"""Traffic written independently of the providers, from each library's own call sites: what the closure tests (on
+fake tensors) and the H200 benches (on a GPU) check the plans against. Test support, not part of the shipped package.
+
+One module per provider: ``vllm_kda`` (vLLM's Kimi-Linear layer -> ``prewarm.providers.vllm.kda``), ``sglang_cuda``
+(sglang's CUDA KDA backend -> ``prewarm.providers.sglang.cuda``), ``sglang_ascend`` (sglang's Ascend KDA backend ->
+``prewarm.providers.sglang.ascend``), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure``
+runs traffic and names what it requested that the plan lacks. (This project's own kernels' traffic is
+``prewarm_kernels.kda.traffic``, in their package.)
+
+Imported as ``traffic.<module>`` with ``tests/`` on ``sys.path``: pytest puts it there for every test (tests/ is a
+rootdir of conftest.py files, not a package), ``bench/_common.py`` adds it for the benches run from a checkout, and a
+child process that imports a generator gets it on ``PYTHONPATH``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Call:
+    """One call a traffic generator drew: run it (inside a capture or on a device) to make its launches."""
+
+    label: str
+    run: Callable[[], object]
+    options: dict = field(default_factory=dict)  # what this call drew (for the bench's JSON and the coverage check)
