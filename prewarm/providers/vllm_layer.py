@@ -1,0 +1,357 @@
+"""vLLM's Kimi-Linear KDA layer driven whole: ``KimiGatedDeltaNetAttention.forward`` (the wheel's file) on fake
+tensors, every Triton launch of the layer captured.
+
+The layer runs as vLLM's model runner runs it: built from the model config (``KimiLinearConfig``) and a
+``VllmConfig`` (model dtype, mamba cache dtypes, max_num_seqs, num_speculative_tokens, the compilation config's
+``custom_ops``: whether ``o_norm``, a ``CustomOp``, takes its Triton ``forward_cuda``), its state bound as the runner
+binds a mamba layer's (``layer.kv_cache = (conv_state, recurrent_state)``: views over one page per slot, the conv
+state ``[slots, state_len, conv_dim]`` (vLLM's SD layout) first, the recurrent state ``[slots, h, V, K]`` after it,
+each slot one page apart), and ``GDNAttentionMetadata`` filled as ``GDNAttentionMetadataBuilder.build``
+(``vllm/v1/attention/backends/gdn_attn.py``) fills it for each batch make-up:
+
+- ``prefill``: prefills with and without prefix state (``has_initial_state``), one or several sequences, a chunk of
+  a longer prompt; decodes beside prefills (the layer then runs every non-spec token through the chunked prefill);
+- ``decode``: pure decode at each batch size class, its state indices either the block table's first column (eager:
+  row stride = the block table's width) or the FULL-CUDA-graph staging buffer (contiguous, padded rows pointing at
+  the null block);
+- ``spec_verify``: spec-only batches (uniform and ragged draft lengths), spec beside decodes (reclassified as
+  prefills), spec beside prefills, for each ``num_speculative_tokens``.
+
+Geometry (``[spec.vllm]``, derived by ``prewarm manifest --server vllm``; defaults as vLLM 0.34.0 computes them):
+``mamba_page_bytes`` (the page per slot: both states, padded to the attention page on a hybrid model; the recurrent
+slot stride = page / 4 for an fp32 state is a constexpr of the KDA kernels), the block table's width
+(1 + num_speculative_tokens with ``mamba_cache_mode`` none), ``conv_kernel_size`` (Kimi-Linear's 4), ``custom_ops``.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from .capture import batch_sizes, index_tensor
+
+LAYER = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"
+PREFIX = "model.layers.0.self_attn"  # the layer's name in the forward context (any name with one layer index)
+LAYER_PATHS = ("prefill", "decode", "spec_verify")
+CONV_KERNEL_SIZE = 4  # Kimi-Linear's short_conv_kernel_size
+DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """One deployment's layer as the runner builds it (one attention rank)."""
+
+    heads: int  # per rank
+    attention_tp: int
+    head_dim: int
+    conv_kernel_size: int
+    num_spec: int  # num_speculative_tokens (0: no speculative decoding)
+    model_dtype: str
+    conv_state_dtype: str
+    page_bytes: int
+    custom_ops: tuple
+    lower_bound: float | None
+
+    @property
+    def conv_dim(self) -> int:
+        return 3 * self.heads * self.head_dim
+
+    @property
+    def state_len(self) -> int:
+        return self.conv_kernel_size - 1 + self.num_spec
+
+    @property
+    def block_table_width(self) -> int:
+        """vLLM's mamba block table row (``MambaSpec.max_num_blocks_per_req``, cache mode none)."""
+        return 1 + self.num_spec
+
+
+def page_bytes(heads: int, head_dim: int, conv_kernel_size: int, num_spec: int, conv_dtype: str,
+               state_dtype: str = "float32") -> int:
+    """The unpadded mamba page of one slot (``MambaSpec.page_size_bytes`` with no padding, alignment 1): the conv
+    state ``(K - 1 + num_spec) x 3hK`` plus the recurrent state ``h x K x K``."""
+    conv = (conv_kernel_size - 1 + num_spec) * 3 * heads * head_dim * DTYPE_SIZE[conv_dtype]
+    return conv + heads * head_dim * head_dim * DTYPE_SIZE[state_dtype]
+
+
+def build_layer(g: LayerGeometry, device: str):
+    """The wheel's ``KimiGatedDeltaNetAttention`` for ``g`` with its state pool bound (``slots`` = 8 + the block
+    table's rows): (layer, vllm_config). Parameters are made on ``device``."""
+    import torch
+    from vllm.config import (CacheConfig, CompilationConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                             VllmConfig, set_current_vllm_config)
+    from vllm.distributed import set_tensor_parallel
+    from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+
+    module = _import(LAYER)
+    dtype = getattr(torch, g.model_dtype)
+    heads = g.heads * g.attention_tp
+    config = KimiLinearConfig(hidden_size=g.heads * g.head_dim, num_attention_heads=heads, rms_norm_eps=1e-5,
+                              linear_attn_config={"head_dim": g.head_dim, "num_heads": heads,
+                                                  "short_conv_kernel_size": g.conv_kernel_size, "kda_layers": [1], "full_attn_layers": [2],
+                                                  **({"gate_lower_bound": g.lower_bound} if g.lower_bound else {})})
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(dtype=dtype), cache_config=CacheConfig(mamba_cache_dtype=g.conv_state_dtype),
+        speculative_config=SpeculativeConfig(num_speculative_tokens=g.num_spec) if g.num_spec else None,
+        compilation_config=CompilationConfig(custom_ops=list(g.custom_ops)), scheduler_config=SchedulerConfig())
+    set_tensor_parallel(g.attention_tp, 0)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with set_current_vllm_config(vllm_config), torch.device(device):
+            layer = module.KimiGatedDeltaNetAttention(config, vllm_config, prefix=PREFIX)
+    finally:
+        torch.set_default_dtype(before)
+    return layer, vllm_config
+
+
+def bind_state(layer, g: LayerGeometry, slots: int, device: str) -> None:
+    """``layer.kv_cache`` as the runner binds it: both states viewed over ``slots`` pages of ``g.page_bytes``."""
+    import torch
+
+    (conv_shape, state_shape), (conv_dtype, state_dtype) = layer.get_state_shape(), layer.get_state_dtype()
+    conv_size, state_size = conv_dtype.itemsize, state_dtype.itemsize
+    conv_bytes = conv_size * conv_shape[0] * conv_shape[1]
+    state_bytes = state_size * state_shape[0] * state_shape[1] * state_shape[2]
+    if g.page_bytes < conv_bytes + state_bytes or g.page_bytes % state_size or conv_bytes % state_size:
+        raise ValueError(f"spec.vllm.mamba_page_bytes: {g.page_bytes} cannot hold a slot's conv state ({conv_bytes} "
+                         f"B) and recurrent state ({state_bytes} B) at their element sizes")
+    raw = torch.zeros(slots * g.page_bytes, dtype=torch.uint8, device=device)
+    conv = raw.view(conv_dtype).as_strided((slots, *conv_shape), (g.page_bytes // conv_size, conv_shape[1], 1))
+    state = raw.view(state_dtype).as_strided(
+        (slots, *state_shape), (g.page_bytes // state_size, state_shape[1] * state_shape[2], state_shape[2], 1),
+        conv_bytes // state_size)
+    layer.kv_cache = (conv, state)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's batch for the layer, as the scheduler hands it to the builder (requests in the runner's order:
+    decodes first, then prefills; spec requests flagged)."""
+
+    query_lens: tuple  # tokens per request this step
+    context_lens: tuple  # tokens already computed per request (> 0: a prefix state exists)
+    spec: tuple  # per request: is a spec-decode request (draft tokens >= 0)
+    staged: bool  # FULL CUDA graph decode: the builder's persistent buffers
+    padded_to: int = 0  # CUDA-graph padding: the batch padded to this many requests (one token each)
+
+
+def metadata(batch: Batch, g: LayerGeometry, device: str, block_rows: int):
+    """``GDNAttentionMetadata`` as ``GDNAttentionMetadataBuilder.build`` fills it for ``batch`` (cache mode none:
+    the block table is the builder's input, ``[requests, 1 + num_spec]`` rows of a ``[block_rows, width]`` table)."""
+    import torch
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    i32 = torch.int32
+    W = g.block_table_width
+    lens = list(batch.query_lens)
+    n = len(lens)
+    if batch.padded_to:
+        lens += [0] * (batch.padded_to - n)  # padded requests: no tokens... unless the graph pads tokens too
+    reqs = len(lens)
+    table = torch.zeros(block_rows, W, dtype=i32, device=device)[:reqs]
+    qsl = list(itertools.accumulate(lens, initial=0))
+    query_start_loc = index_tensor(qsl, i32, device)
+    spec_mask = list(batch.spec) + [False] * (reqs - n)
+    num_spec_decodes = sum(spec_mask) if g.num_spec else 0
+    fields = {}
+    if not num_spec_decodes:
+        decode = [q == 1 and c > 0 for q, c in zip(lens, list(batch.context_lens) + [1] * (reqs - n))]
+        num_decodes = sum(1 for d in decode[:n] if d)
+        num_prefills = n - num_decodes
+        num_decode_tokens = num_decodes
+        num_prefill_tokens = sum(lens) - num_decode_tokens
+        non_spec_state = table[:, 0]
+        non_spec_qsl = query_start_loc
+        non_spec_qsl_values = qsl
+        spec_state = spec_qsl = accepted = spec_idx = non_spec_idx = None
+        num_spec_tokens = 0
+        non_spec_ctx = list(batch.context_lens)
+    else:
+        ns_lens = [q for q, s in zip(lens, spec_mask) if not s]
+        sp_lens = [q for q, s in zip(lens, spec_mask) if s]
+        num_decodes = sum(1 for q in ns_lens if q == 1)
+        num_prefills = len(ns_lens) - num_decodes - sum(1 for q in ns_lens if q == 0)
+        num_decode_tokens = num_decodes
+        num_prefill_tokens = sum(ns_lens) - num_decode_tokens
+        num_spec_tokens = sum(sp_lens)
+        if num_decodes and num_spec_decodes:  # the builder reclassifies them as prefills
+            num_prefills, num_prefill_tokens, num_decodes, num_decode_tokens = (
+                num_prefills + num_decodes, num_prefill_tokens + num_decode_tokens, 0, 0)
+        if num_prefills == 0 and num_decodes == 0:
+            spec_idx = torch.arange(num_spec_tokens, dtype=i32, device=device)
+            non_spec_idx = torch.empty(0, dtype=i32, device=device)
+            spec_state = table[:num_spec_decodes, :W]
+            non_spec_state = None
+            spec_qsl = index_tensor(qsl[:num_spec_decodes + 1], i32, device)
+            non_spec_qsl = None
+            non_spec_qsl_values = None
+        else:
+            # argsort of the token mask: int64 positions (index_select operands)
+            non_spec_idx = torch.zeros(num_prefill_tokens + num_decode_tokens, dtype=torch.int64, device=device)
+            spec_idx = torch.zeros(num_spec_tokens, dtype=torch.int64, device=device)
+            spec_state = torch.zeros(num_spec_decodes, W, dtype=i32, device=device)  # table[mask, :W]: a copy
+            non_spec_state = torch.zeros(reqs - num_spec_decodes, dtype=i32, device=device)
+            spec_qsl = index_tensor(list(itertools.accumulate(sp_lens, initial=0)), i32, device)
+            non_spec_qsl_values = list(itertools.accumulate(ns_lens, initial=0))
+            non_spec_qsl = index_tensor(non_spec_qsl_values, i32, device)
+        accepted = torch.ones(num_spec_decodes, dtype=i32, device=device)
+        non_spec_ctx = [c for c, s in zip(batch.context_lens, spec_mask) if not s]
+    if num_prefills:
+        has_initial = torch.tensor([c > 0 for c in non_spec_ctx] + [False] * (len(non_spec_qsl_values) - 1
+                                                                              - len(non_spec_ctx)),
+                                   dtype=torch.bool, device=device)
+        nums_dict, batch_ptr, offsets = _conv_metadata(non_spec_qsl_values, device)
+        fields.update(has_initial_state=has_initial, nums_dict=nums_dict, batch_ptr=batch_ptr,
+                      token_chunk_offset_ptr=offsets)
+    if batch.staged and g and num_spec_decodes and not (num_prefills or num_decodes):
+        buf = torch.zeros(block_rows, W, dtype=i32, device=device)
+        spec_state = buf[:reqs]
+        spec_qsl = index_tensor(qsl, i32, device)
+        accepted = torch.ones(block_rows, dtype=i32, device=device)[:reqs]
+    if batch.staged and not num_spec_decodes and not num_prefills:
+        non_spec_state = torch.zeros(block_rows, dtype=i32, device=device)[:reqs]
+        non_spec_qsl = torch.zeros(block_rows + 1, dtype=i32, device=device)[:reqs + 1]
+    return GDNAttentionMetadata(
+        num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens, num_decodes=num_decodes,
+        num_decode_tokens=num_decode_tokens, num_spec_decodes=num_spec_decodes,
+        num_spec_decode_tokens=num_spec_tokens, num_actual_tokens=sum(lens),
+        spec_query_start_loc=spec_qsl, non_spec_query_start_loc=non_spec_qsl,
+        spec_state_indices_tensor=spec_state, non_spec_state_indices_tensor=non_spec_state,
+        spec_sequence_masks=torch.tensor(spec_mask, dtype=torch.bool, device=device) if num_spec_decodes else None,
+        spec_token_indx=spec_idx, non_spec_token_indx=non_spec_idx, num_accepted_tokens=accepted, **fields)
+
+
+def _conv_metadata(qsl: list, device: str):
+    """``compute_causal_conv1d_metadata`` (``vllm/v1/attention/backends/utils.py``): per BLOCK_M (8) the programs
+    per sequence, and the int32 program tables the conv kernel reads."""
+    import torch
+
+    seqlens = [b - a for a, b in zip(qsl, qsl[1:])]
+    nums = [-(-s // 8) for s in seqlens]
+    mlist = [i for i, k in enumerate(nums) for _ in range(k)]
+    size = max(1024, len(mlist)) * 2
+    batch_ptr = torch.full((size,), -1, dtype=torch.int32, device=device)
+    offsets = torch.full((size,), -1, dtype=torch.int32, device=device)
+    return ({8: {"nums": nums, "tot": sum(nums), "mlist": mlist, "mlist_len": len(mlist), "offsetlist": [],
+                 "batch_ptr": batch_ptr, "token_chunk_offset_ptr": offsets}}, batch_ptr, offsets)
+
+
+def forward(layer, batch_meta, tokens: int, hidden: int, dtype, device: str):
+    """One ``layer.forward`` under the runner's forward context."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    hidden_states = torch.zeros(tokens, hidden, dtype=dtype, device=device)
+    positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+    with set_forward_context({PREFIX: batch_meta}):
+        return layer.forward(hidden_states, positions)
+
+
+def batches(g: LayerGeometry, paths: tuple, max_batch: int, max_tokens: int) -> Iterator[tuple[str, Batch]]:
+    """The batch make-ups that stand for every step within the envelope."""
+    W = 1 + g.num_spec
+    if "prefill" in paths:
+        for name, lens in (("T=1", [1]), ("T=17", [17]), ("T=64", [64]), ("N=3", [1, 16, 33]),
+                           (f"T={max_tokens}", [max_tokens])):
+            if sum(lens) > max_tokens or len(lens) > max_batch:
+                continue
+            for prefix in (False, True):
+                yield (f"prefill[{name},prefix={prefix}]",
+                       Batch(tuple(lens), tuple(5 if prefix else 0 for _ in lens), (False,) * len(lens), False))
+        for decodes in batch_sizes(min(max_batch - 1, 64)) if max_batch > 1 else []:
+            lens = [1] * decodes + [13]
+            yield (f"mixed[decodes={decodes}]",
+                   Batch(tuple(lens), tuple([9] * decodes + [0]), (False,) * len(lens), False))
+    if "decode" in paths:
+        for b in batch_sizes(max_batch):
+            for staged in (False, True):
+                yield f"decode[B={b},staged={staged}]", Batch((1,) * b, (9,) * b, (False,) * b, staged)
+    if "spec_verify" in paths and g.num_spec:
+        for n in batch_sizes(max_batch):
+            for staged in (False, True):
+                yield f"spec[n={n},staged={staged}]", Batch((W,) * n, (9,) * n, (True,) * n, staged)
+            if n > 1:
+                ragged = tuple(1 + (i % W) for i in range(n))
+                yield f"spec[n={n},ragged]", Batch(ragged, (9,) * n, (True,) * n, False)
+        for others, kind in ((1, "decode"), (3, "decode"), (1, "prefill"), (2, "prefill")):
+            for n in (1, 2, 5):
+                lens = [W] * n + ([1] * others if kind == "decode" else [7 + 8 * i for i in range(others)])
+                ctx = [9] * n + ([9] * others if kind == "decode" else [0] * others)
+                yield (f"spec+{kind}[n={n},others={others}]",
+                       Batch(tuple(lens), tuple(ctx), (True,) * n + (False,) * others, False))
+
+
+def layer_calls(geometries: list[LayerGeometry], paths: tuple, max_batch: int, max_tokens: int,
+                device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """(label, call) for each geometry and batch: one ``forward`` of the layer each."""
+    import torch
+
+    for g in geometries:
+        state = {}
+
+        def layer(g=g, state=state):
+            if "layer" not in state:
+                state["layer"], _ = build_layer(g, device)
+                bind_state(state["layer"], g, max_batch + 8, device)
+            return state["layer"]
+
+        tag = (f"model={g.model_dtype},conv_state={g.conv_state_dtype},num_spec={g.num_spec},page={g.page_bytes},"
+               f"custom_ops={'/'.join(g.custom_ops)}")
+        for name, batch in batches(g, paths, max_batch, max_tokens):
+            def call(batch=batch, layer=layer, g=g):
+                lyr = layer()
+                m = metadata(batch, g, device, max_batch + 8)
+                return forward(lyr, m, m.num_actual_tokens, lyr.hidden_size, getattr(torch, g.model_dtype),
+                               device)
+
+            yield f"layer[{tag}]/{name}", call
+
+
+def _import(name: str):
+    import importlib
+
+    return importlib.import_module(name)
+
+
+LAYER_KEYS = ("mamba_page_bytes", "conv_kernel_size", "custom_ops", "mamba_cache_mode", "conv_state_dtype")
+
+
+def geometries(spec: dict) -> tuple[list[LayerGeometry], dict]:
+    """The layer geometries ``spec``'s ``[spec.vllm]`` names (every page size x speculative width), and the rest of
+    the spec (for the kernel-level reading)."""
+    from prewarm_kernels.spec import SpecError, read_kda
+
+    extra = dict(spec.get("vllm") or {})
+    layer = {k: extra.pop(k) for k in LAYER_KEYS if k in extra}
+    read = read_kda({k: v for k, v in spec.items() if k != "vllm"})
+    mode = layer.get("mamba_cache_mode", "none")
+    if mode != "none":
+        raise SpecError("vllm.mamba_cache_mode", mode, '"none": the block-table layout of prefix caching for mamba '
+                        '("align", "all") is not planned')
+    width = layer.get("conv_kernel_size", CONV_KERNEL_SIZE)
+    if not isinstance(width, int) or not 2 <= width <= 7:
+        raise SpecError("vllm.conv_kernel_size", width, "an integer in 2..7 (the causal conv's widths)")
+    custom_ops = layer.get("custom_ops", ["all"])
+    if not isinstance(custom_ops, list) or not all(isinstance(c, str) for c in custom_ops):
+        raise SpecError("vllm.custom_ops", custom_ops, "a list of vLLM's custom_ops entries (\"all\", \"none\", "
+                        "\"+name\", \"-name\")")
+    model_dtype = read["dtypes"]["activation"][0]
+    conv_dtype = layer.get("conv_state_dtype", model_dtype)
+    if conv_dtype not in DTYPE_SIZE:
+        raise SpecError("vllm.conv_state_dtype", conv_dtype, f"one of {sorted(DTYPE_SIZE)}")
+    specs = sorted({d - 1 for d in read["draft_widths"] if d > 1}) or [0]
+    out = []
+    for num_spec in specs:
+        pages = layer.get("mamba_page_bytes", [page_bytes(read["heads"], read["head_k_dim"], width, num_spec,
+                                                          conv_dtype)])
+        if not isinstance(pages, list) or not pages or not all(isinstance(p, int) and p > 0 for p in pages):
+            raise SpecError("vllm.mamba_page_bytes", pages, "a non-empty list of positive integers")
+        for page in pages:
+            if page < page_bytes(read["heads"], read["head_k_dim"], width, num_spec, conv_dtype):
+                continue  # a page for another speculative width
+            out.append(LayerGeometry(heads=read["heads"], attention_tp=read["attention_tp"],
+                                     head_dim=read["head_k_dim"], conv_kernel_size=width, num_spec=num_spec,
+                                     model_dtype=model_dtype, conv_state_dtype=conv_dtype, page_bytes=page,
+                                     custom_ops=tuple(custom_ops), lower_bound=read["gate_lower_bound"]))
+    return out, {**spec, "vllm": extra}
