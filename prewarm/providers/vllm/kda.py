@@ -118,8 +118,13 @@ def read_spec(spec: dict) -> VllmSpec:
                              pool: vLLM's page holds the conv state too and is padded to the attention page, so
                              a deployment lists its own)
 
-    A bad value is a SpecError naming ``spec.<key>``."""
-    extra = spec.get("vllm", {})
+    The layer's geometry keys (:data:`prewarm.providers.vllm_layer.LAYER_KEYS`) are read by
+    :func:`prewarm.providers.vllm_layer.geometries`. A bad value is a SpecError naming ``spec.<key>``."""
+    from .vllm_layer import LAYER_KEYS
+
+    if not isinstance(spec.get("vllm", {}), dict):
+        raise SpecError("vllm", spec["vllm"], "a table")
+    extra = {k: v for k, v in spec.get("vllm", {}).items() if k not in LAYER_KEYS}
     read = read_kda({k: v for k, v in spec.items() if k != "vllm"})
     if read["backend"] not in (None, "cuda"):
         raise SpecError("backend", read["backend"], "cuda ([target] backend): vLLM's KDA kernels for NVIDIA GPUs")
@@ -131,11 +136,10 @@ def read_spec(spec: dict) -> VllmSpec:
                      ("fused_gate", "vLLM's Kimi-Linear layer always hands the raw gate with A_log and dt_bias")):
         if not read[key]:
             raise SpecError(f"serving.{key}", False, f"true (or absent): {why}")
-    if not isinstance(extra, dict):
-        raise SpecError("vllm", extra, "a table")
     unknown = sorted(set(extra) - set(VLLM_KEYS))
     if unknown:
-        raise SpecError(f"vllm.{unknown[0]}", extra[unknown[0]], f"no such key (known: {', '.join(VLLM_KEYS)})")
+        raise SpecError(f"vllm.{unknown[0]}", extra[unknown[0]],
+                        f"no such key (known: {', '.join(VLLM_KEYS + LAYER_KEYS)})")
     h, K, V = read["heads"], read["head_k_dim"], read["head_v_dim"]
     paths = extra.get("paths", [p for p in PATHS if p != "prefill" or read["prefill"]])
     if not isinstance(paths, list) or not paths or len(set(paths)) != len(paths) or any(p not in PATHS for p in paths):
@@ -171,7 +175,7 @@ def launches(spec: dict) -> list:
     _import_vllm()
     out = []
     with fake_cuda():
-        for label, call in _calls(s, "cuda"):
+        for label, call in _all_calls(spec, s, "cuda"):
             for launch in launches_of(call):
                 bad = [str(i) for i, v in enumerate(launch.args) if misaligned(v)] + \
                       [k for k, v in launch.kwargs.items() if misaligned(v)]
@@ -190,7 +194,7 @@ def run(spec: dict, device: str = "cuda") -> None:
 
     s = read_spec(spec)
     _import_vllm()
-    for _, call in _calls(s, device):
+    for _, call in _all_calls(spec, s, device):
         call()
     torch.cuda.synchronize()
 
@@ -255,6 +259,16 @@ def _import_vllm():
     if not sys.modules["vllm.triton_utils"].HAS_TRITON:
         raise ValueError("vLLM was imported in this process where Triton had no active GPU driver (its triton is a "
                          "placeholder): plan in a fresh process, which imports vLLM under the target's device profile")
+
+
+def _all_calls(spec: dict, s: VllmSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The layer's forwards (every kernel it launches, as the server runs it), then the entry points called
+    directly over the API's wider envelope (index dtypes, beta layouts a caller may hand over)."""
+    from . import vllm_layer
+
+    geometries, _ = vllm_layer.geometries(spec)
+    yield from vllm_layer.layer_calls(geometries, s.paths, s.max_batch, s.max_prefill_tokens, device)
+    yield from _calls(s, device)
 
 
 def _calls(s: VllmSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
