@@ -6,6 +6,7 @@
 #   bash bench/h200_proof.sh fla-tune           # nvidia-h200: repeat (machine kept warm) until it prints "table done"
 #   bash bench/h200_proof.sh fla-offline        # nvidia-h200, after fla-tune on the same machine: ~5 min
 #   bash bench/h200_proof.sh jit DIR            # nvidia-h200: ~4 min
+#   bash bench/h200_proof.sh vllm-layer         # nvidia-h200: ~6 min
 #
 # traffic: bench/serving_traffic.py installs BUNDLE (a `prewarm pack` dir built on the CPU box) into a fresh node dir
 #   per process and runs 5 fresh processes of independent traffic (seeds from the clock, recorded in the JSON), then
@@ -31,6 +32,10 @@
 #   FlashInfer sampling calls per step) on the CPU box's Triton and FlashInfer bundles and the node-image sglang-jit
 #   one, each installed at another path per process, every Triton compile, JIT build and autotune benchmark counted;
 #   then the control: one process of the same KDA traffic with sglang's JIT dir left empty (the guard counts the build).
+# vllm-layer: issue 49. manifests/kimi-linear-h200-vllm.toml built on this host with no GPU visible
+#   (CUDA_VISIBLE_DEVICES=, as a container step builds it) and packed; then bench/vllm_layer_traffic.py: 5 fresh
+#   guarded processes, each on its own fresh install of that bundle, of independent layer-level traffic driving vLLM
+#   0.34.0's real KimiGatedDeltaNetAttention.forward (build/vllm: the wheel's files) on the GPU.
 # dp-stall: bench/dp_stall.py, 2 ranks on 2 GPUs over NCCL, scenarios A (rank 0 cold) and B (both prewarmed);
 #   BUNDLE is the device-bundle.tar (or dir) of the traffic run; without one a device bundle is built here (~110 s).
 #
@@ -45,8 +50,9 @@ work=${PREWARM_BENCH_WORK:-/tmp/prewarm-proof}
 py=${PYTHON:-python3}
 export PREWARM_BENCH_WORK=$work PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || $mode == dp-stall || $mode == fla-tune ||
-        $mode == fla-offline ]]; then
-  echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | dp-stall [BUNDLE] | fla-tune | fla-offline" >&2
+        $mode == fla-offline || $mode == vllm-layer ]]; then
+  echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | dp-stall [BUNDLE] | fla-tune | fla-offline |" \
+    "vllm-layer" >&2
   exit 2
 fi
 mkdir -p "$out" "$work"
@@ -146,6 +152,25 @@ case $mode in
       --jit-bundle "sglang-jit=$work/bundle.sglang-jit" --jit-cold --seeds "${seeds%%,*}" --work-dir "$work" \
       --out "$out/jit_traffic_cold.json" 2>&1 | tee -a "$log"
     echo "h200_proof: jit traffic exit $rc, the control exit ${PIPESTATUS[0]}, $SECONDS s" | tee -a "$log"
+    exit $rc
+    ;;
+  vllm-layer)
+    mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
+    export PYTHONPATH=$PWD/build/vllm:$work/shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    vllm=manifests/kimi-linear-h200-vllm.toml
+    log=$out/vllm_layer_traffic.log
+    rm -rf "$work/vllm-build" "$work/vllm-bundle"
+    { echo "== $vllm built with no GPU visible"
+      CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build $vllm --mode offline --workers 14 --cache-dir "$work/vllm-build" &&
+        $py -m prewarm.cli pack "$work/vllm-build" -o "$work/vllm-bundle"
+      echo "exit $?"; } 2>&1 | tee "$log"
+    [ -f "$work/vllm-bundle/index.json" ] || exit 1
+    seeds=$(( $(date +%s) % 100000 ))
+    seeds=$(seq -s, "$seeds" $((seeds + 4)))
+    $py bench/vllm_layer_traffic.py --manifest $vllm --bundle "$work/vllm-bundle" --vllm-path build/vllm \
+      --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/vllm_layer_traffic.json" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    echo "h200_proof: vllm layer traffic exit $rc, $SECONDS s" | tee -a "$log"
     exit $rc
     ;;
   dp-stall)

@@ -183,10 +183,15 @@ def _print_counts(planned, why: str | None) -> None:
 
 def _print_options(m) -> None:
     """Every API axis a provider plans on fewer values than its library accepts, and who narrowed it; every
-    parameter it does not plan, and why."""
+    parameter it does not plan, and why; every server geometry value it planned with (a row's ``derived``: what the
+    value is and how to read it off a live server)."""
     from .plan import provider_options
 
     for source, rows in provider_options(m).items():
+        for r in (r for r in rows if r.get("derived")):
+            out.print(f"derived: {escape(source)}: {r['key']} = {escape(json.dumps(r['planned']))} "
+                      f"({'set in the manifest' if r['given'] else 'the provider derived it'}): "
+                      f"{escape(r['derived'])}", highlight=False)
         for r in (r for r in rows if r["narrowed"]):
             if r.get("why"):
                 out.print(f"not planned: {escape(source)}: {r['key']}: {escape(r['why'])}", highlight=False)

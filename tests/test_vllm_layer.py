@@ -47,3 +47,59 @@ def test_layer_traffic_requests_nothing_the_plan_lacks(planned, seed):
     assert not missing, f"seed {seed} (rerun: PREWARM_CLOSURE_SEED={seed}): not planned:\n{missing}"
     kernels = {c.kernel.split(":")[1] for c in compiles.values()}
     assert LAYER_KERNELS - {"chunk_gla_fwd_kernel_o"} <= kernels, LAYER_KERNELS - kernels
+
+
+def test_the_layer_api_table_accounts_for_every_parameter():
+    """The layer's forward and each op it calls, read from the installed vLLM: a parameter vLLM adds fails here
+    until the provider says how it plans it."""
+    import importlib
+    import inspect
+
+    from prewarm.providers.vllm_layer import LAYER_API
+
+    for (module, qualname), table in LAYER_API.items():
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        params = list(inspect.signature(obj).parameters)
+        assert set(params) == set(table), (qualname, sorted(set(params) ^ set(table)))
+
+
+def test_the_stand_in_metadata_record_and_slot_ids_are_the_wheels():
+    """build/vllm's GDN metadata classes are the wheel's source (cut by assemble.py), its slot ids the wheel's."""
+    import ast
+    import zipfile
+
+    import vllm.v1.attention.backends.gdn_attn as gdn_attn
+    import vllm.v1.attention.backends.utils as backend_utils
+
+    (wheel,) = (REPO / "build" / "wheels").glob("vllm-0.34.0-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        source = zf.read("vllm/v1/attention/backends/gdn_attn.py").decode()
+        utils = zf.read("vllm/v1/attention/backends/utils.py").decode()
+    wheel_classes = {n.name: ast.get_source_segment(source, n) for n in ast.parse(source).body
+                     if isinstance(n, ast.ClassDef)}
+    ours = Path(gdn_attn.__file__).read_text()
+    assert wheel_classes["GDNAttentionMetadata"] in ours and wheel_classes["GDNFlashInferCheckpointPlan"] in ours
+    constants = {t.id: ast.literal_eval(n.value) for n in ast.parse(utils).body if isinstance(n, ast.Assign)
+                 for t in n.targets if isinstance(t, ast.Name) and t.id in ("PAD_SLOT_ID", "NULL_BLOCK_ID")}
+    assert constants == {"PAD_SLOT_ID": backend_utils.PAD_SLOT_ID, "NULL_BLOCK_ID": backend_utils.NULL_BLOCK_ID}
+
+
+@pytest.mark.parametrize("custom_ops,norm", [(["all"], True), (["none"], False),
+                                             (["none", "+fused_rms_norm_gated"], True),
+                                             (["all", "-fused_rms_norm_gated"], False)])
+def test_custom_ops_decide_whether_the_norm_kernel_is_planned(planned, custom_ops, norm):
+    """o_norm is a CustomOp: vLLM's own rule on the compilation config's custom_ops picks its Triton forward_cuda
+    or its torch forward_native; the plan follows (and prewarm plan says which)."""
+    from prewarm.providers import vllm_kda, vllm_layer
+
+    spec = {"backend": "cuda", "model": {"kda_heads": 32, "head_k_dim": 128, "head_v_dim": 128},
+            "serving": {"decode_batch_buckets": [2], "prefill": False},
+            "dtypes": {"activation": "bfloat16", "gate": "bfloat16", "beta": "bfloat16", "gate_params": "float32",
+                       "index": "int32"},
+            "vllm": {"paths": ["decode"], "custom_ops": custom_ops}}
+    names = {vllm_kda._kernel_name(launch) for launch in vllm_kda.launches(spec)}
+    assert ("layer_norm_gated_fwd_kernel" in names) is norm and "_causal_conv1d_update_kernel" in names
+    (row,) = [r for r in vllm_kda.options(spec) if r["key"] == "spec.vllm.custom_ops"]
+    assert row["given"] and ("layer_norm_gated_fwd_kernel: planned" in row["derived"]) is norm

@@ -33,6 +33,43 @@ from .capture import batch_sizes, index_tensor
 LAYER = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"
 PREFIX = "model.layers.0.self_attn"  # the layer's name in the forward context (any name with one layer index)
 LAYER_PATHS = ("prefill", "decode", "spec_verify")
+OPS = "vllm.model_executor.layers.mamba.ops"
+BY_THE_LAYER = "as the layer passes it (its forward runs)"
+# The layer's forward and every entry point of another module it calls, with how the plan covers each parameter
+# (module, qualified name) -> {parameter: how}. tests/test_vllm_layer.py reads the installed vLLM's signatures and
+# fails on a parameter this table does not account for; the KDA core's entry points: vllm_kda.API.
+LAYER_API = {
+    (LAYER, "KimiGatedDeltaNetAttention.forward"): {
+        "self": "built from the config as the model builds it (heads, head_dim, conv kernel, num_speculative_tokens, "
+                "custom_ops), its state bound as the runner binds it (spec.vllm.mamba_page_bytes)",
+        "hidden_states": "[tokens, hidden] in the model dtype, tokens of each batch make-up (batches())",
+        "positions": "unused by the KDA layer"},
+    (f"{OPS}.causal_conv1d", "causal_conv1d_fn"): {
+        "x": BY_THE_LAYER + ": a transposed q/k/v slice of the fused projection (or of its index_select copy)",
+        "weight": BY_THE_LAYER, "bias": "None (the layer's conv has no bias)",
+        "conv_states": "the q/k/v split of the conv state pool, SD layout transposed, slot stride = page / size",
+        "query_start_loc": "the non-spec query_start_loc (int32)", "cache_indices": "the block table's first column "
+        "or a mixed batch's copy (int32)", "has_initial_state": "bool, with and without prefix state",
+        "activation": "silu", "pad_slot_id": "the default", "null_block_id": "the default",
+        "metadata": "compute_causal_conv1d_metadata's program tables", "validate_data": "the default"},
+    (f"{OPS}.causal_conv1d", "causal_conv1d_update"): {
+        "x": BY_THE_LAYER + ": the decode rows of the fused projection, or the spec rows' copy",
+        "conv_state": "the whole conv state pool (transposed view)", "weight": BY_THE_LAYER,
+        "bias": "None (the layer's conv has no bias)", "activation": "silu",
+        "conv_state_indices": "decode: the block table's first column (eager) or the staging buffer (FULL graph); "
+                              "spec: its first column", "num_accepted_tokens": "spec: int32; decode: None",
+        "query_start_loc": "spec: int32; decode: None", "max_query_len": "spec: 1 + num_speculative_tokens",
+        "null_block_id": "the default", "validate_data": BY_THE_LAYER, "out": "a fresh contiguous tensor"},
+    (f"{OPS}.gather_initial_states", "gather_initial_states"): {
+        "state": "the recurrent state pool (slot stride = page / 4)", "indices": "as causal_conv1d_fn's",
+        "has_initial_state": "as causal_conv1d_fn's"},
+    (f"{OPS}.scatter_states", "scatter_states"): {
+        "state": "the recurrent state pool", "src": "the prefill's final states", "indices": "as the gather's"},
+    ("vllm.third_party.flash_linear_attention.ops.kda", "FusedRMSNormGated.forward_cuda"): {
+        "self": "the layer's o_norm (head_dim, sigmoid; forward_cuda where spec.vllm.custom_ops enables it)",
+        "x": "the core output [1, tokens, h, K]", "g": "g2: g_b_proj's output viewed [tokens, h, K]",
+        "residual": "never passed", "prenorm": "never passed", "residual_in_fp32": "never passed"},
+}
 CONV_KERNEL_SIZE = 4  # Kimi-Linear's short_conv_kernel_size
 DTYPE_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -355,3 +392,48 @@ def geometries(spec: dict) -> tuple[list[LayerGeometry], dict]:
                                      model_dtype=model_dtype, conv_state_dtype=conv_dtype, page_bytes=page,
                                      custom_ops=tuple(custom_ops), lower_bound=read["gate_lower_bound"]))
     return out, {**spec, "vllm": extra}
+
+
+def derived(spec: dict) -> list[dict]:
+    """The server geometry the layer is planned with, each value with what it fixes in the kernels and how to read it
+    off a live server (``prewarm plan`` prints them: ``options`` rows with ``derived``)."""
+    geoms, _ = geometries(spec)
+    given = set(spec.get("vllm") or {})
+    g0 = geoms[0]
+    pages = sorted({g.page_bytes for g in geoms})
+    rows = [
+        ("vllm.mamba_page_bytes", pages, "mamba_page_bytes",
+         "one page per state slot: conv state then fp32 recurrent state; the recurrent slot stride (page / 4 "
+         "elements) is a constexpr of the packed decode and the spec verify (stride_state_token), the conv slot "
+         "stride (page / 2) an int of the causal conv kernels. Check on the server: "
+         "layer.kv_cache[1].stride(0) * 4 (and kv_cache[0].stride(0) * 2) for a KDA layer, or MambaSpec."
+         "page_size_bytes in the KV cache config vLLM logs"),
+        ("vllm.num_speculative_tokens", sorted({g.num_spec for g in geoms}), None,
+         "from spec.serving.draft_widths - 1: the conv state's length (conv_kernel_size - 1 + it) and the spec "
+         "verify's index row. Check: --speculative-config num_speculative_tokens"),
+        ("vllm.block_table_width", sorted({g.block_table_width for g in geoms}), None,
+         "1 + num_speculative_tokens (MambaSpec.max_num_blocks_per_req, mamba_cache_mode none): the state-index "
+         "stride of eager decode and prefill steps (block_table[:, 0]). Check: GDNAttentionMetadata."
+         "non_spec_state_indices_tensor.stride(0) on an eager step, spec_state_indices_tensor.size(1)"),
+        ("vllm.conv_kernel_size", [g0.conv_kernel_size], "conv_kernel_size",
+         "config.json linear_attn_config.short_conv_kernel_size: the causal conv's KERNEL_WIDTH constexpr"),
+        ("vllm.conv_state_dtype", [g0.conv_state_dtype], "conv_state_dtype",
+         "--mamba-cache-dtype (auto: the model dtype). Check: layer.kv_cache[0].dtype"),
+        ("vllm.custom_ops", list(g0.custom_ops), "custom_ops",
+         "compilation_config.custom_ops: whether o_norm (FusedRMSNormGated) takes forward_cuda "
+         f"(layer_norm_gated_fwd_kernel: {'planned' if o_norm_triton(g0.custom_ops) else 'not launched'}) or "
+         "forward_native (torch ops). Check: compilation_config.enabled_custom_ops holds fused_rms_norm_gated"),
+        ("vllm.mamba_cache_mode", ["none"], "mamba_cache_mode",
+         "--enable-prefix-caching off for the mamba layers; align / all are refused"),
+    ]
+    return [{"key": f"spec.{key}", "planned": value, "accepted": None, "given": name in given, "narrowed": False,
+             "derived": why} for key, value, name, why in rows]
+
+
+def o_norm_triton(custom_ops) -> bool:
+    """Whether vLLM's ``CustomOp.enabled`` turns ``fused_rms_norm_gated`` on for ``custom_ops`` (its own rule)."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+
+    norm = _import("vllm.third_party.flash_linear_attention.ops.kda").FusedRMSNormGated
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=list(custom_ops)))):
+        return norm.enabled()

@@ -26,9 +26,14 @@ a slot; ``spec.vllm.state_slot_strides``).
 Index pointers (``cu_seqlens``, the state indices, ``num_accepted_tokens``) each take their own dtype: every
 combination of ``spec.dtypes.index`` per pointer is planned (vLLM builds them int32; a caller may hand int64).
 
-Not planned (another kernel library or not KDA): the causal conv (``causal_conv1d_fn`` / ``_update``), the gathered
-and scattered states, the gated RMSNorm, Kimi-K3's FlashKDA / FlashInfer / native fused decode, RecoverSSM.
-:func:`options` lists what is narrowed; ``prewarm plan`` prints it.
+The layer itself is driven too (:mod:`prewarm.providers.vllm_layer`): ``KimiGatedDeltaNetAttention.forward`` with
+its state pool bound and its metadata filled as vLLM's runner and builder do, so every kernel it launches around
+these three is planned (the causal conv, prefill and update; the gathered and scattered states; the gated RMSNorm
+``o_norm``) with the layouts the layer hands over. The entry points are also planned over the API's wider envelope
+(each index dtype per pointer, the beta layouts) for callers other than the layer.
+
+Not planned (another kernel library): Kimi-K3's FlashKDA / FlashInfer / native fused decode, RecoverSSM.
+:func:`options` lists what is narrowed and the server geometry planned with; ``prewarm plan`` prints both.
 """
 from __future__ import annotations
 
@@ -213,9 +218,12 @@ def options(spec: dict) -> list[dict]:
              ("vllm.beta_row_strides", list(s.beta_row_strides), None),
              ("vllm.state_slot_strides", list(s.state_slot_strides), None),
              ("vllm.recoverssm", [False], [False, True])]  # --use-kda-recoverssm: other kernels (not planned)
+    from .vllm_layer import derived
+
     return [{"key": f"spec.{key}", "planned": planned, "accepted": accepted,
              "given": key.split(".")[1] in given.get(key.split(".")[0], set()),
-             "narrowed": accepted is not None and planned != accepted} for key, planned, accepted in rows]
+             "narrowed": accepted is not None and planned != accepted} for key, planned, accepted in rows] + \
+        derived(spec)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,138 @@
+"""Zero compiles, JIT builds and autotune benchmarks for vLLM's Kimi-Linear KDA layer under independent layer-level
+traffic, fresh processes (H200).
+
+    python3 bench/vllm_layer_traffic.py --bundle BUNDLE [--vllm-path DIR] [--seeds 1,2,3,4,5] [--expect-zero] [--out JSON]
+
+The traffic is ``tests/traffic/vllm_layer.py``: server steps of vLLM 0.34.0's real ``KimiGatedDeltaNetAttention``
+(the wheel's file, ``--vllm-path``: ``.ci/setup``'s ``build/vllm``) with its state bound as the model runner binds
+it and ``GDNAttentionMetadata`` as vLLM's builder fills it, written independently of the provider
+(``prewarm.providers.vllm_layer``, which this bench never imports); ``tests/test_vllm_layer.py`` runs the same
+generator on fake tensors against the plan. Each step draws its make-up (prefill, chunked prefill with prefix state,
+decodes beside prefills, decode eager or CUDA-graph padded, spec verify uniform or ragged, spec beside decodes or
+prefills), the request count (a seeded permutation of 1..max_num_seqs: every count within a process of enough
+steps), odd lengths, the mamba page size.
+
+For each seed: ``prewarm install BUNDLE`` into a fresh node dir, then a fresh process with ``TRITON_CACHE_DIR`` = that
+dir, ``TRITON_CACHE_AUTOTUNING=1``, under ``prewarm guard`` (warn, armed at import, a metrics file: its JIT build
+count) counts every Triton compile (Triton's compilation listener), every autotune benchmark and every JIT build.
+Writes ``{"runs": [...], "coverage": {...}}`` after every process; exits 1 if a process failed, and with
+``--expect-zero`` if any process compiled, built or benchmarked, ran unguarded, or the runs missed a step kind or a
+request count.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _common import (  # noqa: E402
+    REPO, Probes, add_seed_options, add_server_path, bench_parser, bundle_for, child_main, init_device, load_spec,
+    parse_seed_options, run_calls, server_path, traffic_env, traffic_runs,
+)
+
+DEFAULT_VLLM_MANIFEST = REPO / "manifests" / "kimi-linear-h200-vllm.toml"
+
+
+def child(args) -> dict:
+    from traffic.vllm_layer import calls
+
+    torch = init_device()
+    probes = Probes()
+    spec = load_spec(Path(args.manifest))
+    drawn: list[dict] = []
+
+    def tallied(traffic):
+        for call in traffic:
+            drawn.append(call.options)
+            yield call
+
+    t0 = time.perf_counter()
+    traffic = tallied(calls(spec, args.seed, args.calls * args.steps, "cuda"))
+    run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
+    first_step_s = time.perf_counter() - t0
+    after_first = probes.snapshot()
+    for _ in range(args.steps - 1):
+        run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
+    return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
+            "calls": len(drawn), "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
+            "request_counts": sorted({d["requests"] for d in drawn}), "pages": sorted({str(d["page"]) for d in drawn}),
+            "graph_padded": sum(d["graph"] for d in drawn), "with_prefix": sum(bool(d["prefix"]) for d in drawn),
+            **_jit_builds(), **probes.snapshot(), **probes.details()}
+
+
+def _jit_builds() -> dict:
+    """The guard's count of builds past Triton in this process (its metrics file)."""
+    from prewarm import guard
+    from prewarm.metrics import JIT_BUILDS, TEXTFILE, read
+
+    if not os.environ.get(TEXTFILE):
+        return {"guarded": guard.armed()}
+    built = read(os.environ[TEXTFILE])[0].get(JIT_BUILDS, {}) if Path(os.environ[TEXTFILE]).exists() else {}
+    return {"guarded": guard.armed(), "jit_builds": int(sum(built.values())), "jit_built": built}
+
+
+def coverage(runs: list[dict], spec: dict) -> dict:
+    """What the runs saw together: step kinds, request counts 1..max_num_seqs, pages."""
+    from traffic.vllm_layer import KINDS
+
+    serving = spec.get("serving", {})
+    top = serving.get("max_running_requests") or max(serving.get("decode_batch_buckets") or [1])
+    kinds = {k for r in runs for k in r.get("calls_by_kind", {})}
+    counts = set().union(*(r.get("request_counts", []) for r in runs))
+    wanted = [k for k in KINDS if serving.get("draft_widths") or not k.startswith("spec")]
+    return {"max_num_seqs": top, "kinds": sorted(kinds), "request_counts_seen": len(counts),
+            "missed": {k: v for k, v in {"kinds": sorted(set(wanted) - kinds),
+                                         "request_counts": sorted(set(range(1, top + 1)) - counts)}.items() if v}}
+
+
+def main() -> int:
+    p = bench_parser(__doc__, "vllm_layer_traffic", manifest=DEFAULT_VLLM_MANIFEST)
+    add_seed_options(p, seeds="1,2,3,4,5", calls=64)
+    p.set_defaults(steps=5)
+    add_server_path(p, "vllm")
+    args = parse_seed_options(p)
+    if args.child:
+        return child_main(child, args)
+    if not args.bundle or args.device_runs:
+        p.error("give --bundle (a bundle of the manifest, built and packed without a GPU), no --device-runs")
+    vllm_path = server_path(p, args.vllm_path, "vllm")
+    work = Path(args.work_dir).resolve() / "vllm-layer"
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = Path(args.manifest).resolve()
+    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
+    bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
+
+    def node_env(node: Path) -> dict:
+        from prewarm.guard import MODE
+        from prewarm.metrics import TEXTFILE
+        from prewarm.record import hooked_pythonpath
+
+        env = traffic_env(work, node, vllm_path)
+        env.pop("VLLM_TRITON_FORCE_FIRST_CONFIG", None)  # vLLM's default: its autotuners benchmark
+        site = hooked_pythonpath().split(os.pathsep)[0]  # prewarm guard's sitecustomize, as `prewarm guard --` does
+        env |= {MODE: "warn", TEXTFILE: str(node) + ".prom",
+                "PYTHONPATH": os.pathsep.join((site, env["PYTHONPATH"]))}
+        Path(env[TEXTFILE]).unlink(missing_ok=True)
+        return env
+
+    def said(run: dict) -> str:
+        return (f"{run['compiles']} compiles, {run['autotune_benchmarks']} autotune benchmarks, JIT builds "
+                f"{run.get('jit_builds', '-')}, guarded {run.get('guarded')}, {run['cache_hits']} disk hits, "
+                f"{run['calls']} steps ({run['calls_by_kind']}), {len(run['request_counts'])} request counts, "
+                f"first step {run['first_step_s']} s")
+
+    traffic_runs(Path(__file__), args, bundle, work, out, node_env, lambda runs: coverage(runs, load_spec(manifest)),
+                 said)
+    failed = any("error" in r for r in out["runs"])
+    counted = any(r.get("compiles") or r.get("autotune_benchmarks") or r.get("jit_builds") or not r.get("guarded")
+                  for r in out["runs"])
+    return 1 if failed or (args.expect_zero and (out["coverage"]["missed"] or counted)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
