@@ -78,13 +78,15 @@ def _jit_builds() -> dict:
 
 def coverage(runs: list[dict], spec: dict) -> dict:
     """What the runs saw together: step kinds, request counts 1..max_num_seqs, pages."""
-    from traffic.vllm_layer import KINDS
+    import random
+
+    from traffic.vllm_layer import _Steps
 
     serving = spec.get("serving", {})
     top = serving.get("max_running_requests") or max(serving.get("decode_batch_buckets") or [1])
     kinds = {k for r in runs for k in r.get("calls_by_kind", {})}
     counts = set().union(*(r.get("request_counts", []) for r in runs))
-    wanted = [k for k in KINDS if serving.get("draft_widths") or not k.startswith("spec")]
+    wanted = _Steps(spec, random.Random(0), "cpu").kinds
     return {"max_num_seqs": top, "kinds": sorted(kinds), "request_counts_seen": len(counts),
             "missed": {k: v for k, v in {"kinds": sorted(set(wanted) - kinds),
                                          "request_counts": sorted(set(range(1, top + 1)) - counts)}.items() if v}}

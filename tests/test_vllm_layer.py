@@ -86,9 +86,10 @@ def test_the_stand_in_metadata_record_and_slot_ids_are_the_wheels():
     assert constants == {"PAD_SLOT_ID": backend_utils.PAD_SLOT_ID, "NULL_BLOCK_ID": backend_utils.NULL_BLOCK_ID}
 
 
-@pytest.mark.parametrize("custom_ops,norm", [(["all"], True), (["none"], False),
-                                             (["none", "+fused_rms_norm_gated"], True),
-                                             (["all", "-fused_rms_norm_gated"], False)])
+@pytest.mark.parametrize("custom_ops,norm", [([["all"]], True), ([["none"]], False),
+                                             ([["none", "+fused_rms_norm_gated"]], True),
+                                             ([["all", "-fused_rms_norm_gated"]], False),
+                                             ([["none"], ["all"]], True)])
 def test_custom_ops_decide_whether_the_norm_kernel_is_planned(planned, custom_ops, norm):
     """o_norm is a CustomOp: vLLM's own rule on the compilation config's custom_ops picks its Triton forward_cuda
     or its torch forward_native; the plan follows (and prewarm plan says which)."""

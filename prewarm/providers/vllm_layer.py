@@ -369,10 +369,13 @@ def geometries(spec: dict) -> tuple[list[LayerGeometry], dict]:
     width = layer.get("conv_kernel_size", CONV_KERNEL_SIZE)
     if not isinstance(width, int) or not 2 <= width <= 7:
         raise SpecError("vllm.conv_kernel_size", width, "an integer in 2..7 (the causal conv's widths)")
-    custom_ops = layer.get("custom_ops", ["all"])
-    if not isinstance(custom_ops, list) or not all(isinstance(c, str) for c in custom_ops):
-        raise SpecError("vllm.custom_ops", custom_ops, "a list of vLLM's custom_ops entries (\"all\", \"none\", "
-                        "\"+name\", \"-name\")")
+    settings = layer.get("custom_ops", [["all"]])
+    if not isinstance(settings, list) or not settings or not all(
+            isinstance(c, list) and all(isinstance(x, str) for x in c) for c in settings):
+        raise SpecError("vllm.custom_ops", settings, "a non-empty list of vLLM custom_ops settings, each a list of "
+                        "its entries (\"all\", \"none\", \"+name\", \"-name\"), e.g. [[\"none\"]]")
+    # a setting that runs o_norm's Triton kernel launches everything one that runs its torch ops does, and more
+    custom_ops = next((c for c in settings if o_norm_triton(c)), settings[0])
     model_dtype = read["dtypes"]["activation"][0]
     conv_dtype = layer.get("conv_state_dtype", model_dtype)
     if conv_dtype not in DTYPE_SIZE:
@@ -419,10 +422,11 @@ def derived(spec: dict) -> list[dict]:
          "config.json linear_attn_config.short_conv_kernel_size: the causal conv's KERNEL_WIDTH constexpr"),
         ("vllm.conv_state_dtype", [g0.conv_state_dtype], "conv_state_dtype",
          "--mamba-cache-dtype (auto: the model dtype). Check: layer.kv_cache[0].dtype"),
-        ("vllm.custom_ops", list(g0.custom_ops), "custom_ops",
-         "compilation_config.custom_ops: whether o_norm (FusedRMSNormGated) takes forward_cuda "
-         f"(layer_norm_gated_fwd_kernel: {'planned' if o_norm_triton(g0.custom_ops) else 'not launched'}) or "
-         "forward_native (torch ops). Check: compilation_config.enabled_custom_ops holds fused_rms_norm_gated"),
+        ("vllm.custom_ops", (spec.get("vllm") or {}).get("custom_ops", [["all"]]), "custom_ops",
+         "compilation_config.custom_ops, each setting a server may run with: whether o_norm (FusedRMSNormGated) takes "
+         "forward_cuda (the Triton layer_norm_gated_fwd_kernel) or forward_native (torch ops); "
+         f"layer_norm_gated_fwd_kernel: {'planned' if o_norm_triton(g0.custom_ops) else 'not launched'}. Check: "
+         "the server's compilation_config.enabled_custom_ops holds fused_rms_norm_gated"),
         ("vllm.mamba_cache_mode", ["none"], "mamba_cache_mode",
          "--enable-prefix-caching off for the mamba layers; align / all are refused"),
     ]

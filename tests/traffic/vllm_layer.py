@@ -22,7 +22,8 @@ import):
 Each step draws: its make-up (prefill, chunked prefill with prefix state, decodes beside prefills, decode eager or
 graph-padded, spec-only uniform or ragged, spec beside decodes or prefills), the request count (every count up to the
 largest batch, as a seeded permutation), odd lengths, which prefills have a prefix, the page size (the manifest's
-list). ``Call.options`` holds what it drew.
+list); each generator (a server) runs one of the manifest's ``custom_ops`` settings and one speculative width. The step kinds follow the manifest's ``[spec.vllm] paths`` and ``serving.prefill``. ``Call.options`` holds
+what it drew.
 """
 from __future__ import annotations
 
@@ -60,8 +61,15 @@ class _Steps:
         widths = [w for w in serving.get("draft_widths", []) if w > 1]
         self.num_spec = rng.choice(widths) - 1 if widths else 0
         self.pages = vllm.get("mamba_page_bytes")
-        self.custom_ops = vllm.get("custom_ops", ["all"])
-        self.kinds = [k for k in KINDS if self.num_spec or not k.startswith("spec")]
+        self.custom_ops = rng.choice(vllm.get("custom_ops", [["all"]]))  # the setting this server runs with
+        paths = set(vllm.get("paths", ["prefill", "decode", "spec_verify"]))
+        if not serving.get("prefill", True):
+            paths.discard("prefill")
+        needs = {"prefill": {"prefill"}, "chunked": {"prefill"}, "mixed": {"prefill", "decode"},
+                 "decode": {"decode"}, "decode_graph": {"decode"}, "spec": {"spec_verify"},
+                 "spec_ragged": {"spec_verify"}, "spec+decode": {"spec_verify"},
+                 "spec+prefill": {"spec_verify", "prefill"}}
+        self.kinds = [k for k in KINDS if needs[k] <= paths and (self.num_spec or not k.startswith("spec"))]
         self.counts = _cycle(rng, range(1, self.max_seqs + 1))
         self.layers = {}
 
