@@ -104,3 +104,32 @@ def test_custom_ops_decide_whether_the_norm_kernel_is_planned(planned, custom_op
     assert ("layer_norm_gated_fwd_kernel" in names) is norm and "_causal_conv1d_update_kernel" in names
     (row,) = [r for r in vllm_kda.options(spec) if r["key"] == "spec.vllm.custom_ops"]
     assert row["given"] and ("layer_norm_gated_fwd_kernel: planned" in row["derived"]) is norm
+
+
+def test_the_mamba_page_is_padded_to_the_attention_page_as_vllm_pads_it():
+    """Kimi-Linear on one H200 rank, num_speculative_tokens 3: the conv state (3 + 3) x 12288 bf16 and the 32 x 128
+    x 128 fp32 state make a 2244608 B page; FlashMLA's 576 x 2 B per token at 128-token alignment needs 2048 tokens
+    (16 x 128 x 1152 B >= the page): the page is padded to 2359296 B, the recurrent slot stride 589824 elements."""
+    from prewarm.providers.vllm_layer import padded_page, page_bytes
+
+    page = page_bytes(32, 128, 4, 3, "bfloat16")
+    assert page == (4 - 1 + 3) * 3 * 32 * 128 * 2 + 32 * 128 * 128 * 4 == 2244608
+    assert padded_page(page, 1152, None) == (2359296, 2048)
+    assert padded_page(page, 1152, 4096) == (4096 * 1152, 4096)  # a larger --block-size is kept
+    assert padded_page(page_bytes(8, 128, 4, 0, "bfloat16"), 1152, None) == (128 * 1152 * 4, 512)  # TP4, no spec
+
+
+@pytest.mark.parametrize("arch,compilation,eager,level,env,expected", [
+    (["KimiLinearForCausalLM"], {}, False, None, {}, ["all"]),  # breakable CUDA graphs by default: mode NONE
+    (["KimiLinearForCausalLM"], {}, False, None, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, ["none"]),
+    (["OtherForCausalLM"], {}, False, None, {}, ["none"]),  # Inductor compiles: custom ops off
+    (["OtherForCausalLM"], {}, True, None, {}, ["all"]),  # --enforce-eager
+    (["OtherForCausalLM"], {}, False, "0", {}, ["all"]),  # -O0
+    (["OtherForCausalLM"], {"custom_ops": ["+fused_rms_norm_gated"]}, False, None, {},
+     ["+fused_rms_norm_gated", "none"]),
+    (["KimiLinearForCausalLM"], {"custom_ops": ["none"]}, False, None, {}, ["none"]),
+])
+def test_custom_ops_are_completed_as_vllm_completes_them(arch, compilation, eager, level, env, expected):
+    from prewarm.providers.vllm_layer import custom_ops_setting
+
+    assert custom_ops_setting(arch, compilation, eager, level, env)[0] == expected

@@ -441,3 +441,51 @@ def o_norm_triton(custom_ops) -> bool:
     norm = _import("vllm.third_party.flash_linear_attention.ops.kda").FusedRMSNormGated
     with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=list(custom_ops)))):
         return norm.enabled()
+
+
+# --- the server geometry from a launch line and config.json (prewarm manifest --server vllm) ------------------------
+
+# The KDA models among vLLM 0.34.0's DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES on CUDA (vllm/config/vllm.py): they run
+# with breakable CUDA graphs, compilation mode NONE, unless VLLM_USE_BREAKABLE_CUDAGRAPH=0
+BREAKABLE_CUDAGRAPH_ARCHITECTURES = frozenset({"KimiLinearForCausalLM", "KimiK3ForConditionalGeneration",
+                                               "KimiK31ForConditionalGeneration"})
+MLA_KERNEL_BLOCK_ALIGNMENT = 128  # Platform._align_hybrid_block_size: an MLA model's kernel block alignment floor
+MLA_BACKEND_BLOCK = 64  # FlashMLA's kernel block size (its get_supported_kernel_block_sizes), the H200's MLA backend
+
+
+def custom_ops_setting(architectures: list, compilation: dict, enforce_eager: bool, optimization_level: str | None,
+                       environ: dict) -> tuple[list[str], str]:
+    """The compilation config's ``custom_ops`` as vLLM 0.34.0 completes it (``VllmConfig.__post_init__``): the
+    entries given, plus "none" where Inductor compiles (backend inductor, mode not NONE), else "all"; and why."""
+    given = list(compilation.get("custom_ops") or [])
+    if "all" in given or "none" in given:
+        return given, "--compilation-config custom_ops"
+    if enforce_eager:
+        mode, why = "NONE", "--enforce-eager"
+    elif str(compilation.get("mode", "")).upper() in ("0", "NONE"):
+        mode, why = "NONE", "--compilation-config mode 0"
+    elif environ.get("TORCH_COMPILE_DISABLE") == "1":
+        mode, why = "NONE", "TORCH_COMPILE_DISABLE=1"
+    elif environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == "1" or (
+            environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") != "0" and set(architectures) & BREAKABLE_CUDAGRAPH_ARCHITECTURES):
+        breakable = sorted(set(architectures) & BREAKABLE_CUDAGRAPH_ARCHITECTURES)
+        mode, why = "NONE", (f"breakable CUDA graphs ({', '.join(breakable)}: vLLM's default on CUDA)" if breakable
+                             else "breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1)")
+    elif optimization_level == "0":
+        mode, why = "NONE", "-O0"
+    else:
+        mode, why = "VLLM_COMPILE", "torch.compile (vLLM's default)"
+    inductor = compilation.get("backend", "inductor") == "inductor" and mode != "NONE"
+    base = "none" if inductor else "all"
+    return given + [base], (f"vLLM completes custom_ops with {base!r}: compilation mode {mode} by {why}"
+                            + (f", entries given: {given}" if given else ""))
+
+
+def padded_page(mamba_page: int, attn_bytes_per_token: int, block_size: int | None) -> tuple[int, int]:
+    """(the mamba page padded to the attention page, the attention block size in tokens) as
+    ``Platform._align_hybrid_block_size`` sets them for an MLA hybrid model on FlashMLA."""
+    align = max(MLA_BACKEND_BLOCK, block_size or MLA_BACKEND_BLOCK, MLA_KERNEL_BLOCK_ALIGNMENT)
+    tokens = align * -(-mamba_page // (align * attn_bytes_per_token))
+    tokens = MLA_BACKEND_BLOCK * -(-tokens // MLA_BACKEND_BLOCK)
+    tokens = max(tokens, block_size or 0)
+    return tokens * attn_bytes_per_token, tokens
