@@ -261,16 +261,19 @@ def metadata(batch: Batch, g: LayerGeometry, device: str, block_rows: int):
 
 def _conv_metadata(qsl: list, device: str):
     """``compute_causal_conv1d_metadata`` (``vllm/v1/attention/backends/utils.py``): per BLOCK_M (8) the programs
-    per sequence, and the int32 program tables the conv kernel reads."""
+    per sequence, which sequence and which chunk each program takes (host tables), and the int32 device tables the
+    conv kernel reads (its grid reads the host ones when the layer runs)."""
     import torch
 
     seqlens = [b - a for a, b in zip(qsl, qsl[1:])]
     nums = [-(-s // 8) for s in seqlens]
     mlist = [i for i, k in enumerate(nums) for _ in range(k)]
+    offsetlist = [c for k in nums for c in range(k)]
     size = max(1024, len(mlist)) * 2
     batch_ptr = torch.full((size,), -1, dtype=torch.int32, device=device)
     offsets = torch.full((size,), -1, dtype=torch.int32, device=device)
-    return ({8: {"nums": nums, "tot": sum(nums), "mlist": mlist, "mlist_len": len(mlist), "offsetlist": [],
+    return ({8: {"nums": torch.tensor(nums), "tot": sum(nums), "mlist": torch.tensor(mlist, dtype=torch.int64),
+                 "mlist_len": len(mlist), "offsetlist": torch.tensor(offsetlist, dtype=torch.int32),
                  "batch_ptr": batch_ptr, "token_chunk_offset_ptr": offsets}}, batch_ptr, offsets)
 
 

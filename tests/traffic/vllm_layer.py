@@ -236,12 +236,18 @@ class _Steps:
             m["has_initial_state"] = torch.tensor([c > 0 for c in ns_ctx][:len(lens)] +
                                                   [False] * (len(lens) - len(ns_ctx)), dtype=torch.bool,
                                                   device=dev)
+            # compute_causal_conv1d_metadata (v1/attention/backends/utils.py), BLOCK_M 8: the programs of each
+            # sequence, which sequence and which chunk of it each program takes (host tables), the device tables
             programs = [-(-n // 8) for n in lens]
             size = max(1024, sum(programs)) * 2
+            owner = [j for j, k in enumerate(programs) for _ in range(k)]
+            chunk = [c for k in programs for c in range(k)]
             batch_ptr = torch.full((size,), -1, dtype=i32, device=dev)
             offset_ptr = torch.full((size,), -1, dtype=i32, device=dev)
-            m.update(nums_dict={8: {"nums": programs, "tot": sum(programs), "mlist_len": sum(programs),
-                                    "batch_ptr": batch_ptr, "token_chunk_offset_ptr": offset_ptr}},
+            m.update(nums_dict={8: {"nums": torch.tensor(programs), "tot": sum(programs),
+                                    "mlist": torch.tensor(owner, dtype=torch.int64), "mlist_len": len(owner),
+                                    "offsetlist": torch.tensor(chunk, dtype=i32), "batch_ptr": batch_ptr,
+                                    "token_chunk_offset_ptr": offset_ptr}},
                      batch_ptr=batch_ptr, token_chunk_offset_ptr=offset_ptr)
         return GDNAttentionMetadata(**m)
 
