@@ -308,18 +308,28 @@ def batches(g: LayerGeometry, paths: tuple, max_batch: int, max_tokens: int) -> 
             for staged in (False, True):
                 yield f"decode[B={b},staged={staged}]", Batch((1,) * b, (9,) * b, (False,) * b, staged)
     if "spec_verify" in paths and g.num_spec:
+        # a spec request verifies 1 + its drafts (a drafter may propose fewer than num_speculative_tokens): all at
+        # W, all at 1, a mix; alone (in the FULL-graph staging buffers or not), beside a decode (reclassified as a
+        # prefill) and beside prefills of each token-count class. The verify kernel specializes on the request and
+        # token counts (1, multiples of 16) and switches its launch config at heads x requests.
+        patterns = {"uniform": lambda n: (W,) * n, "ones": lambda n: (1,) * n,
+                    "ragged": lambda n: tuple(1 + (i % W) for i in range(n))}
         for n in batch_sizes(max_batch):
-            for staged in (False, True):
-                yield f"spec[n={n},staged={staged}]", Batch((W,) * n, (9,) * n, (True,) * n, staged)
-            if n > 1:
-                ragged = tuple(1 + (i % W) for i in range(n))
-                yield f"spec[n={n},ragged]", Batch(ragged, (9,) * n, (True,) * n, False)
-        for others, kind in ((1, "decode"), (3, "decode"), (1, "prefill"), (2, "prefill")):
-            for n in (1, 2, 5):
-                lens = [W] * n + ([1] * others if kind == "decode" else [7 + 8 * i for i in range(others)])
-                ctx = [9] * n + ([9] * others if kind == "decode" else [0] * others)
-                yield (f"spec+{kind}[n={n},others={others}]",
-                       Batch(tuple(lens), tuple(ctx), (True,) * n + (False,) * others, False))
+            for name, lens in patterns.items():
+                q = lens(n)
+                for staged in (False, True):
+                    yield f"spec[n={n},{name},staged={staged}]", Batch(q, (9,) * n, (True,) * n, staged)
+                if n >= max_batch:
+                    continue
+                yield (f"spec+decode[n={n},{name}]",
+                       Batch(q + (1,), (9,) * (n + 1), (True,) * n + (False,), False))
+                for prompt in (1, 13, 16):
+                    yield (f"spec+prefill[n={n},{name},prompt={prompt}]",
+                           Batch(q + (prompt,), (9,) * n + (0,), (True,) * n + (False,), False))
+        for others in (3, 16):
+            if others < max_batch:
+                yield (f"spec+decode[n=1,others={others}]",
+                       Batch((W,) + (1,) * others, (9,) * (1 + others), (True,) + (False,) * others, False))
 
 
 def layer_calls(geometries: list[LayerGeometry], paths: tuple, max_batch: int, max_tokens: int,

@@ -21,7 +21,7 @@ import):
 
 Each step draws: its make-up (prefill, chunked prefill with prefix state, decodes beside prefills, decode eager or
 graph-padded, spec-only uniform or ragged, spec beside decodes or prefills), the request count (every count up to the
-largest batch, as a seeded permutation), odd lengths, which prefills have a prefix, the page size (the manifest's
+largest batch, as a seeded permutation, and small batches more often), odd lengths, which prefills have a prefix, the page size (the manifest's
 list); each generator (a server) runs one of the manifest's ``custom_ops`` settings and one speculative width. The step kinds follow the manifest's ``[spec.vllm] paths`` and ``serving.prefill``. ``Call.options`` holds
 what it drew.
 """
@@ -120,7 +120,7 @@ class _Steps:
     def draw(self, i: int) -> Call:
         rng = self.rng
         kind = rng.choice(self.kinds)
-        reqs = next(self.counts)
+        reqs = next(self.counts) if rng.random() < 0.7 else rng.randrange(1, min(8, self.max_seqs) + 1)
         W = 1 + self.num_spec
         odd = lambda top: rng.randrange(1, max(2, top)) | 1  # noqa: E731
         if kind in ("decode", "decode_graph"):
@@ -133,7 +133,7 @@ class _Steps:
             others = max(1, reqs - n_spec)
             budget = max(others, self.max_tokens - n_spec * W)
             other_q = [1] * others if kind == "spec+decode" else _lengths(rng, others, budget)
-            q = [W] * n_spec + other_q
+            q = [rng.choice((W, W, rng.randrange(1, W + 1))) for _ in range(n_spec)] + other_q
             ctx = [rng.randrange(1, 4000) for _ in range(n_spec)] + \
                   ([rng.randrange(1, 4000)] * others if kind == "spec+decode" else
                    [rng.choice((0, 0, rng.randrange(1, 4000))) for _ in range(others)])
