@@ -6,7 +6,7 @@ traffic, fresh processes (H200).
 The traffic is ``tests/traffic/vllm_layer.py``: server steps of vLLM 0.34.0's real ``KimiGatedDeltaNetAttention``
 (the wheel's file, ``--vllm-path``: ``.ci/setup``'s ``build/vllm``) with its state bound as the model runner binds
 it and ``GDNAttentionMetadata`` as vLLM's builder fills it, written independently of the provider
-(``prewarm.providers.vllm_layer``, which this bench never imports); ``tests/test_vllm_layer.py`` runs the same
+(``prewarm.providers.vllm.layer``, which this bench never imports); ``tests/test_vllm_layer.py`` runs the same
 generator on fake tensors against the plan. Each step draws its make-up (prefill, chunked prefill with prefix state,
 decodes beside prefills, decode eager or CUDA-graph padded, spec verify uniform or ragged, spec beside decodes or
 prefills), the request count (a seeded permutation of 1..max_num_seqs: every count within a process of enough
@@ -28,7 +28,6 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _common import (  # noqa: E402
     REPO, Probes, add_seed_options, add_server_path, bench_parser, bundle_for, child_main, init_device, load_spec,

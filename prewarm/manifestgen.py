@@ -285,7 +285,8 @@ def generate(model: str | Path, server: str, kernels: str | None, target: str, s
     spec = {"model": model_t, "parallel": parallel, "dtypes": dtypes, "serving": serving}
     if kernels == server:  # the server's own kernels: the tables their provider reads beyond these
         tables, more = srv.own_kernels_spec(args, argv, cfg, serving, backend)
-        spec.update(tables)
+        for table, rows in tables.items():  # a common table's rows refined, a table of its own added
+            spec.setdefault(table, {}).update(rows)
         notes += more
     gen = GeneratedManifest(name or _name(cfg.path, server), {"backend": backend, "arch": arch, "device": device},
                             kernels, spec, tuple(notes), tuple(ignored), str(cfg.path), server, tuple(argv))

@@ -275,8 +275,8 @@ def test_the_k3_config_nests_its_text_model_and_the_sglang_kernels_get_the_reque
 
 def test_vllm_plans_its_own_kda_kernels_by_default(tmp_path, capsys):
     """`--server vllm` without --kernels plans vLLM's own KDA kernels (prewarm.providers.vllm.kda): the request cap
-    (eager batches of any size up to --max-num-seqs) is written for it, and `prewarm plan` plans its prefill,
-    packed decode and spec-decode verify; vLLM's kernels with an sglang server are refused."""
+    (eager batches of any size up to --max-num-seqs) and the layer's geometry are written for it, and `prewarm plan`
+    plans every kernel the layer launches; vLLM's kernels with an sglang server are refused."""
     out = tmp_path / "vllm.toml"
     assert main(["manifest", str(KIMI_LINEAR), "--server", "vllm", "--target", "cuda:sm_90:H200", "-o", str(out),
                  "--", "serve", "m", "--max-num-seqs", "64", "--speculative-config", '{"num_speculative_tokens": 2}',
@@ -284,11 +284,37 @@ def test_vllm_plans_its_own_kda_kernels_by_default(tmp_path, capsys):
     capsys.readouterr()
     m = load(out)
     assert m.kernels[0].ref == "prewarm.providers.vllm.kda" and m.spec()["serving"]["max_running_requests"] == 64
-    comments = " ".join(line.lstrip("# ") for line in out.read_text().splitlines() if line.startswith("#"))
-    assert "add [spec.vllm] state_slot_strides" in comments  # the one value the launch line cannot give
+    # the layer's geometry from the launch line and config.json: the page (conv state (4 - 1 + 2) x 12288 bf16 +
+    # the fp32 state = 2220032 B) padded to the MLA attention page (2048 tokens x 576 x 2 B), the conv kernel,
+    # custom ops on (Kimi-Linear runs breakable CUDA graphs), prefix caching on
+    vllm = m.spec()["vllm"]
+    assert vllm["mamba_page_bytes"] == [2359296] and vllm["state_slot_strides"] == [589824]
+    assert vllm["conv_kernel_size"] == 4 and vllm["custom_ops"] == [["all"]] and vllm["mamba_cache_mode"] == "align"
     assert main(["plan", str(out), "--json"]) == 0
     kernels = {r["kernel"].split(":")[1] for r in json.loads(capsys.readouterr().out)["requests"]}
     assert {"chunk_kda_fwd_kernel_inter_solve_fused", "fused_recurrent_kda_packed_decode_kernel",
-            "fused_recurrent_kda_fwd_kernel"} <= kernels
+            "fused_recurrent_kda_fwd_kernel", "_causal_conv1d_fwd_kernel", "_causal_conv1d_update_kernel",
+            "_gather_initial_states_kernel", "_scatter_states_kernel", "layer_norm_gated_fwd_kernel"} <= kernels
     with pytest.raises(ManifestError, match="vllm's own KDA kernels run only in vllm"):
         sglang("--tp-size", "1", kernels="vllm")
+
+
+@pytest.mark.parametrize("flags,key,value", [
+    (["--enforce-eager", "--compilation-config", '{"custom_ops": ["-fused_rms_norm_gated"]}'], "custom_ops",
+     [["-fused_rms_norm_gated", "all"]]),
+    (["--no-enable-prefix-caching"], "mamba_cache_mode", "none"),
+    (["--mamba-cache-dtype", "float32"], "conv_state_dtype", "float32"),
+    (["--block-size", "4096"], "mamba_page_bytes", [4096 * 1152]),
+    # 576 B per token in fp8: cdiv(2244608, 128 x 576) = 31 kernel blocks of 128 tokens
+    (["--kv-cache-dtype", "fp8"], "mamba_page_bytes", [31 * 128 * 576]),
+])
+def test_vllm_layer_geometry_follows_the_launch_line(flags, key, value):
+    gen = generate(KIMI_LINEAR, "vllm", None, "cuda:sm_90:H200",
+                   ["--max-num-seqs", "64", "--speculative-config", '{"num_speculative_tokens": 3}', *flags])
+    assert gen.spec["vllm"][key].value == value
+
+
+def test_a_kda_state_dtype_vllm_refuses_is_refused_naming_the_flag():
+    with pytest.raises(ManifestError, match="--mamba-ssm-cache-dtype float16"):
+        generate(KIMI_LINEAR, "vllm", None, "cuda:sm_90:H200", ["--max-num-seqs", "8", "--mamba-ssm-cache-dtype",
+                                                                 "float16"])

@@ -1,5 +1,5 @@
-"""vLLM 0.34.0's Kimi-Linear KDA layer planned whole: the shipped manifest's plan (``prewarm.providers.vllm_kda``,
-driving ``KimiGatedDeltaNetAttention.forward`` through ``prewarm.providers.vllm_layer``) against independent
+"""vLLM 0.34.0's Kimi-Linear KDA layer planned whole: the shipped manifest's plan (``prewarm.providers.vllm.kda``,
+driving ``KimiGatedDeltaNetAttention.forward`` through ``prewarm.providers.vllm.layer``) against independent
 layer-level traffic (``tests/traffic/vllm_layer.py``: written from vLLM's builder and model runner, not from the
 provider), by the key Triton computes for each compile request on fake tensors. Every kernel the layer launches is
 in the plan: the KDA core, the causal conv (prefill and update), the gathered and scattered states, the gated
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from closure_traffic import fresh_seed
+from traffic.closure import fresh_seed
 from prewarm.backends import get_target
 from prewarm.manifest import load
 from prewarm.plan import plan_for
@@ -55,7 +55,7 @@ def test_the_layer_api_table_accounts_for_every_parameter():
     import importlib
     import inspect
 
-    from prewarm.providers.vllm_layer import LAYER_API
+    from prewarm.providers.vllm.layer import LAYER_API
 
     for (module, qualname), table in LAYER_API.items():
         obj = importlib.import_module(module)
@@ -93,7 +93,7 @@ def test_the_stand_in_metadata_record_and_slot_ids_are_the_wheels():
 def test_custom_ops_decide_whether_the_norm_kernel_is_planned(planned, custom_ops, norm):
     """o_norm is a CustomOp: vLLM's own rule on the compilation config's custom_ops picks its Triton forward_cuda
     or its torch forward_native; the plan follows (and prewarm plan says which)."""
-    from prewarm.providers import vllm_kda, vllm_layer
+    from prewarm.providers.vllm import kda as vllm_kda
 
     spec = {"backend": "cuda", "model": {"kda_heads": 32, "head_k_dim": 128, "head_v_dim": 128},
             "serving": {"decode_batch_buckets": [2], "prefill": False},
@@ -110,7 +110,7 @@ def test_the_mamba_page_is_padded_to_the_attention_page_as_vllm_pads_it():
     """Kimi-Linear on one H200 rank, num_speculative_tokens 3: the conv state (3 + 3) x 12288 bf16 and the 32 x 128
     x 128 fp32 state make a 2244608 B page; FlashMLA's 576 x 2 B per token at 128-token alignment needs 2048 tokens
     (16 x 128 x 1152 B >= the page): the page is padded to 2359296 B, the recurrent slot stride 589824 elements."""
-    from prewarm.providers.vllm_layer import padded_page, page_bytes
+    from prewarm.providers.vllm.layer import padded_page, page_bytes
 
     page = page_bytes(32, 128, 4, 3, "bfloat16")
     assert page == (4 - 1 + 3) * 3 * 32 * 128 * 2 + 32 * 128 * 128 * 4 == 2244608
@@ -130,6 +130,6 @@ def test_the_mamba_page_is_padded_to_the_attention_page_as_vllm_pads_it():
     (["KimiLinearForCausalLM"], {"custom_ops": ["none"]}, False, None, {}, ["none"]),
 ])
 def test_custom_ops_are_completed_as_vllm_completes_them(arch, compilation, eager, level, env, expected):
-    from prewarm.providers.vllm_layer import custom_ops_setting
+    from prewarm.providers.vllm.layer import custom_ops_setting
 
     assert custom_ops_setting(arch, compilation, eager, level, env)[0] == expected

@@ -2,7 +2,7 @@
 file) within a manifest's envelope: the independent layer-level traffic the closure test (fake tensors) and
 ``bench/vllm_layer_traffic.py`` (an H200) run.
 
-Written from vLLM's sources, never from the provider (``prewarm.providers.vllm_layer``, which this module does not
+Written from vLLM's sources, never from the provider (``prewarm.providers.vllm.layer``, which this module does not
 import):
 
 - the layer is built as ``KimiLinearForCausalLM`` builds it (``KimiLinearConfig`` with the manifest's heads and head
@@ -32,7 +32,8 @@ import itertools
 import random
 from typing import Iterator
 
-from prewarm.providers.capture import Call, index_tensor
+from prewarm.providers.capture import index_tensor
+from traffic import Call
 
 KINDS = ("prefill", "chunked", "mixed", "decode", "decode_graph", "spec", "spec_ragged", "spec+decode",
          "spec+prefill")

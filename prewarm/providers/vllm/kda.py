@@ -26,7 +26,7 @@ a slot; ``spec.vllm.state_slot_strides``).
 Index pointers (``cu_seqlens``, the state indices, ``num_accepted_tokens``) each take their own dtype: every
 combination of ``spec.dtypes.index`` per pointer is planned (vLLM builds them int32; a caller may hand int64).
 
-The layer itself is driven too (:mod:`prewarm.providers.vllm_layer`): ``KimiGatedDeltaNetAttention.forward`` with
+The layer itself is driven too (:mod:`prewarm.providers.vllm.layer`): ``KimiGatedDeltaNetAttention.forward`` with
 its state pool bound and its metadata filled as vLLM's runner and builder do, so every kernel it launches around
 these three is planned (the causal conv, prefill and update; the gathered and scattered states; the gated RMSNorm
 ``o_norm``) with the layouts the layer hands over. The entry points are also planned over the API's wider envelope
@@ -123,9 +123,9 @@ def read_spec(spec: dict) -> VllmSpec:
                              pool: vLLM's page holds the conv state too and is padded to the attention page, so
                              a deployment lists its own)
 
-    The layer's geometry keys (:data:`prewarm.providers.vllm_layer.LAYER_KEYS`) are read by
-    :func:`prewarm.providers.vllm_layer.geometries`. A bad value is a SpecError naming ``spec.<key>``."""
-    from .vllm_layer import LAYER_KEYS
+    The layer's geometry keys (:data:`prewarm.providers.vllm.layer.LAYER_KEYS`) are read by
+    :func:`prewarm.providers.vllm.layer.geometries`. A bad value is a SpecError naming ``spec.<key>``."""
+    from .layer import LAYER_KEYS
 
     if not isinstance(spec.get("vllm", {}), dict):
         raise SpecError("vllm", spec["vllm"], "a table")
@@ -218,7 +218,7 @@ def options(spec: dict) -> list[dict]:
              ("vllm.beta_row_strides", list(s.beta_row_strides), None),
              ("vllm.state_slot_strides", list(s.state_slot_strides), None),
              ("vllm.recoverssm", [False], [False, True])]  # --use-kda-recoverssm: other kernels (not planned)
-    from .vllm_layer import derived
+    from .layer import derived
 
     return [{"key": f"spec.{key}", "planned": planned, "accepted": accepted,
              "given": key.split(".")[1] in given.get(key.split(".")[0], set()),
@@ -272,10 +272,10 @@ def _import_vllm():
 def _all_calls(spec: dict, s: VllmSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
     """The layer's forwards (every kernel it launches, as the server runs it), then the entry points called
     directly over the API's wider envelope (index dtypes, beta layouts a caller may hand over)."""
-    from . import vllm_layer
+    from . import layer
 
-    geometries, _ = vllm_layer.geometries(spec)
-    yield from vllm_layer.layer_calls(geometries, s.paths, s.max_batch, s.max_prefill_tokens, device)
+    geometries, _ = layer.geometries(spec)
+    yield from layer.layer_calls(geometries, s.paths, s.max_batch, s.max_prefill_tokens, device)
     yield from _calls(s, device)
 
 

@@ -12,6 +12,7 @@ for ``--a-b``, ``-O3``, dotted ``-cc.key value`` / ``--speculative-config.key=va
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -45,6 +46,11 @@ class Vllm(Server):
         parser.add_argument("--performance-mode", choices=("balanced", "interactivity", "throughput"))
         parser.add_argument("--optimization-level", choices=("0", "1", "2", "3"))
         parser.add_argument("--enforce-eager", action="store_true")
+        parser.add_argument("--mamba-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"))
+        parser.add_argument("--mamba-ssm-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"))
+        parser.add_argument("--kv-cache-dtype")
+        parser.add_argument("--block-size", type=positive_int_arg)
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
 
     def parallel(self, args, argv: list[str]) -> dict[str, Sourced]:
         tp = Sourced(args.tensor_parallel_size or 1, flag_source(argv, "--tensor-parallel-size", "-tp")
@@ -56,10 +62,7 @@ class Vllm(Server):
         return _serving(args, argv, profile, arch)
 
     def own_kernels_spec(self, args, argv, cfg, serving, backend):
-        return {}, ["state slot stride: not written (vLLM lays each state slot out as one page with the conv state, "
-                     "padded to the attention page, by its KV-cache planning at startup): the provider plans a dense "
-                     "pool; add [spec.vllm] state_slot_strides = [layer.kv_cache[1].stride(0)] as the node has it "
-                     "(see manifests/kimi-linear-h200-vllm.toml)"]
+        return _layer_spec(args, argv, cfg, self.parallel(args, argv)["tensor_parallel"].value), []
 
     def check_spec(self, spec: dict) -> None:
         from .kda import read_spec
@@ -250,3 +253,70 @@ def _serving(args, argv, profile, arch: str):
     if tokens is not None:
         serving["max_prefill_tokens"] = tokens
     return serving, seqs, notes
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _layer_spec(args, argv, cfg, tp: int) -> dict:
+    """The geometry vLLM 0.34.0 gives Kimi-Linear's KDA layer on this launch line (``[spec.vllm]``: the state page
+    padded to the MLA attention page, the recurrent slot stride, the conv kernel and state dtype, custom_ops as vLLM
+    completes them, the cache mode) and the layer's own dtypes (``[spec.dtypes]``: the gate and beta in the model
+    dtype, fp32 A_log / dt_bias, the recurrent state per --mamba-ssm-cache-dtype)."""
+    from ...manifestgen import _activation
+    from .layer import custom_ops_setting, padded_page, page_bytes
+
+    heads = cfg.linear("num_heads", positive_int, "a positive integer (KDA heads, all ranks)")
+    head_dim = cfg.linear("head_dim", positive_int, "a positive integer (the KDA head dim)")
+    heads_per_rank = heads // tp if heads % tp == 0 else heads  # read_kda says what does not divide
+    model = _activation(args, argv, cfg).value
+    ssm = args.mamba_ssm_cache_dtype or "auto"
+    if ssm not in ("auto", "float32", "bfloat16"):
+        raise ManifestError(f"--mamba-ssm-cache-dtype {ssm}: vLLM's KDA recurrent state takes auto, float32 or "
+                            "bfloat16 (MambaStateDtypeCalculator.kda_state_dtype)")
+    state = "float32" if ssm == "auto" else ssm
+    dtypes = {
+        "gate": Sourced(model, "KimiGatedDeltaNetAttention: g1 is f_b_proj's output, in the model dtype"),
+        "beta": Sourced(model, "KimiGatedDeltaNetAttention: raw beta is a slice of in_proj's output"),
+        "gate_params": Sourced("float32", "KimiGatedDeltaNetAttention: A_log and dt_bias are fp32 parameters"),
+        "state": Sourced(state, flag_source(argv, "--mamba-ssm-cache-dtype") if args.mamba_ssm_cache_dtype else
+                         "no --mamba-ssm-cache-dtype: vLLM keeps the KDA state in fp32")}
+    conv_dtype = model if (args.mamba_cache_dtype or "auto") == "auto" else args.mamba_cache_dtype
+    conv_src = (flag_source(argv, "--mamba-cache-dtype") if args.mamba_cache_dtype not in (None, "auto")
+                else "--mamba-cache-dtype auto: the model dtype")
+    width = cfg.linear("short_conv_kernel_size", positive_int, "a positive integer (the short conv's kernel)")
+    drafts = (args.speculative_config or {}).get("num_speculative_tokens") or 0
+    page = page_bytes(heads_per_rank, head_dim, width, drafts, conv_dtype, state)
+    page_src = (f"conv state ({width} - 1 + {drafts} speculative) x 3 x {heads_per_rank} x {head_dim} {conv_dtype} "
+                f"+ recurrent state {heads_per_rank} x {head_dim} x {head_dim} {state}: {page} B")
+    lora, rope = cfg.doc.get("kv_lora_rank"), cfg.doc.get("qk_rope_head_dim")
+    kv = args.kv_cache_dtype or "auto"
+    if positive_int(lora) and positive_int(rope):  # MLA: the mamba page is padded to the attention page
+        sizes = {"auto": DTYPE_BYTES[model], "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+        if kv not in sizes:
+            raise ManifestError(f"--kv-cache-dtype {kv}: its MLA page per token is not derived here (auto, bfloat16, "
+                                "float16, fp8): add [spec.vllm] mamba_page_bytes = [layer.kv_cache[1].stride(0) * "
+                                f"{DTYPE_BYTES[state]}] as a server has it")
+        per_token = (lora + rope) * sizes[kv]
+        page, tokens = padded_page(page, per_token, args.block_size)
+        page_src += (f", padded to the attention page: {tokens} tokens x ({cfg.source('kv_lora_rank')} {lora} + "
+                     f"{cfg.source('qk_rope_head_dim')} {rope}) x {sizes[kv]} B (--kv-cache-dtype {kv}) (check: vLLM "
+                     f"logs 'Setting attention block size to {tokens} tokens', and layer.kv_cache[1].stride(0) = "
+                     f"{page // DTYPE_BYTES[state]})")
+    ops, ops_why = custom_ops_setting(cfg.top.get("architectures") or [], args.compilation_config or {},
+                                      args.enforce_eager, args.optimization_level, {})
+    caching = args.enable_prefix_caching is not False
+    layer = {
+        "mamba_page_bytes": Sourced([page], page_src),
+        "state_slot_strides": Sourced([page // DTYPE_BYTES[state]], f"the recurrent state's slot stride: the page / "
+                                      f"{DTYPE_BYTES[state]} ({state})"),
+        "conv_kernel_size": Sourced(width, cfg.source("linear_attn_config.short_conv_kernel_size")),
+        "conv_state_dtype": Sourced(conv_dtype, conv_src),
+        "custom_ops": Sourced([ops], ops_why + " (VLLM_USE_BREAKABLE_CUDAGRAPH / TORCH_COMPILE_DISABLE in the "
+                              "server's environment can change it: list each setting a server may run)"),
+        "mamba_cache_mode": Sourced("align" if caching else "none",
+                                    "--no-enable-prefix-caching" if not caching else
+                                    (flag_source(argv, "--enable-prefix-caching") if args.enable_prefix_caching else
+                                     f"{VERSION} enables prefix caching for a hybrid model by default")),
+    }
+    return {"dtypes": dtypes, "vllm": layer}

@@ -20,7 +20,8 @@ each slot one page apart), and ``GDNAttentionMetadata`` filled as ``GDNAttention
 Geometry (``[spec.vllm]``, derived by ``prewarm manifest --server vllm``; defaults as vLLM 0.34.0 computes them):
 ``mamba_page_bytes`` (the page per slot: both states, padded to the attention page on a hybrid model; the recurrent
 slot stride = page / 4 for an fp32 state is a constexpr of the KDA kernels), the block table's width
-(1 + num_speculative_tokens with ``mamba_cache_mode`` none), ``conv_kernel_size`` (Kimi-Linear's 4), ``custom_ops``.
+(1 + num_speculative_tokens, ``mamba_cache_mode`` none or align), ``conv_kernel_size`` (Kimi-Linear's 4),
+``conv_state_dtype``, ``custom_ops``; :func:`derived` says what each fixes and how to read it off a server.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .capture import batch_sizes, index_tensor
+from ..capture import batch_sizes, index_tensor
 
 LAYER = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"
 PREFIX = "model.layers.0.self_attn"  # the layer's name in the forward context (any name with one layer index)
@@ -37,7 +38,7 @@ OPS = "vllm.model_executor.layers.mamba.ops"
 BY_THE_LAYER = "as the layer passes it (its forward runs)"
 # The layer's forward and every entry point of another module it calls, with how the plan covers each parameter
 # (module, qualified name) -> {parameter: how}. tests/test_vllm_layer.py reads the installed vLLM's signatures and
-# fails on a parameter this table does not account for; the KDA core's entry points: vllm_kda.API.
+# fails on a parameter this table does not account for; the KDA core's entry points: kda.API.
 LAYER_API = {
     (LAYER, "KimiGatedDeltaNetAttention.forward"): {
         "self": "built from the config as the model builds it (heads, head_dim, conv kernel, num_speculative_tokens, "
@@ -174,8 +175,9 @@ class Batch:
 
 
 def metadata(batch: Batch, g: LayerGeometry, device: str, block_rows: int):
-    """``GDNAttentionMetadata`` as ``GDNAttentionMetadataBuilder.build`` fills it for ``batch`` (cache mode none:
-    the block table is the builder's input, ``[requests, 1 + num_spec]`` rows of a ``[block_rows, width]`` table)."""
+    """``GDNAttentionMetadata`` as ``GDNAttentionMetadataBuilder.build`` fills it for ``batch``: the state table is
+    ``[requests, 1 + num_spec]`` (cache mode none: rows of the runner's ``[block_rows, width]`` table; align:
+    ``mamba_get_block_table_tensor``'s fresh table of the same shape)."""
     import torch
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
@@ -375,10 +377,10 @@ def geometries(spec: dict) -> tuple[list[LayerGeometry], dict]:
     extra = dict(spec.get("vllm") or {})
     layer = {k: extra.pop(k) for k in LAYER_KEYS if k in extra}
     read = read_kda({k: v for k, v in spec.items() if k != "vllm"})
-    mode = layer.get("mamba_cache_mode", "none")
-    if mode != "none":
-        raise SpecError("vllm.mamba_cache_mode", mode, '"none": the block-table layout of prefix caching for mamba '
-                        '("align", "all") is not planned')
+    mode = layer.get("mamba_cache_mode", "align")
+    if mode not in ("none", "align"):
+        raise SpecError("vllm.mamba_cache_mode", mode, '"none" or "align" (prefix caching off / on): the layer sees '
+                        "the same [requests, 1 + num_speculative_tokens] state table in both; \"all\" is not planned")
     width = layer.get("conv_kernel_size", CONV_KERNEL_SIZE)
     if not isinstance(width, int) or not 2 <= width <= 7:
         raise SpecError("vllm.conv_kernel_size", width, "an integer in 2..7 (the causal conv's widths)")
@@ -428,7 +430,7 @@ def derived(spec: dict) -> list[dict]:
          "from spec.serving.draft_widths - 1: the conv state's length (conv_kernel_size - 1 + it) and the spec "
          "verify's index row. Check: --speculative-config num_speculative_tokens"),
         ("vllm.block_table_width", sorted({g.block_table_width for g in geoms}), None,
-         "1 + num_speculative_tokens (MambaSpec.max_num_blocks_per_req, mamba_cache_mode none): the state-index "
+         "1 + num_speculative_tokens (the state table's row, mamba_cache_mode none or align): the state-index "
          "stride of eager decode and prefill steps (block_table[:, 0]). Check: GDNAttentionMetadata."
          "non_spec_state_indices_tensor.stride(0) on an eager step, spec_state_indices_tensor.size(1)"),
         ("vllm.conv_kernel_size", [g0.conv_kernel_size], "conv_kernel_size",
@@ -440,8 +442,11 @@ def derived(spec: dict) -> list[dict]:
          "forward_cuda (the Triton layer_norm_gated_fwd_kernel) or forward_native (torch ops); "
          f"layer_norm_gated_fwd_kernel: {'planned' if o_norm_triton(g0.custom_ops) else 'not launched'}. Check: "
          "the server's compilation_config.enabled_custom_ops holds fused_rms_norm_gated"),
-        ("vllm.mamba_cache_mode", ["none"], "mamba_cache_mode",
-         "--enable-prefix-caching off for the mamba layers; align / all are refused"),
+        ("vllm.mamba_cache_mode", [(spec.get("vllm") or {}).get("mamba_cache_mode", "align")], "mamba_cache_mode",
+         "align with prefix caching on (vLLM's default for a hybrid model), none with --no-enable-prefix-caching: "
+         "the layer sees a [requests, 1 + num_speculative_tokens] state table either way. With align the metadata "
+         "builder gathers it with its own Triton kernel (_mamba_align_block_table_kernel, "
+         "vllm/v1/attention/backends/utils.py), a kernel of the model runner, not of the layer: NOT planned"),
     ]
     return [{"key": f"spec.{key}", "planned": value, "accepted": None, "given": name in given, "narrowed": False,
              "derived": why} for key, value, name, why in rows]
