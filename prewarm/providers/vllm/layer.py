@@ -33,7 +33,6 @@ from ..capture import batch_sizes, index_tensor
 
 LAYER = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"
 PREFIX = "model.layers.0.self_attn"  # the layer's name in the forward context (any name with one layer index)
-LAYER_PATHS = ("prefill", "decode", "spec_verify")
 OPS = "vllm.model_executor.layers.mamba.ops"
 BY_THE_LAYER = "as the layer passes it (its forward runs)"
 # The layer's forward and every entry point of another module it calls, with how the plan covers each parameter
@@ -170,8 +169,7 @@ class Batch:
     query_lens: tuple  # tokens per request this step
     context_lens: tuple  # tokens already computed per request (> 0: a prefix state exists)
     spec: tuple  # per request: is a spec-decode request (draft tokens >= 0)
-    staged: bool  # FULL CUDA graph decode: the builder's persistent buffers
-    padded_to: int = 0  # CUDA-graph padding: the batch padded to this many requests (one token each)
+    staged: bool  # FULL CUDA graph decode: the builder's persistent buffers (a padded batch is one more size)
 
 
 def metadata(batch: Batch, g: LayerGeometry, device: str, block_rows: int):
@@ -184,20 +182,16 @@ def metadata(batch: Batch, g: LayerGeometry, device: str, block_rows: int):
     i32 = torch.int32
     W = g.block_table_width
     lens = list(batch.query_lens)
-    n = len(lens)
-    if batch.padded_to:
-        lens += [0] * (batch.padded_to - n)  # padded requests: no tokens... unless the graph pads tokens too
     reqs = len(lens)
     table = torch.zeros(block_rows, W, dtype=i32, device=device)[:reqs]
     qsl = list(itertools.accumulate(lens, initial=0))
     query_start_loc = index_tensor(qsl, i32, device)
-    spec_mask = list(batch.spec) + [False] * (reqs - n)
+    spec_mask = list(batch.spec)
     num_spec_decodes = sum(spec_mask) if g.num_spec else 0
     fields = {}
     if not num_spec_decodes:
-        decode = [q == 1 and c > 0 for q, c in zip(lens, list(batch.context_lens) + [1] * (reqs - n))]
-        num_decodes = sum(1 for d in decode[:n] if d)
-        num_prefills = n - num_decodes
+        num_decodes = sum(1 for q, c in zip(lens, batch.context_lens) if q == 1 and c > 0)
+        num_prefills = reqs - num_decodes
         num_decode_tokens = num_decodes
         num_prefill_tokens = sum(lens) - num_decode_tokens
         non_spec_state = table[:, 0]
@@ -243,7 +237,7 @@ def metadata(batch: Batch, g: LayerGeometry, device: str, block_rows: int):
         nums_dict, batch_ptr, offsets = _conv_metadata(non_spec_qsl_values, device)
         fields.update(has_initial_state=has_initial, nums_dict=nums_dict, batch_ptr=batch_ptr,
                       token_chunk_offset_ptr=offsets)
-    if batch.staged and g and num_spec_decodes and not (num_prefills or num_decodes):
+    if batch.staged and num_spec_decodes and not (num_prefills or num_decodes):
         buf = torch.zeros(block_rows, W, dtype=i32, device=device)
         spec_state = buf[:reqs]
         spec_qsl = index_tensor(qsl, i32, device)
