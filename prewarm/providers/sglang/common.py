@@ -42,7 +42,7 @@ PATHS = {"cuda": ("extend", "packed_decode", "decode", "target_verify"),
 # recompute, state and output kernels)
 PREFILLS = ("cann", "triton")
 # [spec.sglang] keys each backend reads, beside paths and track_state
-BACKEND_KEYS = {"cuda": ("beta_row_strides", "eagle_tree", "sampling_backend"),
+BACKEND_KEYS = {"cuda": ("beta_row_strides", "eagle_tree", "sampling_backend", "mamba_pool_slots", "conv_kernel"),
                 "npu": ("beta_row_strides", "prefill", "mamba_pool_slots", "conv_kernel")}
 ROLES = ("activation", "gate", "beta", "gate_params", "state", "index")  # [spec.dtypes] roles, in label order
 # cuda: sglang's --sampling-backend values; "flashinfer" (sglang's default where FlashInfer is installed) builds
@@ -70,8 +70,9 @@ class SglangSpec:
     eagle_tree: bool  # tree verify (--speculative-eagle-topk > 1: retrieve_parent_token)
     track_state: bool  # the prefix cache's per-chunk state snapshot in prefill (track_state)
     prefill: tuple = ()  # npu: PREFILLS planned
-    mamba_pool_slots: int = 0  # npu: the mamba state pool's slots (its size + the padding slot): a conv stride
-    conv_kernel: int = 4  # npu: the short conv's kernel size (the conv state window is kernel - 1 + drafts - 1)
+    mamba_pool_slots: int = 0  # the mamba state pool's slots (its size + the padding slot): npu, a conv pool
+    # stride; cuda, the conv kernels' constexpr num_cache_lines
+    conv_kernel: int = 4  # the short conv's kernel size (the conv state window is kernel - 1, on npu + drafts - 1)
     sampling_backend: str = ""  # cuda: --sampling-backend (SAMPLING_BACKENDS): "flashinfer" JIT-builds its sampling module
 
     @property
@@ -94,7 +95,10 @@ def read_spec(spec: dict) -> SglangSpec:
                            npu: [heads]
         eagle_tree = true (cuda)
         sampling_backend = "flashinfer" (cuda: sglang's default; "pytorch" builds nothing)
-        prefill = ["cann", "triton"], mamba_pool_slots (required with target_verify), conv_kernel = 4 (npu)
+        prefill = ["cann", "triton"] (npu)
+        mamba_pool_slots = the mamba pool's size + 1 (cuda: required, the conv kernels' num_cache_lines is a
+                           constexpr; npu: required with target_verify)
+        conv_kernel = 4 (the model's short conv kernel size)
 
     A bad value is a SpecError naming ``spec.<key>``."""
     extra = spec.get("sglang", {})
@@ -140,26 +144,29 @@ def read_spec(spec: dict) -> SglangSpec:
         if own["sampling_backend"] not in SAMPLING_BACKENDS:
             raise SpecError("sglang.sampling_backend", own["sampling_backend"],
                             f"one of {', '.join(SAMPLING_BACKENDS)} (sglang's --sampling-backend)")
+    pool_why = {"npu": "conv_state_rollback takes the conv pool's layer stride as a constexpr",
+                "cuda": "sglang's causal conv kernels take it as the constexpr num_cache_lines"}[backend]
+    for key, least, why in (("mamba_pool_slots", 2, f"the mamba state pool's slots (sglang's mamba pool size + 1): "
+                             f"{pool_why}"),
+                            ("conv_kernel", 2, "the model's short conv kernel size (config.json)")):
+        value = extra.get(key, 4 if key == "conv_kernel" else None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise SpecError(f"sglang.{key}", value, f"an integer >= {least}: {why}")
+        own[key] = value or 0
     if backend == "npu":
         own["prefill"] = extra.get("prefill", list(PREFILLS))
         if not isinstance(own["prefill"], list) or not own["prefill"] or \
                 len(set(own["prefill"])) != len(own["prefill"]) or any(p not in PREFILLS for p in own["prefill"]):
             raise SpecError("sglang.prefill", own["prefill"], f"a non-empty list out of {list(PREFILLS)}")
         own["prefill"] = tuple(own["prefill"])
-        for key, least, why in (("mamba_pool_slots", 2, "the mamba state pool's slots (sglang's mamba pool size "
-                                 "+ 1): conv_state_rollback takes the conv pool's layer stride as a constexpr"),
-                                ("conv_kernel", 2, "the model's short conv kernel size (config.json)")):
-            value = extra.get(key, 4 if key == "conv_kernel" else None)
-            if value is None and "target_verify" in paths:
-                raise SpecError(f"sglang.{key}", ..., why)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-                raise SpecError(f"sglang.{key}", value, f"an integer >= {least}: {why}")
-            own[key] = value or 0
     decoding = any(p in paths for p in ("packed_decode", "decode", "target_verify"))
     max_batch = max([*read["decode_batch_buckets"], read["max_running_requests"] or 0])
     if decoding and not max_batch:
         raise SpecError("serving.max_running_requests", ..., "the largest decode batch (or decode_batch_buckets): "
                         "sglang runs eager decode batches of any size up to it")
+    if not own["mamba_pool_slots"] and (backend == "cuda" or "target_verify" in paths):
+        raise SpecError("sglang.mamba_pool_slots", ..., f"the mamba state pool's slots (sglang's mamba pool size + "
+                        f"1): {pool_why} (prewarm manifest writes it from --max-mamba-cache-size)")
     return SglangSpec(backend=backend, heads=h, head_k_dim=K, head_v_dim=read["head_v_dim"], layers=read["layers"],
                       lower_bound=read["gate_lower_bound"], dtypes={r: read["dtypes"][r] for r in ROLES},
                       paths=tuple(paths), max_batch=max(max_batch, 1),

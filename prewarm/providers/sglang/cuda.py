@@ -42,7 +42,9 @@ verify (CUDA JIT / other kernels).
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
 
 from ..capture import TensorCache, batch_sizes, index_tensor, launches_of, misaligned
 from .common import SglangSpec, fake_device, read_spec
@@ -50,6 +52,9 @@ from .common import SglangSpec, fake_device, read_spec
 CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
 SMALL_GRID_CTAS = 256  # chunk_kda_fwd fuses diagonal + recompute when batch * chunks * heads <= this
 NT_BUCKETS = (32, 128)  # chunk_gated_delta_rule_fwd_h: NT_BUCKET 0 up to 32 chunks, 1 up to 128, 2 above
+# the backend's forward paths (:class:`_Layer`), each planned where spec.sglang.paths names a kernel path it reaches
+LAYER_PATHS = {"extend": ("extend",), "decode": ("packed_decode", "decode"), "target_verify": ("target_verify",)}
+TRACK_INTERVAL = 256  # --mamba-track-interval's default: the verify commit's track grid (an int, not a constexpr)
 
 
 def launches(spec: dict) -> list:
@@ -165,11 +170,19 @@ def _import_sglang():
 
 
 def _calls(s: SglangSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
-    """(label, thunk) for every call of the envelope, tensors on ``device`` (fake inside ``fake_device``)."""
+    """(label, thunk) for every call of the envelope, tensors on ``device`` (fake inside ``fake_device``): the
+    kernel class's calls (:class:`_Builder`), then the backend's own forward paths around them (:class:`_Layer`)."""
     for combo in s.dtype_combos():
         builder = _Builder(s, device, combo)
         for path in s.paths:
             yield from getattr(builder, path)()
+    for combo in s.dtype_combos():
+        for tree in (False, True) if s.eagle_tree and s.draft_widths else (False,):
+            for draft in s.draft_widths or (0,):
+                layer = _Layer(s, device, combo, draft, tree)
+                for path, reaches in LAYER_PATHS.items():
+                    if set(reaches) & set(s.paths):
+                        yield from getattr(layer, path)()
 
 
 class _Builder(TensorCache):
@@ -314,6 +327,310 @@ class _Builder(TensorCache):
             cache_indices=self.index((1,) * batch), query_start_loc=self.index(cu), intermediate_states_buffer=scratch,
             intermediate_state_indices=self.index(tuple(range(batch))), cache_steps=width,
             retrieve_parent_token=parent, lower_bound=s.lower_bound)
+
+
+class _Layer(TensorCache):
+    """One rank's last KDA layer as sglang 0.5.23 serves it on CUDA, for one dtype combination, one draft width and
+    one verify shape (chain or tree: the pools are laid out by them): ``KDAAttnBackend`` (``kda_backend.py``) made
+    without its constructor (which reads the server's published configuration) and given the attributes the
+    constructors of ``MambaAttnBackendBase`` and ``KDAAttnBackend`` set with the Triton kernels
+    (``--linear-attn-backend triton``), the hybrid backend around it (the state commit after a verify), the mamba pool
+    as ``MambaPool`` lays it out on CUDA (:class:`_Pool`), the layer object (``RadixLinearAttention``) and the
+    layer's ``o_norm`` (``FusedRMSNormGated``, Kimi-Linear's ``KimiDeltaAttention``). Each forward gets the
+    ``ForwardMetadata`` the hybrid backend's ``_forward_metadata`` builds for the batch and the inputs Kimi-Linear's
+    projections hand over (:meth:`inputs`)."""
+
+    def __init__(self, s: SglangSpec, device: str, combo: dict, draft: int, tree: bool):
+        import torch
+
+        from sglang.kernels.ops.attention.fla.fused_norm_gate import FusedRMSNormGated
+        from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+
+        self.s, self.device, self.draft, self.tree = s, device, draft, tree
+        self.tag = ",".join([f"{role}={name}" for role, name in combo.items()] + [f"draft={draft}", f"tree={tree}"])
+        self.dt = {role: getattr(torch, name) for role, name in combo.items()}
+        h, K, V = s.heads, s.head_k_dim, s.head_v_dim
+        self.channels = 2 * h * K + h * V  # the conv's q | k | v
+        self.pool = _Pool.allocate(self, draft, tree)
+        self.layer = RadixLinearAttention(
+            layer_id=s.layers - 1, num_q_heads=h, num_k_heads=h, num_v_heads=h, head_q_dim=K, head_k_dim=K,
+            head_v_dim=V, conv_weights=self.zeros(self.channels, s.conv_kernel, dtype=torch.float32), bias=None,
+            A_log=self.zeros(1, 1, h, 1, dtype=self.dt["gate_params"]),
+            dt_bias=self.zeros(h * K, dtype=self.dt["gate_params"]), lower_bound=s.lower_bound)
+        self.o_norm = FusedRMSNormGated(V, eps=1e-5, activation="sigmoid", device=device,
+                                        dtype=self.dt["activation"])
+        self.backend = _backend(self.pool, device, topk=2 if tree else 1)
+        self.first = draft == (s.draft_widths or (0,))[0] and not tree  # extend and decode: one pool stands for all
+
+    def index(self, values, dtype=None):
+        return index_tensor(list(values), dtype or self.dt["index"], self.device)
+
+    def inputs(self, tokens: int, per_head_gate: bool):
+        """(beta row, mixed_qkv, a, b) as Kimi-Linear's ``forward`` hands them to the backend, for each beta row
+        stride: beta as its own projection's output (row = heads) or a column slice of the fused
+        ``q | k | v | beta | f_a | g_a`` projection, mixed_qkv then the slice before it (its rows strided alike);
+        the forget gate out of the batched f_b/g_b matmul (``[T, hK]``; ``[1, T, h, K]`` in extend)."""
+        s = self.s
+        h, K = s.heads, s.head_k_dim
+        qkv_width = self.channels
+        a = self.zeros(2, tokens, h * K, dtype=self.dt["gate"])[0]
+        if per_head_gate:
+            a = a.unflatten(-1, (h, K)).unsqueeze(0)
+        for row in s.beta_row_strides:
+            if row >= qkv_width + h:  # the fused projection: q/k/v and beta are column slices of one row
+                mixed = self.zeros(tokens, row, dtype=self.dt["activation"]).narrow(1, 0, qkv_width)
+                b = self.zeros(tokens, row, dtype=self.dt["beta"]).narrow(1, qkv_width, h)
+            else:
+                mixed = self.zeros(tokens, qkv_width, dtype=self.dt["activation"])
+                b = self.zeros(tokens, row, dtype=self.dt["beta"]).narrow(1, 0, h)
+            yield row, mixed, a, b.unsqueeze(0)
+
+    def output(self, core, tokens: int):
+        """The layer's ``o_norm(core_attn_out, g_proj_states.unflatten(-1, (-1, head_dim)))``: the gate out of the
+        batched f_b/g_b matmul."""
+        import torch
+
+        g = self.zeros(2, tokens, self.s.heads * self.s.head_v_dim, dtype=self.dt["activation"])[1]
+        with torch.no_grad():  # the server runs the model under inference mode
+            self.o_norm(core, g.unflatten(-1, (-1, self.s.head_v_dim)))
+
+    def metadata(self, lengths: list[int], **fields):
+        from sglang.srt.layers.attention.mamba.mamba2_metadata import ForwardMetadata
+
+        fields.setdefault("query_start_loc", self.index(itertools.accumulate(lengths, initial=0)))
+        return ForwardMetadata(mamba_cache_indices=self.index(range(1, len(lengths) + 1)), **fields)
+
+    # --- the paths --------------------------------------------------------------------------------------------
+
+    def extend(self):
+        """forward_extend (the conv over the packed prefill, chunk_kda, the prefix-cache snapshots) and o_norm, at
+        each prefill layout, with and without prefix state (``has_initial_state``), with and without the radix
+        cache's state tracking."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        s = self.s
+        if not self.first:
+            return
+        for layout_name, lengths in prefill_layouts(s.heads, s.max_prefill_tokens, s.max_batch):
+            for prefix in (False, True):
+                for tracked in (False, True) if s.track_state else (False,):
+                    def call(lengths=lengths, prefix=prefix, tracked=tracked):
+                        T, n = sum(lengths), len(lengths)
+                        for _, mixed, a, b in self.inputs(T, per_head_gate=True):
+                            batch = _Batch(ForwardMode.EXTEND, n, extend_seq_lens_cpu=list(lengths),
+                                           extend_prefix_lens=self.index([int(prefix)] * n),
+                                           mamba_track_mask=self._mask(n) if tracked else None)
+                            self.backend.forward_metadata = self.metadata(
+                                lengths, logical_num_tokens=T, **(self._extend_track(lengths) if tracked else {}))
+                            self.output(self.backend.forward_extend(self.layer, batch, mixed, a, b), T)
+
+                    yield (f"layer.extend[{self.tag},{layout_name},prefix={prefix},track={tracked}]", call)
+
+    def _extend_track(self, lengths: list[int]) -> dict:
+        """The track fields ``_forward_metadata`` fills for an extend whose every sequence is tracked at an
+        unaligned chunk boundary (``_init_track_conv_indices``, ``_init_track_ssm_indices``): the conv window rows,
+        the chunk of each snapshot (int32), the int64 source and destination rows."""
+        import torch
+
+        n, window = len(lengths), self.s.conv_kernel - 1
+        rows = lambda values: self.index(values, torch.int64)  # noqa: E731
+        return dict(has_mamba_track_mask=True, mamba_track_indices=rows(range(n)),
+                    mamba_track_mask_indices=rows(range(n)), conv_states_mask_indices=rows(range(n)),
+                    track_conv_indices=self.zeros(n, window, dtype=torch.int64),
+                    track_chunk_idx=self.index([(length - 1) // CHUNK for length in lengths], torch.int32),
+                    track_ssm_h_src=rows(range(n)), track_ssm_h_dst=rows(range(n)),
+                    track_ssm_h_batch_src=rows(range(n)), track_ssm_final_src=rows([]),
+                    track_ssm_final_dst=rows([]))
+
+    def decode(self):
+        """forward_decode (the conv update, then packed decode without a gate lower bound or the recurrent decode
+        with one), the radix cache's decode tracking (one all-layers launch at the last KDA layer) and o_norm."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        s = self.s
+        if not self.first:
+            return
+        for batch_size in batch_sizes(s.max_batch):
+            for tracked in (False, True) if s.track_state else (False,):
+                def call(batch_size=batch_size, tracked=tracked):
+                    for _, mixed, a, b in self.inputs(batch_size, per_head_gate=False):
+                        batch = _Batch(ForwardMode.DECODE, batch_size,
+                                       mamba_track_mask=self._mask(batch_size) if tracked else None)
+                        self.backend.forward_metadata = self.metadata(
+                            [1] * batch_size, **(self._decode_track(batch_size) if tracked else {}))
+                        self.output(self.backend.forward_decode(self.layer, batch, mixed, a, b), batch_size)
+
+                yield f"layer.decode[{self.tag},B={batch_size},track={tracked}]", call
+
+    def _decode_track(self, batch_size: int) -> dict:
+        import torch
+
+        return dict(mamba_track_indices=self.index(range(batch_size), torch.int64))
+
+    def target_verify(self):
+        """_forward_target_verify through forward_extend (the conv update with its per-step window scratch, the
+        verify kernel; ragged layouts scattered to the dense one), o_norm, then the commit after the verify:
+        ``fused_commit_track_indices`` (spec_utils) and the hybrid backend's ``update_mamba_state_after_mtp_verify``
+        (the state and conv-window scatters), with and without the radix cache's tracking."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        s = self.s
+        if not self.draft:
+            return
+        width = self.draft
+        hybrid = _hybrid(self.backend)
+        for batch_size in batch_sizes(s.max_batch):
+            for ragged in (False, True):
+                def call(batch_size=batch_size, ragged=ragged):
+                    import torch
+
+                    from sglang.kernels.ops.mamba.mamba_state_scatter_triton import fused_commit_track_indices
+
+                    lengths = [1 + i % width for i in range(batch_size)] if ragged else [width] * batch_size
+                    tokens = sum(lengths)
+                    cu = self.index(itertools.accumulate(lengths, initial=0))
+                    layout = SimpleNamespace(qo_indptr_device=cu) if ragged else None
+                    spec = SimpleNamespace(draft_token_num=width, ragged_verify_layout=layout)
+                    extra = {}
+                    if self.tree:  # EAGLE tree (topk > 1): the spec info's retrieve tables, and the parent table
+                        nxt = self.zeros(batch_size, width, dtype=torch.int64)
+                        extra = dict(retrieve_next_token=nxt, retrieve_next_sibling=self.zeros(
+                            batch_size, width, dtype=torch.int64), retrieve_parent_token=torch.empty_like(nxt))
+                    for _, mixed, a, b in self.inputs(tokens, per_head_gate=False):
+                        batch = _Batch(ForwardMode.TARGET_VERIFY, batch_size, spec_info=spec,
+                                       req_pool_indices=self.index(range(batch_size), torch.int64))
+                        self.backend.forward_metadata = self.metadata(
+                            lengths, query_start_loc=cu, is_target_verify=True, draft_token_num=width, **extra)
+                        self.output(self.backend.forward_extend(self.layer, batch, mixed, a, b), tokens)
+                    accept_index = self.zeros(batch_size, width, dtype=torch.int32)
+                    accept_lens = self.index(lengths, torch.int32)
+                    for tracked in (False, True) if s.track_state else (False,):
+                        seq_lens = self.zeros(batch_size, dtype=torch.int64) if tracked else None
+                        steps, steps_to_track = fused_commit_track_indices(
+                            accept_index, accept_lens, seq_lens, width, TRACK_INTERVAL if tracked else 0)
+                        hybrid.update_mamba_state_after_mtp_verify(
+                            last_correct_step_indices=steps, mamba_track_indices=self.index(
+                                range(batch_size), torch.int64) if tracked else None,
+                            mamba_steps_to_track=steps_to_track, model=None,
+                            req_pool_indices=self.index(range(batch_size), torch.int64))
+
+                yield f"layer.target_verify[{self.tag},B={batch_size},ragged={ragged}]", call
+
+    def _mask(self, batch_size: int):
+        import torch
+
+        return torch.ones(batch_size, dtype=torch.bool, device=self.device)
+
+
+@dataclass
+class _Batch:
+    """The fields of sglang's ``ForwardBatch`` that the KDA backend's forward paths read (the scheduler fills them
+    in a server)."""
+
+    forward_mode: Any
+    batch_size: int
+    extend_prefix_lens: Any = None
+    extend_seq_lens_cpu: list | None = None
+    spec_info: Any = None
+    mamba_track_mask: Any = None
+    req_pool_indices: Any = None
+
+
+@dataclass
+class _Pool:
+    """sglang's hybrid request pool as the KDA backend reads it, laid out as 0.5.23's ``MambaPool`` allocates it on
+    CUDA (``mem_cache/memory_pool.py``): conv ``[layers, slots, kernel - 1, channels]`` (KDA keeps the window first)
+    in the activation dtype, temporal ``[layers, slots, H, V, K]`` in the state dtype (``slots`` =
+    ``spec.sglang.mamba_pool_slots``: the pool's size + its padding slot, which the conv kernels take as the
+    constexpr ``num_cache_lines``), and with speculation the verify scratch ``[layers, requests + 1, draft, H, V,
+    K]`` and the per-step conv windows: for a linear draft chain the deduplicated sliding-window view
+    (``_allocate_deduplicated_conv_window``: one ``[draft + kernel - 2, channels]`` buffer per slot, step t's window
+    at row t), for EAGLE tree verify the dense ``[layers, requests + 1, draft, kernel - 1, channels]``."""
+
+    size: int  # requests (the scratch rows, the verify index table)
+    conv: Any
+    temporal: Any
+    intermediate_ssm: Any = None
+    intermediate_conv_window: Any = None
+    mamba_map: dict = field(default_factory=dict)
+    # the side pools the commit also rolls back (short-conv and n-gram models'): none in a KDA model
+    short_conv_pool: Any = field(default_factory=lambda: SimpleNamespace(conv_state=None,
+                                                                         intermediate_conv_state=None))
+    ngram_pool: Any = field(default_factory=lambda: SimpleNamespace(context=None, intermediate_context=None))
+
+    @classmethod
+    def allocate(cls, layer: "_Layer", draft: int, tree: bool) -> "_Pool":
+        s, dt = layer.s, layer.dt
+        h, K, V, L = s.heads, s.head_k_dim, s.head_v_dim, s.layers
+        window = s.conv_kernel - 1
+        requests = s.max_batch
+        pool = cls(size=requests, mamba_map={i: i for i in range(L)},
+                   conv=layer.zeros(L, s.mamba_pool_slots, window, layer.channels, dtype=dt["activation"]),
+                   temporal=layer.zeros(L, s.mamba_pool_slots, h, V, K, dtype=dt["state"]))
+        if draft:
+            pool.intermediate_ssm = layer.zeros(L, requests + 1, draft, h, V, K, dtype=dt["state"])
+            if tree:
+                pool.intermediate_conv_window = layer.zeros(L, requests + 1, draft, window, layer.channels,
+                                                            dtype=dt["activation"])
+            else:
+                phys = layer.zeros(L, requests + 1, draft + window - 1, layer.channels, dtype=dt["activation"])
+                pool.intermediate_conv_window = phys.as_strided(
+                    (L, requests + 1, draft, window, layer.channels),
+                    (phys.stride(0), phys.stride(1), layer.channels, layer.channels, 1))
+        return pool
+
+    @property
+    def mamba_pool(self):
+        return SimpleNamespace(mamba_cache=self._cache())
+
+    def _cache(self, layer: int | None = None):
+        pick = (lambda t: t) if layer is None else (lambda t: None if t is None else t[layer])
+        return SimpleNamespace(conv=[pick(self.conv)], temporal=pick(self.temporal),
+                               intermediate_ssm=pick(self.intermediate_ssm),
+                               intermediate_conv_window=[pick(self.intermediate_conv_window)], replayssm_d=None,
+                               replayssm_k=None, replayssm_g=None)
+
+    def mamba2_layer_cache(self, layer_id: int):
+        return self._cache(self.mamba_map[layer_id])
+
+    def get_speculative_mamba2_params_all_layers(self):
+        return self._cache()
+
+    def translate_mamba_indices(self, mamba_indices):
+        """Virtual to physical slots: the identity, as for sglang's pool outside unified memory."""
+        return mamba_indices
+
+
+def _backend(pool: _Pool, device: str, topk: int):
+    """``KDAAttnBackend`` with the attributes its constructors set for ``--linear-attn-backend triton`` (every
+    mode's kernel ``TritonKDAKernel``; no fused-accept pool: that is FlashInfer verify's); the constructors read
+    the server's published configuration (``runtime_context``), which exists only in a running server."""
+    from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend, KDAKernelDispatcher
+    from sglang.srt.layers.attention.linear.utils import (
+        LinearAttnKernelBackend,
+        build_verify_intermediate_state_indices,
+    )
+
+    backend = KDAAttnBackend.__new__(KDAAttnBackend)
+    triton_backend = LinearAttnKernelBackend.TRITON
+    backend.__dict__.update(
+        pad_slot_id=-1, device=device, topk=topk, is_draft_worker=False, req_to_token_pool=pool,
+        token_to_kv_pool=None, enable_unified_memory=False, forward_metadata=None, _mamba_chunk_size=None,
+        kernel_dispatcher=KDAKernelDispatcher(triton_backend, triton_backend, triton_backend),
+        verify_intermediate_state_indices=build_verify_intermediate_state_indices(pool.size, device),
+        _fused_chain_verify_fn=None, accept_lens_pool=None, prefill_graph_metadata=None)
+    backend.conv_states_shape = pool.conv[0].transpose(-1, -2).shape  # KDAAttnBackend.__init__: [.., dim, window]
+    return backend
+
+
+def _hybrid(linear_backend):
+    """``HybridLinearAttnBackend`` around ``linear_backend`` (its full-attention half is not KDA's)."""
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+
+    full = SimpleNamespace(token_to_kv_pool=None, req_to_token_pool=linear_backend.req_to_token_pool,
+                           kv_index_translator=None, needs_cpu_seq_lens=False,
+                           use_captured_forward_metadata_for_breakable_cuda_graph=False)
+    return HybridLinearAttnBackend(full, linear_backend, [])
 
 
 def _kernel():
