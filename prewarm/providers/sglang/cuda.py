@@ -109,6 +109,13 @@ def prefill_layouts(heads: int, max_tokens: int, max_seqs: int) -> list[tuple[st
     return list(out.values())
 
 
+def conv_layouts(max_tokens: int) -> list[tuple[str, list[int]]]:
+    """(name, sequence lengths) of prefills whose token count is in each class Triton specializes an int on (1, a
+    multiple of 16, other) that :func:`prefill_layouts` may not reach: ``causal_conv1d_fn`` passes the packed token
+    count as the kernel's ``seqlen``."""
+    return [(f"T={tokens}", [tokens]) for tokens in (1, CHUNK, CHUNK + 3) if tokens <= max_tokens]
+
+
 def _spread(chunks: int, seqs: int) -> list[int]:
     """``seqs`` sequences of ``chunks`` chunks in all, each one token past a multiple of 64 (the fewest tokens)."""
     each, extra = divmod(chunks, seqs)
@@ -411,7 +418,8 @@ class _Layer(TensorCache):
         s = self.s
         if not self.first:
             return
-        for layout_name, lengths in prefill_layouts(s.heads, s.max_prefill_tokens, s.max_batch):
+        for layout_name, lengths in prefill_layouts(s.heads, s.max_prefill_tokens, s.max_batch) + \
+                conv_layouts(s.max_prefill_tokens):
             for prefix in (False, True):
                 for tracked in (False, True) if s.track_state else (False,):
                     def call(lengths=lengths, prefix=prefix, tracked=tracked):

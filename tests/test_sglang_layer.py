@@ -1,0 +1,50 @@
+"""sglang 0.5.23's CUDA KDA layer (``KDAAttnBackend`` with its conv, state tracking, verify commit and the model's
+o_norm), planned by ``prewarm.providers.sglang.cuda`` for the shipped H200 manifest, checked against independent
+layer-level traffic (``tests/traffic/sglang_layer.py``: written from sglang's backend, metadata builder, pools and
+Kimi-Linear's layer, not from the provider) run through sglang's own backend on fake tensors: every compile request
+the traffic makes has its key in the plan (the key Triton computes, the one a node's runtime looks up), and every
+sglang JIT module it reaches is planned.
+"""
+from __future__ import annotations
+
+import pytest
+
+from closure_traffic import fresh_seed
+from prewarm.backends import get_target
+from prewarm.manifest import load
+from prewarm.plan import plan_for
+from prewarm.probe import planned_keys
+from test_sglang import MANIFEST, not_planned, runtime_compiles
+from traffic import sglang_layer
+
+CALLS_PER_SEED = 120
+# the kernels the layer launches around TritonKDAKernel's: the causal conv (prefill, decode/verify), the radix
+# cache's decode tracking, the verify commit's index math and scatters, the o_norm
+LAYER_KERNELS = {"_causal_conv1d_fwd_kernel", "_causal_conv1d_update_kernel", "track_mamba_state_if_needed_kernel",
+                 "_fused_commit_track_indices_kernel", "_fused_mamba_state_scatter_with_mask_kernel",
+                 "_fused_conv_window_scatter_multi_kernel", "layer_norm_gated_fwd_kernel"}
+
+
+@pytest.fixture(scope="module")
+def planned():
+    m = load(MANIFEST)
+    p = plan_for(m, get_target("cuda", "sm_90", "offline", "H200"))
+    return m, p, planned_keys(p.compiles)
+
+
+def test_the_plan_holds_the_layers_conv_state_and_norm_kernels(planned):
+    _, p, _ = planned
+    assert LAYER_KERNELS <= {c.kernel.split(":")[1] for c in p.compiles}
+
+
+@pytest.mark.parametrize("seed", [11, fresh_seed()], ids=lambda s: f"seed{s}")
+def test_layer_traffic_requests_nothing_the_plan_lacks(planned, seed):
+    m, p, _ = planned
+    calls = list(sglang_layer.calls(m.spec(), seed, CALLS_PER_SEED, "cuda"))
+    compiles, jit = runtime_compiles(m.spec(), calls)
+    missing = not_planned(list(compiles.values()), planned)
+    assert not missing, f"seed {seed} (rerun: PREWARM_CLOSURE_SEED={seed}): not planned:\n{missing}"
+    assert {c.options["kind"] for c in calls} == {"extend", "decode", "target_verify"}
+    assert LAYER_KERNELS <= {c.kernel.split(":")[1] for c in compiles.values()}
+    unplanned = sorted({j.name for j in jit} - {j.name for j in p.jit if j.library == "sglang"})
+    assert jit and not unplanned, f"seed {seed}: sglang JIT modules reached, not planned: {unplanned}"
