@@ -7,6 +7,7 @@
 #   bash bench/h200_proof.sh fla-offline        # nvidia-h200, after fla-tune on the same machine: ~5 min
 #   bash bench/h200_proof.sh jit DIR            # nvidia-h200: ~4 min
 #   bash bench/h200_proof.sh vllm-layer         # nvidia-h200: ~6 min
+#   bash bench/h200_proof.sh sglang-layer DIR   # nvidia-h200: ~5 min
 #
 # traffic: bench/serving_traffic.py installs BUNDLE (a `prewarm pack` dir built on the CPU box) into a fresh node dir
 #   per process and runs 5 fresh processes of independent traffic (seeds from the clock, recorded in the JSON), then
@@ -36,6 +37,13 @@
 #   (CUDA_VISIBLE_DEVICES=, as a container step builds it) and packed; then bench/vllm_layer_traffic.py: 5 fresh
 #   guarded processes, each on its own fresh install of that bundle, of independent layer-level traffic driving vLLM
 #   0.34.0's real KimiGatedDeltaNetAttention.forward (build/vllm: the wheel's files) on the GPU.
+# sglang-layer: issue 49, sglang's CUDA KDA layer. DIR holds `bundle`, the Triton bundle of
+#   manifests/kimi-linear-h200-sglang.toml built and packed on the CPU box (no GPU). sglang's JIT module is built in
+#   this node's image with no GPU visible (bench/jit-h200.toml's plan reaches the same module as the manifest's:
+#   kda_packed_decode for bf16 batches of 8+), packed; then bench/sglang_layer_traffic.py runs 5 fresh processes of
+#   independent layer-level traffic (KDAAttnBackend's prefill/decode/verify with the conv, state tracking, the verify
+#   commit and the o_norm; every decode and verify batch 1..128, draft widths 2-4) under the guard, each on its own
+#   install of both bundles at another path: every Triton compile, JIT build and autotune benchmark counted.
 # dp-stall: bench/dp_stall.py, 2 ranks on 2 GPUs over NCCL, scenarios A (rank 0 cold) and B (both prewarmed);
 #   BUNDLE is the device-bundle.tar (or dir) of the traffic run; without one a device bundle is built here (~110 s).
 #
@@ -49,10 +57,10 @@ out=${OUT:-bench/results}
 work=${PREWARM_BENCH_WORK:-/tmp/prewarm-proof}
 py=${PYTHON:-python3}
 export PREWARM_BENCH_WORK=$work PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || $mode == dp-stall || $mode == fla-tune ||
-        $mode == fla-offline || $mode == vllm-layer ]]; then
-  echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | dp-stall [BUNDLE] | fla-tune | fla-offline |" \
-    "vllm-layer" >&2
+if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || ($mode == sglang-layer && -n $bundle) ||
+        $mode == dp-stall || $mode == fla-tune || $mode == fla-offline || $mode == vllm-layer ]]; then
+  echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | sglang-layer DIR | dp-stall [BUNDLE] | fla-tune |" \
+    "fla-offline | vllm-layer" >&2
   exit 2
 fi
 mkdir -p "$out" "$work"
@@ -171,6 +179,25 @@ case $mode in
       --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/vllm_layer_traffic.json" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     echo "h200_proof: vllm layer traffic exit $rc, $SECONDS s" | tee -a "$log"
+    exit $rc
+    ;;
+  sglang-layer)
+    mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
+    export PYTHONPATH=$PWD/build/sglang:$work/shim:$PYTHONPATH
+    log=$out/sglang_layer_traffic.log
+    { echo "== sglang's JIT module built in this node's image, no GPU visible"
+      sed 's/^sampling_backend = "flashinfer"/sampling_backend = "pytorch"/' bench/jit-h200.toml > "$work/jit-node.toml"
+      rm -rf "$work/node-build"*
+      CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build "$work/jit-node.toml" --cache-dir "$work/node-build" &&
+        $py -m prewarm.cli pack "$work/node-build.sglang-jit" -o "$work/bundle.sglang-jit"
+      echo "exit $?"
+    } 2>&1 | tee "$log"
+    seeds=$(( $(date +%s) % 100000 ))
+    seeds=$(seq -s, "$seeds" $((seeds + 4)))
+    $py bench/sglang_layer_traffic.py --bundle "$bundle/bundle" --jit-bundle "sglang-jit=$work/bundle.sglang-jit" \
+      --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/sglang_layer_traffic.json" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    echo "h200_proof: layer traffic exit $rc, $SECONDS s" | tee -a "$log"
     exit $rc
     ;;
   dp-stall)

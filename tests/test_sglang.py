@@ -125,7 +125,7 @@ def test_every_batch_size_compiles_nothing_the_standing_sizes_do_not(planned, mo
     """batch_sizes() stands for 1..max: planning every size (decode, packed decode, dense and ragged verify; a
     largest batch that is no power of two) makes no compile the standing sizes do not."""
     spec = {**planned[0].spec(), "sglang": {"paths": ["packed_decode", "decode", "target_verify"],
-                                            "beta_row_strides": [32], "eagle_tree": False}}
+                                            "beta_row_strides": [32], "eagle_tree": False, "mamba_pool_slots": 257}}
     spec["dtypes"] = {**spec["dtypes"], "beta": "bfloat16", "gate_params": "float32"}
     spec["serving"] = {**spec["serving"], "draft_widths": [3], "max_running_requests": 100,
                        "decode_batch_buckets": [1, 8]}

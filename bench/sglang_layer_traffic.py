@@ -1,0 +1,141 @@
+"""Zero compiles and zero JIT builds for sglang's CUDA KDA layer under independent layer-level traffic: fresh
+processes on installed bundles (H200).
+
+    python3 bench/sglang_layer_traffic.py --bundle BUNDLE --jit-bundle sglang-jit=BUNDLE [--sglang-path DIR]
+        [--seeds 1,2,3,4,5] [--calls 48] [--steps 4] [--expect-zero] [--out JSON]
+
+The traffic is ``tests/traffic/sglang_layer.py``: forwards of sglang 0.5.23's ``KDAAttnBackend`` (prefill with and
+without prefix state and with the radix cache's tracking, decode with its tracking, target verify dense, ragged,
+chain and tree, and the commit after it) and Kimi-Linear's o_norm, written from sglang's sources independently of the
+provider (``prewarm.providers.sglang.cuda``); ``tests/test_sglang_layer.py`` runs the same generator on fake
+tensors against the plan. Every process draws decode and verify batch sizes as seeded permutations of 1..the
+manifest's largest batch; the JSON's ``coverage`` says which batch sizes (per forward mode) and draft widths the runs
+together saw, and what they missed.
+
+Per seed (as ``bench/sglang_traffic.py`` does, whose installers this reuses): ``prewarm install BUNDLE`` into a fresh
+node dir, each ``--jit-bundle`` into a fresh dir beside it (sglang's JIT dir: ``SGLANG_JIT_CACHE_DIR``), then a fresh
+process with ``TRITON_CACHE_DIR`` = the node dir and ``TRITON_CACHE_AUTOTUNING=1`` under ``prewarm guard`` (warn,
+armed at import, a metrics file): Triton compiles are counted by Triton's compilation listener, autotune benchmarks
+by the Autotuner, JIT builds by the guard (each library's build step hooked), and every call into sglang's CUDA JIT
+packed decode is counted and really runs. ``cache_hits_by_kernel`` lists the kernels the process loaded from the
+installed cache (the conv, tracking, commit and norm kernels among them). Writes ``{"runs": [...], "coverage":
+{...}}`` after every process; exits 1 if a process failed, and with ``--expect-zero`` if any process compiled, built,
+benchmarked, ran unguarded, or the runs missed a batch size, a draft width or a forward mode.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    REPO, Probes, add_seed_options, add_server_path, bench_parser, bundle_for, child_main, describe_bundle, init_device,
+    load_spec, parse_seed_options, server_path, traffic_env, traffic_runs,
+)
+from sglang_traffic import _counting_jit, _install_jit, _jit_builds  # noqa: E402
+
+DEFAULT_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
+KINDS = ("extend", "decode", "target_verify")
+
+
+def child(args) -> dict:
+    sys.path.insert(0, str(REPO / "tests"))
+    from traffic.sglang_layer import calls
+
+    torch = init_device()
+    probes = Probes()
+    spec = load_spec(Path(args.manifest))
+    drawn: list[dict] = []
+    reached_jit: list[str] = []
+
+    def step(traffic, n: int) -> None:
+        for call in (next(traffic) for _ in range(n)):
+            probes.during = call.label
+            drawn.append(call.options)
+            try:
+                with _counting_jit(reached_jit, args.jit_bundle):
+                    call.run()
+            except Exception as e:
+                raise RuntimeError(f"the call {call.label!r} raised {type(e).__name__}: {e}") from e
+        torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    traffic = calls(spec, args.seed, args.calls * args.steps, "cuda")
+    step(traffic, args.calls)
+    first_step_s = time.perf_counter() - t0
+    after_first = probes.snapshot()
+    for _ in range(args.steps - 1):
+        step(traffic, args.calls)
+    return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
+            "calls": len(drawn), "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
+            "batch_sizes": {kind: sorted({d["batch"] for d in drawn if d["kind"] == kind}) for kind in KINDS[1:]},
+            "draft_widths": sorted({d["width"] for d in drawn if "width" in d}),
+            "extend": {"with_prefix": sum(any(d["prefix"]) for d in drawn if d["kind"] == "extend"),
+                       "tracked": sum(any(d["track_at"]) for d in drawn if d["kind"] == "extend"),
+                       "most_tokens": max([sum(d["lengths"]) for d in drawn if d["kind"] == "extend"], default=0)},
+            "verify": {"tree": sum(d.get("tree", False) for d in drawn),
+                       "ragged": sum(d["kind"] == "target_verify" and any(n != d["width"] for n in d["lens"])
+                                     for d in drawn)},
+            "jit_calls": len(reached_jit), **_jit_builds(), **probes.snapshot(), **probes.details()}
+
+
+def coverage(runs: list[dict], spec: dict) -> dict:
+    """What the runs saw together, against the manifest's envelope."""
+    from prewarm.providers.sglang.common import read_spec
+
+    s = read_spec(spec)
+    seen = {kind: set().union(*(r.get("batch_sizes", {}).get(kind, []) for r in runs)) for kind in KINDS[1:]}
+    widths = set().union(*(r.get("draft_widths", []) for r in runs))
+    kinds = set().union(*(r.get("calls_by_kind", {}) for r in runs))
+    return {"max_batch": s.max_batch, "draft_widths": list(s.draft_widths),
+            "kinds_missed": sorted(set(KINDS) - kinds),
+            "batch_sizes_missed": {kind: sorted(set(range(1, s.max_batch + 1)) - seen[kind]) for kind in seen},
+            "draft_widths_missed": sorted(set(s.draft_widths) - widths)}
+
+
+def main() -> int:
+    p = bench_parser(__doc__, "sglang_layer_traffic", manifest=DEFAULT_MANIFEST)
+    add_seed_options(p, seeds="1,2,3,4,5", calls=48)
+    add_server_path(p, "sglang")
+    p.add_argument("--jit-bundle", action="append", default=[], metavar="LAYOUT=BUNDLE",
+                   help="a bundle of modules past Triton (sglang-jit), installed per seed; the process runs under "
+                        "the guard, which counts their builds")
+    args = parse_seed_options(p)
+    if args.child:
+        return child_main(child, args)
+    if not args.bundle or not args.jit_bundle:
+        p.error("give --bundle (the manifest's Triton bundle, built and packed without a GPU) and --jit-bundle "
+                "sglang-jit=BUNDLE (sglang's modules, built in the node's image)")
+    work = Path(args.work_dir).resolve() / "sglang-layer"
+    work.mkdir(parents=True, exist_ok=True)
+    manifest = Path(args.manifest).resolve()
+    sglang_path = server_path(p, args.sglang_path, "sglang")
+    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
+    bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
+    jit_bundles = dict(pair.split("=", 1) for pair in args.jit_bundle)
+    out["jit_bundles"] = {layout: describe_bundle(Path(b)) for layout, b in jit_bundles.items()}
+
+    def said(run: dict) -> str:
+        return (f"{run['compiles']} compiles, {run['autotune_benchmarks']} autotune benchmarks, JIT builds "
+                f"{run.get('jit_builds', '-')}, {run['cache_hits']} disk hits, {run['calls']} calls "
+                f"({run['calls_by_kind']}), JIT calls {run['jit_calls']}, first step {run['first_step_s']} s")
+
+    def env(node: Path) -> dict:
+        e = traffic_env(work, node, sglang_path)
+        return e | _install_jit(jit_bundles, node, work, e)
+
+    traffic_runs(Path(__file__), args, bundle, work, out, env, lambda runs: coverage(runs, load_spec(manifest)),
+                 said, tuple(x for pair in args.jit_bundle for x in ("--jit-bundle", pair)))
+    cov = out["coverage"]
+    failed = any("error" in r for r in out["runs"])
+    missed = bool(cov["kinds_missed"] or any(cov["batch_sizes_missed"].values()) or cov["draft_widths_missed"])
+    built = any(r.get("compiles") or r.get("jit_builds") or r.get("autotune_benchmarks") or not r.get("guarded")
+                for r in out["runs"])
+    return 1 if failed or (args.expect_zero and (missed or built)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
