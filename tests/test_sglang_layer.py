@@ -48,3 +48,27 @@ def test_layer_traffic_requests_nothing_the_plan_lacks(planned, seed):
     assert LAYER_KERNELS <= {c.kernel.split(":")[1] for c in compiles.values()}
     unplanned = sorted({j.name for j in jit} - {j.name for j in p.jit if j.library == "sglang"})
     assert jit and not unplanned, f"seed {seed}: sglang JIT modules reached, not planned: {unplanned}"
+
+
+def test_the_derived_pool_geometry_is_the_pools_sglang_lays_out(planned):
+    """``prewarm plan`` prints the pool geometry the plan derives (slots, strides) with where a live server shows it:
+    each value is the one the pools laid out as sglang's MambaPool (the traffic's, written from memory_pool.py) have."""
+    import random
+
+    from prewarm.providers.sglang import common as sglang_env
+    from prewarm.providers.sglang import cuda as sglang_cuda
+
+    m, _, _ = planned
+    s = sglang_env.read_spec(m.spec())
+    derived = {key: value for key, value, _ in sglang_cuda.geometry(s)}
+    traffic = sglang_layer._Traffic(s, random.Random(0), "cuda")
+    with sglang_env.fake_device("cuda"):
+        for width in s.draft_widths:
+            server = sglang_layer._Server(traffic, {role: names[0] for role, names in s.dtypes.items()} |
+                                          {"width": width, "tree": False})
+            cache = server.pool.mamba2_layer_cache(s.layers - 1)
+            assert derived[f"verify conv window slot stride, draft {width}"] == \
+                cache.intermediate_conv_window[0].stride(0)
+    assert derived["spec.sglang.mamba_pool_slots"] == cache.conv[0].shape[0]
+    assert derived["conv pool slot stride"] == cache.conv[0].stride(0)
+    assert derived["state pool slot stride"] == cache.temporal.stride(0)

@@ -33,11 +33,15 @@ The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda`
   (A_log and dt_bias), state (the pool and the verify scratch), index (query_start_loc, cache and scratch indices,
   the track rows; one dtype per call, as a server builds them); the cross product is planned.
 
-Not planned (sglang options that need a deployment's value or another kernel library): ReplaySSM
-(``--enable-linear-replayssm``: ring caches and their length are constexprs), the prefill CUDA graph's padded
-index tables (``kda_prefill_graph``), FlashInfer / CuTe DSL / Helion backends, the fused K3 decode and fused chain
-verify (CUDA JIT / other kernels).
-:func:`options` lists each of them with what sglang accepts; ``prewarm plan`` prints them.
+The layer around those calls (:class:`_Layer`): ``KDAAttnBackend`` itself, driven as the server drives it, with the
+causal conv (prefill and decode/verify, its pool's slot count ``spec.sglang.mamba_pool_slots`` a constexpr), the
+radix cache's state tracking, the commit after a verify and the model's o_norm; :func:`geometry` says which pool
+dimensions reach the kernels and where a live server shows them.
+
+Not planned (:data:`NOT_PLANNED`: sglang options that need a deployment's value or another kernel library, each
+refused by ``prewarm manifest`` where the launch line asks for it): ReplaySSM, the prefill CUDA graph, the
+non-Triton linear-attention backends, the fused chain verify, the fused K3 decode.
+:func:`options` lists each of them; ``prewarm plan`` prints them.
 """
 from __future__ import annotations
 
@@ -132,8 +136,10 @@ def verify_token_counts(max_batch: int, width: int) -> Iterator[tuple[int, int]]
 
 def options(spec: dict) -> list[dict]:
     """Each axis of sglang's KDA API this provider plans: its spec key, the values planned, every value sglang
-    accepts (None: any), whether the manifest set it; ``prewarm plan`` prints the narrowed ones. Options that need a
-    deployment's value (ReplaySSM's ring length, the prefill CUDA graph's tables) are not planned and say so."""
+    accepts (None: any), whether the manifest set it; ``prewarm plan`` prints the narrowed ones. Then what is not
+    planned, with why (:data:`NOT_PLANNED`; ``prewarm manifest`` refuses the launch options that reach it), and the
+    pool geometry the plan derives from the spec that reaches a constexpr, with where a live server shows it
+    (``derived``: ``prewarm plan`` prints each)."""
     from prewarm_kernels.spec import DTYPES, INDEX_DTYPES
 
     from .common import PATHS, ROLES
@@ -145,12 +151,51 @@ def options(spec: dict) -> list[dict]:
     rows += [("sglang.paths", list(s.paths), list(PATHS["cuda"])),
              ("sglang.beta_row_strides", list(s.beta_row_strides), None),
              ("sglang.eagle_tree", [False, True] if s.eagle_tree else [False], [False, True]),
-             ("sglang.track_state", [False, True] if s.track_state else [False], [False, True]),
-             ("sglang.replayssm", [False], [False, True]),  # --enable-linear-replayssm: ring caches (not planned)
-             ("sglang.prefill_graph", [False], [False, True])]  # kda_prefill_graph's padded tables (not planned)
-    return [{"key": f"spec.{key}", "planned": planned, "accepted": accepted,
-             "given": key.split(".")[1] in given.get(key.split(".")[0], set()),
-             "narrowed": accepted is not None and planned != accepted} for key, planned, accepted in rows]
+             ("sglang.track_state", [False, True] if s.track_state else [False], [False, True])]
+    out = [{"key": f"spec.{key}", "planned": planned, "accepted": accepted,
+            "given": key.split(".")[1] in given.get(key.split(".")[0], set()),
+            "narrowed": accepted is not None and planned != accepted} for key, planned, accepted in rows]
+    out += [{"key": f"spec.sglang.{key}", "planned": [False], "accepted": [False, True], "given": False,
+             "narrowed": True, "why": why} for key, why in NOT_PLANNED.items()]
+    return out + [{"key": key, "planned": value, "accepted": None, "given": key.removeprefix("spec.sglang.") in
+                   given["sglang"], "narrowed": False, "derived": check} for key, value, check in geometry(s)]
+
+
+# sglang 0.5.23 CUDA options that change which kernels the KDA layer runs, not planned (prewarm manifest refuses each
+# launch option by name, exit 3)
+NOT_PLANNED = {
+    "replayssm": "--enable-linear-replayssm / --enable-linear-replayssm-spec: the ReplaySSM ring caches (their "
+                 "length, --linear-replayssm-cache-len, is a constexpr) and the replay/fold kernels",
+    "prefill_graph": "prefill CUDA graphs: sglang 0.5.23 turns the breakable one off for KDA models (cuda_graph_hook: "
+                     "'Breakable CUDA graph is incompatible with KDA hybrid linear attention'); "
+                     "--cuda-graph-backend-prefill full (kda_prefill_graph's padded tables) is not planned",
+    "linear_attn_backends": "--linear-attn-backend / --linear-attn-{decode,prefill,verify}-backend other than "
+                            "triton (FlashInfer, Helion, CuTe DSL, FlashKDA, NVIDIA/PTX KDA: other kernel libraries)",
+    "fused_chain_verify": "SGLANG_OPT_FUSED_KDA_VERIFY=1 (off by default): fused_kda_conv_gating_verify replaces "
+                          "the verify's conv + recurrence",
+    "fused_decode": "kda_fused_decode (sglang's second KDA JIT module): reached only by layers that hand the backend "
+                    "their o_norm weights (Kimi K3's _k3_fused_decode_args); Kimi-Linear's layer never does",
+}
+
+
+def geometry(s: SglangSpec) -> list[tuple[str, object, str]]:
+    """(name, value, where a live server shows it) of each pool dimension or stride the plan derives from the spec
+    and the kernels take as a constexpr (or as an int they specialize on)."""
+    h, K, V = s.heads, s.head_k_dim, s.head_v_dim
+    channels, window = 2 * h * K + h * V, s.conv_kernel - 1
+    pool = "model_runner.req_to_token_pool.mamba_pool.mamba_cache"
+    rows = [("spec.sglang.mamba_pool_slots", s.mamba_pool_slots,
+             f"{pool}.conv[0].shape[1] (--max-mamba-cache-size + 1; the log line 'Mamba Cache is allocated. "
+             f"max_mamba_cache_size: N' says N): the conv kernels' num_cache_lines"),
+            ("conv pool slot stride", window * channels,
+             f"{pool}.conv[0][layer].stride(0) ((kernel - 1) x 2hK + hV; KDA keeps the window first): "
+             f"stride_istate_seq / stride_conv_state_seq"),
+            ("state pool slot stride", h * V * K, f"{pool}.temporal[layer].stride(0): the KDA kernels' state stride")]
+    rows += [(f"verify conv window slot stride, draft {d}", (d + window - 1) * channels,
+              f"{pool}.intermediate_conv_window[0][layer].stride(0) with --speculative-num-draft-tokens {d} and "
+              f"--speculative-eagle-topk 1 (deduplicated windows; a tree keeps {d * window * channels}): "
+              f"the conv update's stride_inter_seq") for d in s.draft_widths]
+    return rows
 
 
 def run(spec: dict, device: str = "cuda") -> None:
