@@ -261,14 +261,17 @@ def test_the_k3_config_nests_its_text_model_and_the_sglang_kernels_get_the_reque
                        "--disable-radix-cache", model=K3, kernels="sglang", target="npu:Ascend910_9391")
     assert untracked.spec["sglang"]["track_state"].value is False
     # on CUDA: the sampling backend, whose FlashInfer module the server builds at its first sampled request
-    cuda = sglang("--tp-size", "2", "--cuda-graph-bs", "8", "--max-running-requests", "8", kernels="sglang")
+    cuda = sglang("--tp-size", "2", "--cuda-graph-bs", "8", "--max-running-requests", "8", "--max-mamba-cache-size",
+                  "64", kernels="sglang")
     assert cuda.provider == "prewarm.providers.sglang.cuda" and cuda.spec["sglang"]["sampling_backend"].value == \
         "flashinfer" and "default" in cuda.spec["sglang"]["sampling_backend"].source
     greedy = sglang("--cuda-graph-bs", "8", "--max-running-requests", "8", "--sampling-backend", "pytorch",
-                    kernels="sglang")
-    assert {k: v.value for k, v in greedy.spec["sglang"].items()} == {"sampling_backend": "pytorch"}
+                    "--max-mamba-cache-size", "64", "--mamba-radix-cache-strategy", "no_buffer", kernels="sglang")
+    assert {k: v.value for k, v in greedy.spec["sglang"].items()} == {
+        "sampling_backend": "pytorch", "mamba_pool_slots": 65, "conv_kernel": 4, "track_state": False}
     with pytest.raises(ManifestError, match="--sampling-backend ascend"):
-        sglang("--cuda-graph-bs", "8", "--max-running-requests", "8", "--sampling-backend", "ascend", kernels="sglang")
+        sglang("--cuda-graph-bs", "8", "--max-running-requests", "8", "--sampling-backend", "ascend",
+               "--max-mamba-cache-size", "64", kernels="sglang")
     own = sglang(*REPORT_LINE, "--speculative-num-draft-tokens", "4", model=K3, target="npu:Ascend910_9391")
     assert "max_running_requests" not in own.spec["serving"] and any("max running requests 48" in n for n in own.notes)
 
@@ -297,6 +300,50 @@ def test_vllm_plans_its_own_kda_kernels_by_default(tmp_path, capsys):
             "_gather_initial_states_kernel", "_scatter_states_kernel", "layer_norm_gated_fwd_kernel"} <= kernels
     with pytest.raises(ManifestError, match="vllm's own KDA kernels run only in vllm"):
         sglang("--tp-size", "1", kernels="vllm")
+
+
+def test_sglang_cuda_pool_slots_come_from_the_launch_line_or_the_verb_asks_for_them():
+    """sglang's causal conv kernels take the mamba pool's slot count as a constexpr (num_cache_lines): per attention-DP
+    shard, --max-mamba-cache-size + the padding slot; with the radix cache off, the running-request cap; else sglang
+    sizes it from memory at startup and the verb names the flag to add."""
+    line = ("--cuda-graph-bs", "8", "--max-running-requests", "96")
+    with pytest.raises(ManifestError, match="add --max-mamba-cache-size N"):
+        sglang(*line, kernels="sglang")
+    dp = sglang(*line, "--tp-size", "4", "--enable-dp-attention", "--dp-size", "2", "--max-mamba-cache-size", "300",
+                kernels="sglang").spec["sglang"]["mamba_pool_slots"]
+    assert dp.value == 151 and "// attention-DP 2" in dp.source
+    assert sglang(*line, "--disable-radix-cache", "--mamba-ssm-dtype", "bfloat16", kernels="sglang").spec[
+        "sglang"]["mamba_pool_slots"].value == 97
+
+
+@pytest.mark.parametrize("flag", [("--linear-attn-backend", "flashinfer"), ("--linear-attn-decode-backend", "helion"),
+                                  ("--linear-attn-prefill-backend", "flashinfer"),
+                                  ("--linear-attn-verify-backend", "nv_cutedsl"), ("--enable-linear-replayssm",),
+                                  ("--enable-linear-replayssm-spec",), ("--cuda-graph-backend-prefill", "full"),
+                                  ("--enable-int8-mamba-checkpoint",)])
+def test_sglang_options_that_run_unplanned_kernels_are_refused_by_name(flag, capsys):
+    line = ["--cuda-graph-bs", "8", "--max-running-requests", "8", "--max-mamba-cache-size", "64", *flag]
+    code = main(["manifest", str(KIMI_LINEAR), "--server", "sglang", "--kernels", "sglang", "--target",
+                 "cuda:sm_90:H200", "--", *line])
+    assert code == 3 and flag[0] in capsys.readouterr().err
+    assert sglang(*line[:-len(flag)], "--linear-attn-verify-backend", "triton", kernels="sglang")  # triton: planned
+
+
+def test_the_shipped_sglang_cuda_manifest_is_derived_by_its_stated_command(capsys, monkeypatch):
+    """kimi-linear-h200-sglang.toml states the `prewarm manifest` command it is derived from: that command gives
+    its model, parallelism, serving envelope (the shipped one merges three draft widths) and [spec.sglang] values."""
+    shipped_path = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
+    command = regenerate_command(shipped_path)
+    dashes = command.index("--")
+    monkeypatch.chdir(REPO)
+    gen = generate(command[2], "sglang", "sglang", command[command.index("--target") + 1], command[dashes + 1:])
+    shipped = load(shipped_path).spec()
+    assert {k: v.value for k, v in gen.spec["model"].items()} == shipped["model"]
+    assert {k: v.value for k, v in gen.spec["parallel"].items()} == shipped["parallel"]
+    serving = {k: v.value for k, v in gen.spec["serving"].items()}
+    assert set(serving.pop("draft_widths")) <= set(shipped["serving"]["draft_widths"])
+    assert serving.items() <= shipped["serving"].items()
+    assert {k: v.value for k, v in gen.spec["sglang"].items()}.items() <= shipped["sglang"].items()
 
 
 @pytest.mark.parametrize("flags,key,value", [

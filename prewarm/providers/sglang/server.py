@@ -32,6 +32,13 @@ _BY_MEMORY = ((20 * 1024, 2048, 8, 8), (35 * 1024, 4096, 48, 160), (60 * 1024, 4
               (90 * 1024, 8192, 256, 512), (160 * 1024, 8192, 256, 512), (math.inf, 16384, 512, 512))
 MAX_PREFILL_TOKENS = 16384  # --max-prefill-tokens' default: the budget when chunked prefill is off (-1)
 DSPARK_MAX_RUNNING = 48  # _handle_dspark: max_running_requests when not given
+# switches that make sglang's KDA layer run kernels the sglang providers do not plan (refused by name: _refused)
+UNPLANNED_SWITCHES = {
+    "--enable-linear-replayssm": "ReplaySSM's decode ring (its replay kernels; the ring length is a constexpr)",
+    "--enable-linear-replayssm-spec": "ReplaySSM's spec-verify fold (its ring-write and commit kernels)",
+    "--enable-int8-mamba-checkpoint": "the int8 checkpoint pool's quantize/dequantize kernels",
+    "--enable-mamba-cache-stochastic-rounding": "the stochastic-rounding state writes (fp16 pools)",
+}
 
 
 class Sglang(Server):
@@ -64,7 +71,16 @@ class Sglang(Server):
         parser.add_argument("--max-prefill-tokens", type=positive_int_arg)
         parser.add_argument("--max-mamba-cache-size", type=positive_int_arg)
         parser.add_argument("--disable-radix-cache", action="store_true")
+        parser.add_argument("--mamba-radix-cache-strategy", choices=("auto", "no_buffer", "extra_buffer",
+                                                                     "extra_buffer_lazy"))
+        parser.add_argument("--mamba-ssm-dtype", choices=("float32", "bfloat16", "float16"))
         parser.add_argument("--sampling-backend")
+        # the options that change which kernels the KDA layer runs (_refused)
+        for backend in ("", "decode-", "prefill-", "verify-"):
+            parser.add_argument(f"--linear-attn-{backend}backend")
+        parser.add_argument("--cuda-graph-backend-prefill", choices=("full", "breakable", "disabled"))
+        for switch in UNPLANNED_SWITCHES:
+            parser.add_argument(switch, action="store_true")
 
     def parallel(self, args, argv: list[str]) -> dict[str, Sourced]:
         if args.attn_cp_size and args.attn_cp_size > 1:
@@ -88,9 +104,14 @@ class Sglang(Server):
         return _serving(args, argv, profile)
 
     def own_kernels_spec(self, args, argv, cfg, serving, backend):
+        _refused(args, argv)
+        tables = {}
+        if args.mamba_ssm_dtype:  # the state pools' dtype (default: the model config's, fp32)
+            tables["dtypes"] = {"state": Sourced([args.mamba_ssm_dtype], flag_source(argv, "--mamba-ssm-dtype"))}
         if backend == "npu":
-            return {"sglang": _ascend(args, argv, cfg, serving)}, []
-        return {"sglang": _cuda(args)}, []
+            return tables | {"sglang": _ascend(args, argv, cfg, serving)}, []
+        dp = self.parallel(args, argv)["attention_dp"].value
+        return tables | {"sglang": _cuda(args, argv, cfg, dp, serving.get("max_running_requests"))}, []
 
     def check_spec(self, spec: dict) -> None:
         from .common import read_spec
@@ -101,9 +122,7 @@ class Sglang(Server):
 def _ascend(args, argv: list[str], cfg: ModelConfig, serving: dict[str, Sourced]) -> dict[str, Sourced]:
     """``[spec.sglang]`` of sglang's Ascend KDA backend (prewarm.providers.sglang.ascend): the pools' geometry that
     reaches a constexpr, and the radix cache's state tracking."""
-    out = {"track_state": Sourced(not args.disable_radix_cache, "--disable-radix-cache (no state tracking)"
-                                  if args.disable_radix_cache else f"{VERSION}'s radix cache (on by default) tracks "
-                                  "KDA state in an extra buffer")}
+    out = {"track_state": _tracking(args, argv)}
     if args.max_mamba_cache_size:
         out["mamba_pool_slots"] = Sourced(args.max_mamba_cache_size + 1,
                                           f"{flag_source(argv, '--max-mamba-cache-size')} + the pool's padding slot")
@@ -111,22 +130,72 @@ def _ascend(args, argv: list[str], cfg: ModelConfig, serving: dict[str, Sourced]
         raise ManifestError("mamba pool slots: sglang's Ascend verify rolls the conv state back with the conv pool's "
                             "strides as constexprs, and sglang sizes that pool from the device's memory at startup: "
                             "add --max-mamba-cache-size N to the launch arguments")
-    out["conv_kernel"] = Sourced(cfg.linear("short_conv_kernel_size", positive_int, "a positive integer (the "
-                                            "short conv's kernel)"), cfg.source("linear_attn_config."
-                                                                                 "short_conv_kernel_size"))
+    out["conv_kernel"] = _conv_kernel(cfg)
     return out
 
 
-def _cuda(args) -> dict[str, Sourced]:
-    """``[spec.sglang]`` of sglang's CUDA KDA backend (prewarm.providers.sglang.cuda): the sampling backend, whose
-    FlashInfer module the server JIT-builds at the first request with temperature > 0."""
+def _tracking(args, argv: list[str]) -> Sourced:
+    """Whether the radix cache tracks KDA state: off with --disable-radix-cache or --mamba-radix-cache-strategy
+    no_buffer; ``auto`` (the default) keeps an extra buffer under the overlap scheduler (overrides.py)."""
+    if args.disable_radix_cache:
+        return Sourced(False, "--disable-radix-cache (no state tracking)")
+    if args.mamba_radix_cache_strategy == "no_buffer":
+        return Sourced(False, f"{flag_source(argv, '--mamba-radix-cache-strategy')} (no state tracking)")
+    how = flag_source(argv, "--mamba-radix-cache-strategy") if args.mamba_radix_cache_strategy else \
+        "--mamba-radix-cache-strategy auto, the default: an extra buffer under the overlap scheduler"
+    return Sourced(True, f"{VERSION}'s radix cache tracks KDA state ({how})")
+
+
+def _conv_kernel(cfg: ModelConfig) -> Sourced:
+    return Sourced(cfg.linear("short_conv_kernel_size", positive_int, "a positive integer (the short conv's kernel)"),
+                   cfg.source("linear_attn_config.short_conv_kernel_size"))
+
+
+def _refused(args, argv: list[str]) -> None:
+    """sglang 0.5.23's options that make its KDA layer run kernels the sglang providers do not plan: a ManifestError
+    naming the option (exit 3), never a plan that silently lacks them."""
+    for backend in ("", "decode_", "prefill_", "verify_"):
+        value = getattr(args, f"linear_attn_{backend}backend")
+        if value not in (None, "triton"):
+            flag = f"--linear-attn-{backend.replace('_', '-')}backend"
+            raise ManifestError(f"{flag} {value}: the sglang providers plan sglang's Triton KDA kernels "
+                                f"(--linear-attn-backend triton, the default); {value}'s kernels are another "
+                                "library's, not planned")
+    for switch, what in UNPLANNED_SWITCHES.items():
+        if getattr(args, switch.removeprefix("--").replace("-", "_")):
+            raise ManifestError(f"{switch}: {what} are not planned by the sglang providers")
+    prefill = (args.cuda_graph_config or {}).get("prefill", {})
+    prefill_backend = prefill.get("backend") if isinstance(prefill, dict) else None
+    if "full" in (prefill_backend, args.cuda_graph_backend_prefill):
+        raise ManifestError("a full prefill CUDA graph (--cuda-graph-backend-prefill full / --cuda-graph-config "
+                            "prefill.backend full): KDA's extend on the graph's padded tables is not planned "
+                            f"({VERSION} turns breakable prefill graphs off for KDA models itself)")
+
+
+def _cuda(args, argv: list[str], cfg: ModelConfig, dp: int, mrr: Sourced | None) -> dict[str, Sourced]:
+    """``[spec.sglang]`` of sglang's CUDA KDA backend (prewarm.providers.sglang.cuda): the mamba pool's slots (the
+    conv kernels' constexpr ``num_cache_lines``: ``MambaPool``'s size + its padding slot, the size per attention-DP
+    shard as kv_cache_configurator sets it), the conv kernel, the radix cache's tracking, the sampling backend
+    (whose FlashInfer module the server JIT-builds at the first request with temperature > 0)."""
     from .common import SAMPLING_BACKENDS
 
+    per_shard = f" // attention-DP {dp}" if dp > 1 else ""
+    if args.max_mamba_cache_size:
+        slots = Sourced(args.max_mamba_cache_size // dp + 1, f"{flag_source(argv, '--max-mamba-cache-size')}"
+                                                             f"{per_shard} + the pool's padding slot")
+    elif args.disable_radix_cache and mrr is not None:
+        slots = Sourced(max(1, mrr.value // dp) + 1, f"--disable-radix-cache: the running-request cap "
+                                                     f"({mrr.source}){per_shard} + the pool's padding slot")
+    else:
+        raise ManifestError("mamba pool slots: sglang's causal conv kernels take the mamba pool's slot count as a "
+                            "constexpr, and sglang sizes that pool from the device's memory at startup: add "
+                            "--max-mamba-cache-size N to the launch arguments")
     backend = args.sampling_backend or SAMPLING_BACKENDS[0]
     if backend not in SAMPLING_BACKENDS:
         raise ManifestError(f"--sampling-backend {backend}: the plan knows {', '.join(SAMPLING_BACKENDS)} "
                             f"(sglang's CUDA backends)")
-    return {"sampling_backend": Sourced(backend, "--sampling-backend" if args.sampling_backend else
+    return {"mamba_pool_slots": slots, "conv_kernel": _conv_kernel(cfg), "track_state": _tracking(args, argv),
+            "sampling_backend": Sourced(backend, "--sampling-backend" if args.sampling_backend else
                                         f"{VERSION}'s default where FlashInfer is installed")}
 
 
