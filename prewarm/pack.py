@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import signing
 from . import workers as workers_
 from .bundle import INDEX, OBJECTS, SIGNATURE, Index, index_bytes, pack_entry, parse_index
 from .cachedir import CacheDir, syncfs, write_atomic
@@ -97,7 +96,9 @@ def _pack(cache_dir: Path, bundle_dir: Path, signing_key: str | os.PathLike | No
     written, bytes_in, bytes_out = (sum(r[i] for r in results) for i in (1, 2, 3))
     del results  # the entries' JSON now lives in the index bytes only
     sig = bundle_dir / SIGNATURE
-    if signing_key:
+    if signing_key:  # cryptography only where a bundle is signed (a node packing its own modules needs none)
+        from . import signing
+
         write_atomic(sig, signing.sign(data, signing_key))
     elif sig.exists():
         sig.unlink()  # a stale signature over another index would only ever fail
