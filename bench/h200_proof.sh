@@ -195,7 +195,7 @@ case $mode in
     seeds=$(( $(date +%s) % 100000 ))
     seeds=$(seq -s, "$seeds" $((seeds + 4)))
     $py bench/sglang_layer_traffic.py --bundle "$bundle/bundle" --jit-bundle "sglang-jit=$work/bundle.sglang-jit" \
-      --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/sglang_layer_traffic.json" 2>&1 | tee -a "$log"
+      --calls 96 --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/sglang_layer_traffic.json" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     echo "h200_proof: layer traffic exit $rc, $SECONDS s" | tee -a "$log"
     exit $rc

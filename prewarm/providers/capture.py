@@ -87,15 +87,64 @@ def _host_chunk_indices(original: Callable) -> Callable:
 
 
 def _deviceless_fake_mode():
+    import torch
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    like = {aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+            aten.clone.default}
+    views = {aten.view.default, aten._unsafe_view.default}
 
     class DevicelessFakeMode(FakeTensorMode):
         """FakeTensorMode that never materializes a tensor on the device: torch's own mode does for
-        ``torch.tensor(...)`` and indexing when ``torch.cuda.is_available()``, which a device profile answers True."""
+        ``torch.tensor(...)`` and indexing when ``torch.cuda.is_available()``, which a device profile answers True.
+
+        Strides of size-1 dims come out as eager torch gives them, where torch's fake kernels give others (a
+        wrapper hands them to kernels that take strides as constexprs; a one-row batch has such dims):
+        ``*_like`` and ``clone`` keep the input's strides where eager does (an input that is non-overlapping and
+        dense, ``preserve_format``), and ``view`` / ``reshape`` compute them as eager's ``computeStride`` does
+        (:func:`_eager_view_strides`)."""
 
         avoid_device_init = True
 
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            src = args[0] if args else None
+            if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+                return out
+            if func in like and (kwargs or {}).get("memory_format", torch.preserve_format) == torch.preserve_format \
+                    and out.shape == src.shape and out.stride() != src.stride() and is_non_overlapping_and_dense(src):
+                return out.as_strided(src.shape, src.stride())
+            if func in views:
+                strides = _eager_view_strides(tuple(src.shape), tuple(src.stride()), tuple(out.shape))
+                if strides is not None and strides != tuple(out.stride()):
+                    return out.as_strided(out.shape, strides, out.storage_offset())
+            return out
+
     return DevicelessFakeMode
+
+
+def _eager_view_strides(shape: tuple, strides: tuple, new_shape: tuple) -> tuple | None:
+    """The strides eager torch gives ``view(new_shape)`` of a tensor (ATen's ``computeStride``: size-1 dims take
+    the stride of the chunk they sit in); None where it cannot tell (symbolic sizes, an empty tensor, no view)."""
+    if not all(isinstance(n, int) for n in (*shape, *strides, *new_shape)) or 0 in shape or not shape:
+        return None
+    out = [0] * len(new_shape)
+    view_d, chunk_base = len(new_shape) - 1, strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[tensor_d]
+        if tensor_d == 0 or (shape[tensor_d - 1] != 1 and strides[tensor_d - 1] != tensor_numel * chunk_base):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                out[view_d] = view_numel * chunk_base
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base, tensor_numel, view_numel = strides[tensor_d - 1], 1, 1
+    return tuple(out) if view_d == -1 else None
 
 
 def launches_of(call: Callable[[], object]) -> list:
