@@ -42,7 +42,6 @@ KINDS = ("extend", "decode", "target_verify")
 
 
 def child(args) -> dict:
-    sys.path.insert(0, str(REPO / "tests"))
     from traffic.sglang_layer import calls
 
     torch = init_device()

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from closure_traffic import fresh_seed
 from prewarm.backends import get_target
 from prewarm.manifest import load
 from prewarm.plan import plan_for
 from prewarm.probe import planned_keys
 from test_sglang import MANIFEST, not_planned, runtime_compiles
 from traffic import sglang_layer
+from traffic.closure import fresh_seed
 
 CALLS_PER_SEED = 120
 # the kernels the layer launches around TritonKDAKernel's: the causal conv (prefill, decode/verify), the radix

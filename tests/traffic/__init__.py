@@ -3,7 +3,8 @@ fake tensors) and the H200 benches (on a GPU) check the plans against. Test supp
 
 One module per provider: ``vllm_kda`` (vLLM's Kimi-Linear layer -> ``prewarm.providers.vllm.kda``), ``sglang_cuda``
 (sglang's CUDA KDA backend -> ``prewarm.providers.sglang.cuda``), ``sglang_ascend`` (sglang's Ascend KDA backend ->
-``prewarm.providers.sglang.ascend``), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure``
+``prewarm.providers.sglang.ascend``), ``sglang_layer`` (sglang's CUDA KDA layer: ``KDAAttnBackend`` with its conv,
+state tracking, verify commit and the model's o_norm -> ``prewarm.providers.sglang.cuda``), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure``
 runs traffic and names what it requested that the plan lacks. (This project's own kernels' traffic is
 ``prewarm_kernels.kda.traffic``, in their package.)
 

@@ -33,8 +33,9 @@ import random
 from types import SimpleNamespace
 from typing import Iterator
 
-from prewarm.providers.capture import Call, index_tensor
+from prewarm.providers.capture import index_tensor
 from prewarm.providers.sglang.common import read_spec
+from traffic import Call
 
 CHUNK = 64  # sglang's mamba chunk size (MambaAttnBackendBase.mamba_chunk_size's default): the track grid
 TRACK_INTERVAL = 256  # --mamba-track-interval's default
