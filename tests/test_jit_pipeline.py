@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,12 @@ def test_a_node_with_another_host_compiler_is_refused_at_install_and_told_at_ver
     assert p.returncode == 5, p.stdout + p.stderr  # will-miss
     [miss] = json.loads(p.stdout)["will_hit"]["jit"]
     assert not miss["hit"] and "sglang.jit.cxx differs: 'g++ " in miss["reason"], miss
+    # the summary: each line's status is that of what it counts (every Triton compile hits; the module misses)
+    p = prewarm("verify", "--cache-dir", str(node), "--plan", str(built["manifest"]), "--jit-dir",
+                f"sglang-jit={jit_dir}", env=env)
+    out = " ".join(p.stdout.split())
+    assert p.returncode == 5 and re.search(r"will-hit ok (\d+)/\1 planned compiles hit", out), p.stdout
+    assert "jit modules PROBLEM 0/1 modules past Triton" in out, p.stdout
 
 
 _INSTALL = """
