@@ -86,7 +86,7 @@ def check_contents(files: list[str], sdist: Path, wheel: Path) -> set[str]:
                            (wheel, [f for f in ours if installed_name(f) not in in_wheel])):
         dirs = sorted({os.path.dirname(f) for f in lacking})
         assert not lacking, (f"{built.name} lacks {len(lacking)} files of {dirs} (e.g. {lacking[0]}): packaging does "
-                             f"not find them (setup.py's package discovery, MANIFEST.in)")
+                             f"not find them (setup.py's package discovery, pyproject.toml's package-data)")
     assert any(n.endswith(".so") for n in in_wheel), f"{wheel.name} has no C member loop (prewarm/_fastunpack.c)"
     return in_wheel
 
