@@ -37,11 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from dockerfile import expand, read_dockerfile, stage_chain, walk  # noqa: E402
+from prewarm.errors import WillFailError  # noqa: E402  (the checkout's, for its exit code)
 
 # where each package dir of the checkout installs
 PACKAGE_ROOTS = {"prewarm": "prewarm", "kernels": "prewarm_kernels"}
 T0 = time.monotonic()
-WILL_FAIL = 12  # prewarm/errors.py: planned kernels this Triton cannot key, each named
 
 
 def sh(cmd: list[str] | str, *, ok: tuple[int, ...] = (0,), **kw) -> subprocess.CompletedProcess:
@@ -131,15 +131,25 @@ def check_imports(venv: Path, site: Path, modules: list[str], cwd: Path, env: di
     sh([str(venv / "bin" / "python"), "-c", code, str(site), *modules], cwd=cwd, env=env)
 
 
-def plan_all(backend: str, manifests: Path, cwd: Path, env: dict[str, str]) -> list[str]:
-    """`prewarm plan` of every manifest of ``backend``: exit 0, or 12 with the will-fail kernels named."""
+def shipped_manifests(root: Path) -> dict[str, list[Path]]:
+    """Every file of ``root`` (manifests/) by its target backend, the autotune tables manifests name (``[target]
+    tuned``) aside: a file that is neither fails, so none is skipped unseen."""
+    docs = {m: tomllib.loads(m.read_text()) for m in sorted(root.glob("*"))}
+    tables = {(m.parent / d["target"]["tuned"]).resolve() for m, d in docs.items() if "tuned" in d.get("target", {})}
+    by_backend: dict[str, list[Path]] = {}
+    for m, doc in docs.items():
+        if m.resolve() not in tables:
+            by_backend.setdefault(doc.get("target", {}).get("backend", f"none ({m.name})"), []).append(m)
+    assert set(by_backend) <= {"cuda", "npu"}, f"{root}: files neither a CUDA/npu manifest nor a table: {by_backend}"
+    return by_backend
+
+
+def plan_all(manifests: list[Path], cwd: Path, env: dict[str, str]) -> list[str]:
+    """`prewarm plan` of each manifest: exit 0, or 12 (will-fail) with the kernels named."""
     done = []
-    for m in sorted(manifests.glob("*.toml")):
-        doc = tomllib.loads(m.read_text())
-        if doc.get("target", {}).get("backend") != backend:
-            continue
-        p = sh(["prewarm", "plan", str(m)], ok=(0, WILL_FAIL), cwd=cwd, env=env)
-        if p.returncode == WILL_FAIL:
+    for m in manifests:
+        p = sh(["prewarm", "plan", str(m)], ok=(0, WillFailError.exit_code), cwd=cwd, env=env)
+        if p.returncode == WillFailError.exit_code:
             assert "cannot be keyed by this Triton" in p.stderr, f"plan {m.name} exited 12 without naming kernels"
         done.append(f"{m.name}:{p.returncode}")
     return done
@@ -199,7 +209,8 @@ def main() -> None:
         out = sh(["bash", "-euo", "pipefail", "-c", job], cwd=user, env=env).stdout
         assert out.rstrip().endswith("\nclean"), f"the README's main job did not end clean:\n{out[-3000:]}"
         say(f"the README's main job ends clean ({job[:60]}...)")
-        say(f"plan {' '.join(plan_all('cuda', user / 'manifests', user, env))}")
+        manifests = shipped_manifests(user / "manifests")
+        say(f"plan {' '.join(plan_all(manifests['cuda'], user, env))}")
 
         # Ascend: the sdist into a fresh Python 3.11 venv, .venv-ascend's libraries shared
         ascend_python = Path(sh([str(REPO / ".venv-ascend" / "bin" / "python"), "-c",
@@ -216,7 +227,7 @@ def main() -> None:
         # prewarm_kernels' modules need a device driver to import under triton-ascend: the plans import what they use
         check_imports(avenv, asite, ["prewarm.cli", "prewarm.plan"], user, aenv)
         say(f"Ascend ({sdist.name} into Python 3.11): plan "
-              f"{' '.join(plan_all('npu', user / 'manifests', user, aenv))}")
+              f"{' '.join(plan_all(manifests['npu'], user, aenv))}")
     say("passed")
 
 
