@@ -66,8 +66,11 @@ def current(meta_dir: Path | None, library=None, compute=None) -> tuple[dict[str
     else:
         factors, reads = compute(), set()
     prefixes = _READ_PREFIXES + (library.env_prefixes if library is not None else ())
-    ignored = sorted(n for n, v in snapshot["env"].items()
-                     if v and n not in reads and n not in _READ and not n.startswith(prefixes))
+    ignored = {n for n, v in snapshot["env"].items() if v and n not in reads and n not in _READ
+               and not n.startswith(prefixes)}
+    if library is not None:
+        ignored.add(library.env_var)  # where its modules are, not what builds them: set or not, never an input
+    ignored = sorted(ignored)
     return factors, {"prewarm": __version__, "layout": layout, "ignored": ignored,
                      "inputs": _digest(snapshot, set(ignored)), "factors": factors}
 
@@ -116,13 +119,19 @@ def _stat(path: str | os.PathLike) -> tuple:
 
 
 def _tree(root: str, out: list) -> None:
+    """Every file and dir under ``root`` but bytecode caches, which importing the code writes (a dir: its inode and
+    mode; what it holds is listed, so its mtime, which a new __pycache__ moves, adds nothing)."""
     try:
         with os.scandir(root) as it:
-            for d in it:
+            for d in sorted(it, key=lambda d: d.name):
+                if d.name == "__pycache__":
+                    continue
                 st = d.stat(follow_symlinks=False)
-                out.append((d.path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
-                if d.is_dir(follow_symlinks=False) and d.name != "__pycache__":
+                if d.is_dir(follow_symlinks=False):
+                    out.append((d.path, st.st_ino, st.st_mode))
                     _tree(d.path, out)
+                else:
+                    out.append((d.path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
     except OSError:
         out.append((root, None))
 
