@@ -543,7 +543,9 @@ def _print_verify_summary(r, hit, args) -> None:
                         (("differs (informational)", differs), ("unchecked", unchecked)) if names)
         line("compatibility", bad if mismatch else ok, text)
     if hit is not None:
-        line("will-hit", ok if hit.ok else bad, f"{hit.hits}/{len(hit.results)} planned compiles hit ({hit.target})")
+        # each line's status is that of what it counts (a missing JIT module is the jit line's PROBLEM, not this one's)
+        line("will-hit", ok if not hit.misses else bad,
+             f"{hit.hits}/{len(hit.results)} planned compiles hit ({hit.target})")
         if hit.will_fail:
             line("will-fail", bad, f"{len(hit.will_fail)} planned kernels this Triton cannot key "
                                    f"({sum(len(w.requests) for w in hit.will_fail)} requests): the node crashes at "

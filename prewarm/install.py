@@ -189,11 +189,14 @@ def node_fingerprint(cache_dir: Path | None = None) -> dict[str, str]:
 def node_factors(layout: layouts.Layout, meta_dir: Path | None) -> tuple[dict[str, str], dict | None]:
     """(this node's own factors for a bundle of ``layout``, a record to remember them by in ``meta_dir`` or None):
     what check_node and verify compare a bundle's fingerprint with, and what pack records where the dir's build
-    recorded none. Triton's reused from ``meta_dir``'s record while still true (``node_fingerprint``); a layout past
-    Triton's from its library (``jit_node_factors``)."""
+    recorded none. Reused from ``meta_dir``'s record while still true (prewarm.nodestamp): Triton's
+    (``node_fingerprint``), or a layout past Triton's from its library (``jit_node_factors``: importing the library
+    and running its compilers takes seconds, which a pod start would pay at every install)."""
     if layout is layouts.TRITON:
         return nodestamp.current(meta_dir)
-    return jit_node_factors(layout), None
+    from . import jit
+
+    return nodestamp.current(meta_dir, jit.for_layout(layout.name), lambda: jit_node_factors(layout))
 
 
 def jit_node_factors(layout: layouts.Layout) -> dict[str, str]:

@@ -18,6 +18,11 @@ What ``current()`` reads, and how the stamp sees each of them without importing 
   neither by prewarm (not TRITON_*, ASCEND_*, CUDA_*, PATH...) nor by Triton's key (libtriton's list of
   cache-invalidating variables cannot be enumerated, but Triton reports which of the set variables it holds): such
   variables (HOSTNAME...) may change from pod to pod. A variable not set then is not known: a new one recomputes.
+For a library past Triton (prewarm.jit: ``current(meta_dir, library, compute)``, a record per layout), its toolchain
+factors are reused the same way: the same interpreter, PATH dirs, devices and environment (variables of the
+library's prefixes never ignorable), its fingerprint code (prewarm's and the library's packages it names, walked),
+every distribution's metadata on sys.path, and each compiler it runs for its --version, found as the library finds
+it, with every link on the way (a compiler switched by update-alternatives or replaced in place is seen).
 Files are compared by inode, size, mtime and ctime: any write, replace or chmod moves ctime, which no tool sets back.
 Every input as it was => ``current()`` computes the same factors, so they are reused; anything else (no record, an
 unreadable one, another prewarm version) computes them afresh. A monkeypatched Python function is not an input.
@@ -39,25 +44,40 @@ _READ_PREFIXES = ("TRITON_", "ASCEND_", "CUDA_", "NVIDIA_", "NPU_", "CANN_", "TO
                   "ENABLE_")
 _READ = {"PATH", "HOME", "CC", "CXX", "VIRTUAL_ENV", "CONDA_PREFIX"}
 _DISTS = re.compile(r"(\w*triton\w*|torch|torch_npu)-[^-]+\.(?:dist|egg)-info", re.IGNORECASE)
+_ANY_DIST = re.compile(r".+-[^-]+\.(?:dist|egg)-info")
 _DEVICES = re.compile(r"nvidia(?:\d+|ctl|-uvm)|davinci(?:\d+|_manager)")
 _FINGERPRINT_CODE = ("fingerprint.py", "tritoncompat.py", "nodestamp.py")
 _ASCEND_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
 
 
-def current(meta_dir: Path | None) -> tuple[dict[str, str], dict | None]:
-    """(this node's factors, a record to ``remember`` them by, or None where the one in ``meta_dir`` was reused)."""
-    snapshot = _snapshot()
-    record = _read(meta_dir / RECORD) if meta_dir is not None else None
+def current(meta_dir: Path | None, library=None, compute=None) -> tuple[dict[str, str], dict | None]:
+    """(this node's factors, a record to ``remember`` them by, or None where the one in ``meta_dir`` was reused).
+    ``library``: a library past Triton (prewarm.jit) whose factors ``compute()`` gives; None: Triton's."""
+    snapshot = _snapshot(library)
+    layout = library.layout if library is not None else "triton"
+    record = _read(meta_dir / record_name(layout), layout) if meta_dir is not None else None
     if record is not None and record["inputs"] == _digest(snapshot, set(record["ignored"])):
         return dict(record["factors"]), None
-    from . import fingerprint, tritoncompat
+    if library is None:
+        from . import fingerprint, tritoncompat
 
-    factors = fingerprint.current()
-    triton_reads = tritoncompat.cache_invalidating_env_vars()  # the set ones Triton folds into its key
-    ignored = sorted(n for n, v in snapshot["env"].items()
-                     if v and n not in triton_reads and n not in _READ and not n.startswith(_READ_PREFIXES))
-    return factors, {"prewarm": __version__, "ignored": ignored, "inputs": _digest(snapshot, set(ignored)),
-                     "factors": factors}
+        factors = fingerprint.current()
+        reads = tritoncompat.cache_invalidating_env_vars()  # the set ones Triton folds into its key
+    else:
+        factors, reads = compute(), set()
+    prefixes = _READ_PREFIXES + (library.env_prefixes if library is not None else ())
+    ignored = {n for n, v in snapshot["env"].items() if v and n not in reads and n not in _READ
+               and not n.startswith(prefixes)}
+    if library is not None:
+        ignored.add(library.env_var)  # where its modules are, not what builds them: set or not, never an input
+    ignored = sorted(ignored)
+    return factors, {"prewarm": __version__, "layout": layout, "ignored": ignored,
+                     "inputs": _digest(snapshot, set(ignored)), "factors": factors}
+
+
+def record_name(layout: str) -> str:
+    """The record's file in the cache dir's meta dir: one per layout (a JIT layout's factors are its library's)."""
+    return RECORD if layout == "triton" else f"node.{layout}.json"
 
 
 def remember(meta_dir: Path, record: dict) -> None:
@@ -65,18 +85,19 @@ def remember(meta_dir: Path, record: dict) -> None:
     from .cachedir import write_atomic
 
     try:
-        write_atomic(meta_dir / RECORD, json.dumps(record, sort_keys=True).encode(), durable=False)
+        write_atomic(meta_dir / record_name(record["layout"]), json.dumps(record, sort_keys=True).encode(), durable=False)
     except OSError:
         pass
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path, layout: str) -> dict | None:
     from .bundle import open_regular, read_bounded
     from .errors import IntegrityError
 
     try:
         record = json.loads(read_bounded(open_regular(path), 1 << 20, str(path)))  # no link, FIFO or device read
-        ok = (record.get("prewarm") == __version__ and type(record.get("inputs")) is str
+        ok = (record.get("prewarm") == __version__ and record.get("layout") == layout
+              and type(record.get("inputs")) is str
               and type(record.get("ignored")) is list and type(record.get("factors")) is dict
               and all(type(v) is str for v in record["factors"].values()))
         return record if ok else None
@@ -98,42 +119,71 @@ def _stat(path: str | os.PathLike) -> tuple:
 
 
 def _tree(root: str, out: list) -> None:
+    """Every file and dir under ``root`` but bytecode caches, which importing the code writes (a dir: its inode and
+    mode; what it holds is listed, so its mtime, which a new __pycache__ moves, adds nothing)."""
     try:
         with os.scandir(root) as it:
-            for d in it:
+            for d in sorted(it, key=lambda d: d.name):
+                if d.name == "__pycache__":
+                    continue
                 st = d.stat(follow_symlinks=False)
-                out.append((d.path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
-                if d.is_dir(follow_symlinks=False) and d.name != "__pycache__":
+                if d.is_dir(follow_symlinks=False):
+                    out.append((d.path, st.st_ino, st.st_mode))
                     _tree(d.path, out)
+                else:
+                    out.append((d.path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
     except OSError:
         out.append((root, None))
 
 
 def _package_dir(name: str) -> str | None:
-    """Where ``import name`` would load a package from, found without importing it."""
+    """Where ``import name`` would load a package from (a dotted name: its dir under the top package's), found
+    without importing it."""
     import importlib.util
 
+    top, *rest = name.split(".")
     try:
-        spec = importlib.util.find_spec(name)
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return None
-    return next(iter(spec.submodule_search_locations), None) if spec and spec.submodule_search_locations else None
+    if not (spec and spec.submodule_search_locations):
+        return None
+    return os.path.join(next(iter(spec.submodule_search_locations)), *rest)
 
 
-def _snapshot() -> dict:
+def _chain(path: str) -> list:
+    """A tool as a process running it finds it: each link on the way (alternatives, a venv's) and the file."""
+    hops = []
+    for _ in range(40):
+        hops.append(_stat(path))
+        if not os.path.islink(path):
+            break
+        path = os.path.join(os.path.dirname(path), os.readlink(path))
+    return hops
+
+
+def _snapshot(library=None) -> dict:
     env = dict(os.environ)
-    stats: list = [_stat(Path(__file__).with_name(n)) for n in _FINGERPRINT_CODE]
-    if triton := _package_dir("triton"):
-        _tree(triton, stats)
+    if library is None:
+        stats: list = [_stat(Path(__file__).with_name(n)) for n in _FINGERPRINT_CODE]
+        code, dists = ("triton",), _DISTS
+    else:  # its code (prewarm's side and the library's), the distributions it reads versions of, its compilers
+        stats = [_stat(sys.modules[type(library).__module__].__file__), _stat(Path(__file__).with_name("install.py"))]
+        code, dists = library.stamp_code, _ANY_DIST  # every version it may read: the library's list is in its code
+        for tool in library.compilers(env):
+            stats += _chain(tool)
+    for name in code:
+        if found := _package_dir(name):
+            _tree(found, stats)
     for name in ("torch", "torch_npu"):
         if found := _package_dir(name):
             stats.append(_stat(os.path.join(found, "version.py")))
     for entry in sys.path:  # the distributions importlib.metadata would find, wherever the process started
         try:
-            dists = sorted(n for n in os.listdir(entry or ".") if _DISTS.fullmatch(n))
+            names = sorted(n for n in os.listdir(entry or ".") if dists.fullmatch(n))
         except OSError:
             continue
-        stats += [_stat(os.path.join(entry, d, meta)) for d in dists for meta in ("METADATA", "PKG-INFO")]
+        stats += [_stat(os.path.join(entry, d, meta)) for d in names for meta in ("METADATA", "PKG-INFO")]
     path_dirs = [d for d in env.get("PATH", "").split(os.pathsep) if d]
     stats += [_stat(d) for d in path_dirs]
     tools = [os.path.join(d, "bishengir-compile") for d in path_dirs]

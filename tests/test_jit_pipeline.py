@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +91,45 @@ def test_a_node_with_another_host_compiler_is_refused_at_install_and_told_at_ver
     assert p.returncode == 5, p.stdout + p.stderr  # will-miss
     [miss] = json.loads(p.stdout)["will_hit"]["jit"]
     assert not miss["hit"] and "sglang.jit.cxx differs: 'g++ " in miss["reason"], miss
+    # the summary: each line's status is that of what it counts (every Triton compile hits; the module misses)
+    p = prewarm("verify", "--cache-dir", str(node), "--plan", str(built["manifest"]), "--jit-dir",
+                f"sglang-jit={jit_dir}", env=env)
+    out = " ".join(p.stdout.split())
+    assert p.returncode == 5 and re.search(r"will-hit ok (\d+)/\1 planned compiles hit", out), p.stdout
+    assert "jit modules PROBLEM 0/1 modules past Triton" in out, p.stdout
+
+
+_INSTALL = """
+import sys
+from prewarm.errors import PrewarmError
+from prewarm.install import install
+try:
+    install(sys.argv[1], sys.argv[2], durable=False)
+    print("installed, sglang imported:", "sglang.kernels.jit.utils" in sys.modules)
+except PrewarmError as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_a_remembered_toolchain_is_reused_only_while_its_compilers_are_unchanged(built, tmp_path):
+    """sglang's factors (importing it: torch; running nvcc and c++) are remembered in the dir and reused, sglang not
+    even imported, so a pod start does not pay seconds per install; a host compiler replaced in place (same $CXX,
+    another version) is still refused."""
+    cxx = tmp_path / "bin" / "c++"  # the node's compiler, at a path of its own
+    cxx.parent.mkdir()
+    cxx.write_text(f'#!/bin/sh\nexec {shutil.which("c++")} "$@"\n')
+    cxx.chmod(0o755)
+    env = env_of(tmp_path, CXX=str(cxx))
+
+    def install() -> str:
+        return subprocess.run([sys.executable, "-c", _INSTALL, str(built["jit"]), str(tmp_path / "jit")], env=env,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    assert install() == "installed, sglang imported: True"  # computed, and remembered
+    assert install() == "installed, sglang imported: False"  # reused
+    cxx.write_text('#!/bin/sh\necho "c++ (a newer release) 99.1.0"\n')  # replaced in place: --version differs
+    refused = install()
+    assert refused.startswith("FingerprintMismatch") and "sglang.jit.cxx" in refused, refused
 
 
 def test_the_guard_refuses_and_counts_a_build_and_the_installed_dir_builds_nothing(built, tmp_path):

@@ -96,7 +96,7 @@ def test_a_sglang_jit_dir_packs_signs_installs_into_the_dir_sglang_reads_and_ver
     assert not list(node.rglob(".staging-*")) and not list(node.rglob(".lock"))
     assert (node / META / "layout").read_text() == "sglang-jit\n" and not CacheDir(node).staging_dirs()
     before = {p: p.stat().st_mtime_ns for p in node.rglob("*")}
-    out = run_cli("install", bundle, "--cache-dir", node, "--trust", pub).stdout
+    out = run_cli("install", bundle, "--cache-dir", node, "--trust", pub, env=env).stdout  # the node's environment
     assert "already installed (2 entries), nothing to do" in out
     assert {p: p.stat().st_mtime_ns for p in node.rglob("*")} == before
 

@@ -54,6 +54,14 @@ class JitLibrary(abc.ABC):
     env_var: str  # the variable that moves the dir the server reads
     hook_module: str  # the library's module whose import lets ``watch_builds`` hook it (the guard waits for it)
     target_factor: str  # the factor of ``toolchain`` that names the GPU target (a device factor: prewarm.fingerprint)
+    # what prewarm.nodestamp watches to reuse ``toolchain``'s factors without importing the library: its packages
+    # whose code computes them (walked, not imported), the variables only it reads (never learnt as ignorable)
+    stamp_code: tuple[str, ...] = ()
+    env_prefixes: tuple[str, ...] = ()
+
+    def compilers(self, environ: Mapping[str, str]) -> list[str]:
+        """The compilers ``toolchain`` runs for their ``--version``, found as the library finds them (no import)."""
+        return [nvcc_path(environ)]
 
     @property
     def layout(self) -> str:
@@ -87,6 +95,18 @@ class JitLibrary(abc.ABC):
     def watch_builds(self, on_build: Callable[[str, str], None]) -> None:
         """In a serving process: call ``on_build(module, detail)`` when the library is about to build a module
         (a cache miss); an exception raised by ``on_build`` refuses the build (the guard's error mode)."""
+
+
+def nvcc_path(environ: Mapping[str, str]) -> str:
+    """The nvcc sglang, FlashInfer and tvm-ffi compile with: $CUDA_HOME or $CUDA_PATH, else the nvcc on PATH, else
+    /usr/local/cuda's."""
+    import shutil
+
+    home = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if home is None:
+        found = shutil.which("nvcc", path=environ.get("PATH"))
+        home = os.path.dirname(os.path.dirname(found)) if found else "/usr/local/cuda"
+    return os.path.join(home, "bin", "nvcc")
 
 
 def parse_arch(arch: str) -> tuple[int, int, str]:

@@ -126,6 +126,8 @@ class FlashInferJit(JitLibrary):
     env_var = ""  # none: the AOT dir is inside the flashinfer package
     hook_module = "flashinfer.jit.core"
     target_factor = "flashinfer.archs"
+    stamp_code = ("flashinfer.jit",)
+    env_prefixes = ("FLASHINFER_", "TVM_")
 
     def node_dir(self, environ: Mapping[str, str] = os.environ) -> Path:
         """``jit_env.FLASHINFER_AOT_DIR`` of the flashinfer a child of this interpreter imports with ``environ``."""

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Mapping
 
 from ... import layouts
 from ...errors import BuildError, EnvironmentProblem
-from ...jit import JitLibrary, JitRequest, Lookup, parse_arch
+from ...jit import JitLibrary, JitRequest, Lookup, nvcc_path, parse_arch
 
 CACHE_VAR = "SGLANG_JIT_CACHE_DIR"
 KEY_FILE = "prewarm-key.json"
@@ -334,6 +334,14 @@ class SglangJit(JitLibrary):
     env_var = CACHE_VAR
     hook_module = "sglang.kernels.jit.utils.compile.ninja"
     target_factor = "sglang.jit.target"
+    stamp_code = ("sglang.kernels.jit",)
+    env_prefixes = ("SGLANG_", "TVM_", "CXX")
+
+    def compilers(self, environ: Mapping[str, str] = os.environ) -> list[str]:
+        """nvcc (as ``toolchain.device_compiler_path``) and the host compiler: $CXX, else ``c++`` (as
+        ``toolchain.host_compiler_path``), as PATH resolves a bare name."""
+        cxx = environ.get("CXX", "c++")
+        return [nvcc_path(environ), shutil.which(cxx, path=environ.get("PATH")) or cxx]
 
     def node_dir(self, environ: Mapping[str, str] = os.environ) -> Path:
         """As sglang's ``cache.cache_root``: ``$SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit`` (the layout's)."""
