@@ -89,7 +89,7 @@ def test_no_import_cycle_in_prewarm():
 
 def test_the_backends_import_in_a_fresh_interpreter_in_any_order():
     """Each backend module first, as guard (npu) and build's workers (the package) import them."""
-    for first in ("prewarm.backends.npu", "prewarm.backends.cuda", "prewarm.backends", "prewarm.probe"):
-        done = subprocess.run([sys.executable, "-c", f"import {first}, prewarm.cli, prewarm.build, prewarm.willhit"],
+    for first in ("prewarm.building.backends.npu", "prewarm.building.backends.cuda", "prewarm.building.backends", "prewarm.building.probe"):
+        done = subprocess.run([sys.executable, "-c", f"import {first}, prewarm.cli, prewarm.building.build, prewarm.node.willhit"],
                               capture_output=True, text=True)
         assert done.returncode == 0, f"import {first} first: {done.stderr[-2000:]}"

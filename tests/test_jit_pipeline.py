@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import metrics
+from prewarm.node import metrics
 from prewarm_helpers import JIT_MODULE as MODULE, TOOLKIT, build_jit_bundles
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ import pytest
 
 from prewarm import providers
 from prewarm.errors import ManifestError
-from prewarm.manifest import load
-from prewarm.manifestgen import generate
+from prewarm.planning.manifest import load
+from prewarm.planning.manifestgen import generate
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -67,7 +67,7 @@ def test_a_provider_module_without_launches_is_refused_naming_it(registry, tmp_p
     (tmp_path / "half_provider.py").write_text("def options(spec):\n    return []\n")
     (tmp_path / "m.toml").write_text('[target]\nbackend = "cuda"\narch = "sm_90"\n[[kernels]]\n'
                                      'provider = "half_provider"\n')
-    from prewarm.plan import plan
+    from prewarm.planning.plan import plan
 
     with pytest.raises(ManifestError, match=r"kernels\[0\]: provider 'half_provider' \(half_provider\): no "
                                             r"launches\(spec\) function"):
@@ -97,7 +97,7 @@ def test_a_fourth_server_is_one_module_and_one_registry_row(registry, tmp_path):
     """A server that exists nowhere in prewarm, registered by one row: `prewarm manifest --server` reads its flags
     and defaults through its class alone (the core names no server)."""
     (tmp_path / "toyserve.py").write_text(textwrap.dedent("""
-        from prewarm.manifestgen import Sourced, flag_source, positive_int_arg
+        from prewarm.planning.manifestgen import Sourced, flag_source, positive_int_arg
         from prewarm.providers.contract import Server
 
         class ToyServe(Server):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from prewarm.pack import pack
-from prewarm.cachedir import META, CacheDir
+from prewarm.shipping.pack import pack
+from prewarm.shipping.cachedir import META, CacheDir
 from prewarm.errors import FingerprintMismatch, IntegrityError
-from prewarm.install import install
-from prewarm.verify import verify
+from prewarm.shipping.install import install
+from prewarm.node.verify import verify
 
 from prewarm_helpers import run_cli, synthetic_cache
 
@@ -94,7 +94,7 @@ def test_copied_cache_whose_groups_still_read_the_old_dir_is_reported(node, tmp_
 
 
 def test_fingerprint_mismatch_rows_explain_each_factor(triton_cache, tmp_path):
-    from prewarm import fingerprint
+    from prewarm.node import fingerprint
 
     fp = dict(fingerprint.current(), **{"triton.key": "0" * 64, "torch.version": "2.9.0"})
     CacheDir(triton_cache).write_build_info({"fingerprint": fp})
@@ -119,7 +119,7 @@ def test_verify_against_a_bundle_and_without_anything_to_compare(node, tmp_path)
 
 
 def test_plan_renders_will_hit_and_misses_set_the_exit_code(node, capsys):
-    """`verify --plan`: the will-hit check (prewarm.willhit) runs after integrity; a miss is exit 5."""
+    """`verify --plan`: the will-hit check (prewarm.node.willhit) runs after integrity; a miss is exit 5."""
     from prewarm.cli import main
     from prewarm.errors import WillMissError
 

@@ -9,21 +9,21 @@ or TRITON_CACHE_AUTOTUNING=1 when its module was imported), and then benchmarks 
 
 - :func:`planned_tunings`: for every planned call of an autotuned kernel, a copy of its Autotuner computes the tuning
   key, prunes its configs (its own prune / perf-model hooks) and asks the cache for the file; the probe stops it at
-  that lookup (prewarm.probe), which gives the key dir Triton will look in, computed by Triton. A recorded compile
+  that lookup (prewarm.building.probe), which gives the key dir Triton will look in, computed by Triton. A recorded compile
   (``prewarm record``) is one config of such a call: its constexprs and pointer dtypes are known, its runtime ints
   only by class and its shapes not at all. Its tuning key is derived when every key argument is a constexpr (the
   usual case: head counts and dims); otherwise it is reported as unknown. A recording can never be benchmarked.
 - The table (TOML, one ``[[tuned]]`` per device, kernel and tuning key, every config with its timings; written by
-  ``prewarm tune`` (prewarm.tune), reviewed like code) and :func:`apply_table`: the fastest config of each planned key, written as
+  ``prewarm tune`` (prewarm.building.tune), reviewed like code) and :func:`apply_table`: the fastest config of each planned key, written as
   Triton's own result file under the key dir Triton computes, through the cache dir's atomic writer.
 - Pins (``[[pinned]]`` rows of the same table: one config per device and kernel, chosen and reviewed by hand, with
   where the choice comes from and no timings): for a Triton that keeps no results (triton-ascend 3.2 has no
   ``cache_results``: every process benchmarks at its first call of each key) and for choices made without a device
   to measure on. The plan expands a pinned kernel's calls into that config alone (:func:`pins_for`, used by
-  prewarm.plan), and the guard gives the kernel's Autotuner that config alone before its first call in every
+  prewarm.planning.plan), and the guard gives the kernel's Autotuner that config alone before its first call in every
   serving process (:func:`pin_chooser`): an Autotuner with one config runs it without benchmarking, on every
   Triton. Where it reads them: the manifest's ``[target] tuned`` table, the manifest being PREWARM_GUARD_PLAN.
-- :func:`measured`: the rows of what Triton's Autotuner kept in a cache dir for the planned keys (``prewarm.tune``
+- :func:`measured`: the rows of what Triton's Autotuner kept in a cache dir for the planned keys (``prewarm.building.tune``
   measures on the device that way).
 """
 from __future__ import annotations
@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from . import tritoncompat
-from .cachedir import write_atomic
-from .errors import ManifestError
-from .manifest import Manifest
-from .pins import PinnedRow, load_table, parse_pins, pinned_config
-from .plan import Request, decode, resolve
+from ..shipping.cachedir import write_atomic
+from ..errors import ManifestError
+from ..planning.manifest import Manifest
+from ..planning.pins import PinnedRow, load_table, parse_pins, pinned_config
+from ..planning.plan import Request, decode, resolve
 from .probe import Probe, ProbeCacheManager
 
 TABLE_HEADER = """\
@@ -93,7 +93,7 @@ def _pointer_dtypes() -> dict[str, Any]:
     """Triton's pointer type names ("*bf16") -> torch dtypes, for the dtypes a manifest can name."""
     import torch
 
-    from .manifest import TENSOR_DTYPES
+    from ..planning.manifest import TENSOR_DTYPES
 
     return {tritoncompat.pointer_type(n): getattr(torch, n) for n in TENSOR_DTYPES}
 

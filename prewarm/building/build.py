@@ -22,16 +22,18 @@ from typing import Callable
 from filelock import FileLock
 from triton.runtime.cache import FileCacheManager
 
-from . import __version__, autotune, backends, jit, keys, layouts, tritoncompat
+from .. import __version__, jit
+from . import autotune, backends, keys, tritoncompat
+from ..shipping import layouts
 from .autotune import TableReport
 from .backends import Target, npu
-from .cachedir import CacheDir
-from .errors import EnvironmentProblem, FingerprintMismatch, ManifestError
-from .jit import JitRequest, Lookup
-from .manifest import Manifest, load
-from .plan import Compile, WillFail, manifest_device, manifest_device_name, plan_for, resolve
+from ..shipping.cachedir import CacheDir
+from ..errors import EnvironmentProblem, FingerprintMismatch, ManifestError
+from ..jit import JitRequest, Lookup
+from ..planning.manifest import Manifest, load
+from ..planning.plan import Compile, WillFail, manifest_device, manifest_device_name, plan_for, resolve
 from .probe import probe_all
-from .providers import provider
+from ..providers import provider
 
 
 @dataclass
@@ -184,7 +186,7 @@ def build(
     planned tuning key it covers its result file, before a device build runs the providers (which then benchmark
     only what the table lacks). Refused before compiling: a plan of more than ``max_compiles`` compiles
     (:func:`check_plan`), and a recorded request whose recorded key this host does not reproduce (the recording's
-    node would not find what this build makes: :mod:`prewarm.keys`), unless ``allow_key_drift``."""
+    node would not find what this build makes: :mod:`prewarm.building.keys`), unless ``allow_key_drift``."""
     start = time.perf_counter()
     m = manifest if isinstance(manifest, Manifest) else load(manifest)
     if m.backend == "npu" and len(npu.socs(m)) > 1:

@@ -2,7 +2,7 @@
 up under, and where it does not, which part of the key differs?
 
 A record line carries the key its process's Triton computed and the parts Triton composed it of
-(:func:`prewarm.tritoncompat.cache_key_parts`: the triton build, the kernel's source, starting line, the constexpr
+(:func:`prewarm.building.tritoncompat.cache_key_parts`: the triton build, the kernel's source, starting line, the constexpr
 globals it reads and the functions it calls, the backend (CUDA: ptxas's version and the arch), every option, the
 env vars of the key). Here the same request is keyed by Triton's own lookup (the probe build and will-hit share);
 where the keys differ the parts are recomputed under the active target and compared part by part. Build refuses a
@@ -16,8 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from . import tritoncompat
-from .explain import Difference
-from .plan import Compile, Request, resolve
+from ..node.explain import Difference
+from ..planning.plan import Compile, Request, resolve
 
 SIDES = ("recorded", "here")
 ABSENT = "absent"

@@ -23,10 +23,11 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import plan as planning, tritoncompat
+from ..planning import plan as planning
+from . import tritoncompat
 from .backends import npu
-from .errors import EnvironmentProblem
-from .manifest import Manifest
+from ..errors import EnvironmentProblem
+from ..planning.manifest import Manifest
 
 STAGES = tritoncompat.ASCEND_FRONT_END  # what runs without CANN, in compile()'s order
 UB_STAGE = "ub"  # the footprint check after the last stage

@@ -5,7 +5,7 @@ Each planned compile is replayed through the real JIT path (``JITFunction.preloa
 Python ABI, env vars, the kernel's source and line number) and asks for ``__grp__<name>.json`` under the key
 dir; the probe stops it right there and the entry is inspected as the runtime's ``get_group`` needs it: the group
 file lists the kernel, every child file is present in the entry's own dir (``CacheDir.entry_state``). Build skips
-what hits; will-hit reports it; each backend probes its C modules through the same manager (prewarm.backends).
+what hits; will-hit reports it; each backend probes its C modules through the same manager (prewarm.building.backends).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from triton.runtime.cache import FileCacheManager
 
 from . import tritoncompat
-from .cachedir import CacheDir
-from .explain import Explanation, explain_miss
-from .plan import Compile, resolve
+from ..shipping.cachedir import CacheDir
+from ..node.explain import Explanation, explain_miss
+from ..planning.plan import Compile, resolve
 
 
 class Probe(Exception):

@@ -21,7 +21,7 @@ def triton_distribution() -> tuple[str, str]:
     The two known names are asked first (milliseconds); scanning every installed distribution costs ~0.6 s of a
     pre-launch job and is left for other builds (pytorch-triton-rocm, nightlies...).
     """
-    import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.nodestamp)
+    import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.shipping.nodestamp)
 
     def candidates():
         yield from ("triton-ascend", "triton")
@@ -524,7 +524,7 @@ class Arg:
 class Specialization:
     """A compile request in version-free form: kernel name, arguments in parameter order, compile options.
 
-    Parsed from request data, it also keeps that data, so closing (prewarm.plan) reads its pointer and int arguments
+    Parsed from request data, it also keeps that data, so closing (prewarm.planning.plan) reads its pointer and int arguments
     here and derives the requests Triton makes for other dtypes and int classes from it, without parsing again."""
 
     name: str  # as Triton records it: "module.qualname" (3.4+), the bare function name (3.2, key dirs)

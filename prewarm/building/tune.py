@@ -1,5 +1,5 @@
 """`prewarm tune`: measure every tuning key a manifest plans, once, on this machine's device, into the autotune table
-that builds ship (prewarm.autotune owns the table and the planned keys).
+that builds ship (prewarm.building.autotune owns the table and the planned keys).
 
 A ``--mode device`` build into a scratch dir compiles the plan in parallel, then runs each provider's ``run`` with
 TRITON_CACHE_AUTOTUNING=1: Triton's own Autotuner benchmarks every planned key on real tensors of the planned shapes,
@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import backends, devices, tritoncompat
+from . import backends, tritoncompat
+from .. import devices
 from .autotune import Table, TunedResult, TunedRow, measured, planned_tunings, read_table, write_table
 from .build import build
-from .errors import BuildError, EnvironmentProblem
-from .manifest import load
-from .plan import manifest_device, plan
+from ..errors import BuildError, EnvironmentProblem
+from ..planning.manifest import load
+from ..planning.plan import manifest_device, plan
 
 
 @dataclass

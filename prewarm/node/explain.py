@@ -1,12 +1,12 @@
 """Explain a compile: the planned compile nearest to a runtime request, and exactly what differs between them.
 
 A runtime request (a jit_cache_hook's specialization data, a ``prewarm record`` line, or a key dir the runtime's
-own JIT wrote) is compared with every planned :class:`~prewarm.plan.Compile` of the same kernel; the one with the
+own JIT wrote) is compared with every planned :class:`~prewarm.planning.plan.Compile` of the same kernel; the one with the
 fewest differing fields is the nearest, and each differing field is one :class:`Difference`: an argument's dtype
 (``*bf16`` vs ``*fp32``), its specialization class (== 1 / divisible by 16 / other), a constexpr value, a compile
 option, an env var of Triton's key. The same comparison explains a planned compile that a cache lacks (verify's
 MISS rows): there the cache's entries of that kernel are the candidates. Parsing is version-specific and lives in
-:mod:`prewarm.tritoncompat`; this module only compares.
+:mod:`prewarm.building.tritoncompat`; this module only compares.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import tritoncompat
-from .cachedir import CacheDir
-from .errors import ManifestError
-from .plan import Compile, load_record, resolve
-from .tritoncompat import Arg, Specialization
+from ..building import tritoncompat
+from ..shipping.cachedir import CacheDir
+from ..errors import ManifestError
+from ..planning.plan import Compile, load_record, resolve
+from ..building.tritoncompat import Arg, Specialization
 
 UNSET = "unset"
 NOT_RECORDED = "not in the compiled signature: a constexpr or an int specialized to 1 / None (a key dir does not say)"
@@ -33,7 +33,7 @@ class Difference:
     """One field in which a runtime request differs from the planned one."""
 
     kind: str  # "dtype" | "specialization" | "constexpr" | "argument" | "option" | "env" | "triton" | "key", and
-    # for two keys' parts (prewarm.keys): "backend" | "source" | "line" | "global" | "call" | "request"
+    # for two keys' parts (prewarm.building.keys): "backend" | "source" | "line" | "global" | "call" | "request"
     name: str  # the argument, option or env var
     planned: str
     runtime: str

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import tritoncompat
+from ..building import tritoncompat
 
 UNKNOWN = "unknown"
 
@@ -84,7 +84,7 @@ def _ptxas_version() -> str:
 
 
 def _torch_version() -> str:
-    import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.nodestamp)
+    import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.shipping.nodestamp)
 
     try:  # the installed distribution's version: no 2 s `import torch` in a pre-launch job
         return importlib.metadata.version("torch")

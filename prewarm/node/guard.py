@@ -1,7 +1,7 @@
 """Guard: in a serving process, every Triton compile that the cache does not cover is seen, explained and recorded.
 
 Enabled by the environment (the pre-launch job exports it; ``prewarm guard -- COMMAND`` puts the hook-installing
-sitecustomize of :mod:`prewarm.record` on PYTHONPATH, so every Python process of the server, children included,
+sitecustomize of :mod:`prewarm.planning.record` on PYTHONPATH, so every Python process of the server, children included,
 installs it right after ``import triton``):
 
     PREWARM_GUARD=warn|error      off when unset
@@ -9,10 +9,10 @@ installs it right after ``import triton``):
                                   including it (``[[kernels]] record = "FILE"``) makes the next build cover them
     PREWARM_GUARD_PLAN=MANIFEST   explain each against this plan (nearest planned compile, what differs), and
                                   run each kernel its autotune table pins ([[pinned]]) in that config alone
-    PREWARM_GUARD_ARM=import|manual   import (default): from the start; manual: from ``prewarm.guard.arm()``,
+    PREWARM_GUARD_ARM=import|manual   import (default): from the start; manual: from ``prewarm.node.guard.arm()``,
                                   the one line a server calls after its own warmup
     PREWARM_METRICS_TEXTFILE=FILE.prom   compiles and autotune benchmarks after arming, per kernel, and the
-                                  installed bundles, for node-exporter's textfile collector (:mod:`prewarm.metrics`)
+                                  installed bundles, for node-exporter's textfile collector (:mod:`prewarm.node.metrics`)
 
 It sits on the compile path only: Triton's ``jit_cache_hook`` (called when a request misses the in-memory kernel
 cache, so the launch path of a loaded kernel is untouched) notes the request, and the cache manager's group lookup
@@ -20,12 +20,12 @@ in ``compile()`` (Triton's own lookup: the entry with its metadata file = a disk
 unremarked; otherwise the request is logged on stderr with its explanation and appended to the record file, and in
 ``error`` mode :class:`UncoveredCompile` is raised there, before the compiler starts. An autotune benchmark (an
 Autotuner about to time its configs because the cache holds no result it reads for the call's tuning key) is
-treated the same way, from Triton's own benchmarking (:func:`prewarm.tritoncompat.watch_autotune_benchmarks`, on
+treated the same way, from Triton's own benchmarking (:func:`prewarm.building.tritoncompat.watch_autotune_benchmarks`, on
 triton-ascend 3.2 too): logged with the kernel, the tuning key, the config count and the result file it lacked,
 appended to the record file as an ``"event": "autotune"`` line (no compile to replay: the build's autotune table
 covers it), counted (:func:`autotune_benchmarked`), refused in error mode (:class:`UncoveredBenchmark`) before the
 first config runs. With PREWARM_GUARD_PLAN, the guard also gives each kernel pinned in that manifest's autotune table
-(``[[pinned]]``) its pinned config alone before its Autotuner's first call (:mod:`prewarm.autotune`): it never
+(``[[pinned]]``) its pinned config alone before its Autotuner's first call (:mod:`prewarm.building.autotune`): it never
 benchmarks, where Triton keeps no results (triton-ascend 3.2) as elsewhere.
 Builds past Triton are treated the same way: once the server imports a JIT library (sglang's ``load_jit`` layer,
 FlashInfer's JIT core), its build step is hooked (:mod:`prewarm.jit`, ``watch_builds``): a module the library's own
@@ -34,11 +34,11 @@ cache lookup missed is logged before it builds (sglang's nvcc, FlashInfer's ninj
 (:class:`UncoveredJitBuild`).
 Installing the guard also starts, in a background thread, the one-time work Triton otherwise does at a process's first
 kernel launch, i.e. in the first request (its own key: 0.4 s of hashing libtriton on the H200; the modules its
-specializer imports): :func:`prewarm.tritoncompat.start_process_warmup`. On triton-ascend, arming also checks the
+specializer imports): :func:`prewarm.building.tritoncompat.start_process_warmup`. On triton-ascend, arming also checks the
 process's Ascend codegen env vars, which the key misses, against the installed bundles' build
-(:func:`prewarm.backends.npu.check_serving_env`: error mode refuses to serve). With PREWARM_GUARD_PLAN, arming also
+(:func:`prewarm.building.backends.npu.check_serving_env`: error mode refuses to serve). With PREWARM_GUARD_PLAN, arming also
 checks that this process's Triton reads a dir a bundle was installed or built into, wherever the server's own import
-left TRITON_CACHE_DIR (:func:`prewarm.serverenv.check_serving_process`: error mode refuses to serve).
+left TRITON_CACHE_DIR (:func:`prewarm.node.serverenv.check_serving_process`: error mode refuses to serve).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class _Guard:
     def note(self, line: dict) -> None:
         """Append ``line`` to the record file, if one is set; a failure is said and the server goes on (the log line
         the caller prints still says what happened)."""
-        from .record import append
+        from ..planning.record import append
 
         if not self.record:
             return
@@ -121,8 +121,8 @@ class _Guard:
 
     def uncovered(self, key: str, filename: str, fn_compile) -> None:
         """Triton is about to compile: log it with its explanation, record it, and in error mode refuse it."""
-        from . import tritoncompat
-        from .record import request_entry
+        from ..building import tritoncompat
+        from ..planning.record import request_entry
 
         cache_dir = tritoncompat.cache_dir()
         why = f"no {filename} under {key} in {cache_dir}"
@@ -143,8 +143,8 @@ class _Guard:
     def benchmark(self, tuner, args: tuple, kwargs: dict) -> None:
         """An Autotuner of this process is about to benchmark its configs for one call (Triton's own benchmarking,
         hooked): log it with what was missing, record it, count it, and in error mode refuse it."""
-        from . import tritoncompat
-        from .record import AUTOTUNE_EVENT
+        from ..building import tritoncompat
+        from ..planning.record import AUTOTUNE_EVENT
 
         lookup, self.pending.autotune = getattr(self.pending, "autotune", None), None
         if not self.armed:
@@ -178,7 +178,7 @@ class _Guard:
         """A library of this process is about to build a module past Triton (its own cache lookup missed): log it,
         record it, count it, and in error mode refuse it. Before arming (the server's own warmup) it goes on
         unremarked, as a Triton compile does."""
-        from .record import JIT_EVENT
+        from ..planning.record import JIT_EVENT
 
         if not self.armed:
             return
@@ -194,7 +194,7 @@ class _Guard:
         """The nearest planned compile and what differs; a planned request missing from the cache is explained
         against the cache's entries instead (env vars, a deleted entry...)."""
         from .explain import explain, explain_miss
-        from .plan import Compile
+        from ..planning.plan import Compile
 
         if not self.plan:
             return f"not planned (no {PLAN} to explain it against)"
@@ -213,8 +213,8 @@ class _Guard:
         """The plan's compiles, expanded once, in a separate process: the planner imports providers and activates
         a target driver, which a serving process must not have done to it. The offline target: the same requests,
         and the device is left to the server."""
-        from .errors import WillFailError
-        from .plan import Compile
+        from ..errors import WillFailError
+        from ..planning.plan import Compile
 
         if self.planned is None:
             env = {k: v for k, v in os.environ.items() if k not in (MODE, "PREWARM_RECORD_FILE", "TRITON_CACHE_MANAGER")}
@@ -255,7 +255,7 @@ def _watched(base: type) -> type:
 
 
 def __getattr__(name: str):
-    """``prewarm.guard:GuardedCacheManager``, as triton 3.2 imports TRITON_CACHE_MANAGER (a child process inherits
+    """``prewarm.node.guard:GuardedCacheManager``, as triton 3.2 imports TRITON_CACHE_MANAGER (a child process inherits
     the variable; the class is made once triton is there, and watches nothing where no guard is installed)."""
     if name == "GuardedCacheManager":
         from triton.runtime.cache import FileCacheManager
@@ -280,7 +280,7 @@ def _settings() -> tuple[str, str | None, str | None, str] | None:
 
 def install_from_env() -> None:
     """From the injected sitecustomize: install the guard when triton is imported; arm it then unless manual."""
-    from .record import when_imported
+    from ..planning.record import when_imported
 
     settings = _settings()
     if settings is None:
@@ -291,7 +291,7 @@ def install_from_env() -> None:
 
 def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> None:
     global _guard
-    from . import tritoncompat
+    from ..building import tritoncompat
 
     if _guard is None:
         _guard = _Guard(mode, record, plan)
@@ -307,7 +307,7 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
         if metrics.textfile():
             metrics.installed_bundles(tritoncompat.cache_dir())
     if armed and not _guard.armed and tritoncompat.triton_distribution()[0] == "triton-ascend":
-        from .backends.npu import check_serving_env  # codegen env vars the key misses: refused (error) or said
+        from ..building.backends.npu import check_serving_env  # codegen env vars the key misses: refused (error) or said
 
         check_serving_env(mode)
     if armed and not _guard.armed and plan:  # guarding a planned node: its Triton must read the installed cache
@@ -320,8 +320,8 @@ def _install(mode: str, record: str | None, plan: str | None, armed: bool) -> No
 def _watch_jit_builds(guard: _Guard) -> None:
     """Each JIT library's build step hooked (prewarm.jit: ``watch_builds``) once the module it lives in is imported
     by the server: a process that never imports the library never imports it for the guard."""
-    from . import jit
-    from .record import when_imported
+    from .. import jit
+    from ..planning.record import when_imported
 
     for name in jit.library_names():
         lib = jit.library(name)
@@ -334,14 +334,14 @@ def _pin_autotuners(plan: str | None) -> None:
     server's own warmup would benchmark too): the ``[[pinned]]`` rows of the autotune table that the plan's
     manifest names (``[target] tuned``), for its device. A table that cannot be read is said, not fatal: the
     Autotuners then benchmark, which the guard counts (and refuses in error mode)."""
-    from . import tritoncompat
+    from ..building import tritoncompat
 
     if not plan:
         return
     try:
-        from .manifest import load
-        from .pins import pin_chooser
-        from .plan import manifest_pins
+        from ..planning.manifest import load
+        from ..planning.pins import pin_chooser
+        from ..planning.plan import manifest_pins
 
         pins = manifest_pins(load(plan))
     except Exception as e:

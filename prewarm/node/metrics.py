@@ -66,7 +66,7 @@ def count(metric: str, kernel: str) -> None:
 
 def installed_bundles(cache_dir: str) -> None:
     """Set the bundle series of ``cache_dir`` to what its install receipts say now (other dirs' series kept)."""
-    from .cachedir import CacheDir
+    from ..shipping.cachedir import CacheDir
 
     try:
         current = {(cache_dir, (r.index.manifest or {}).get("name", ""), r.index.digest)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from .errors import CacheDirMismatch, EnvironmentProblem
+from ..errors import CacheDirMismatch, EnvironmentProblem
 
 VARIABLE = "TRITON_CACHE_DIR"
 _MARK = "prewarm-serverenv "
@@ -30,7 +30,8 @@ _PROBE = f"""
 import json, os, sys
 before = dict(os.environ)
 __import__(sys.argv[1])
-from prewarm import jit, tritoncompat
+from prewarm import jit
+from prewarm.building import tritoncompat
 dirs = {{k: v for k, v in os.environ.items() if before.get(k) != v and os.path.isabs(v)}}
 libs = {{name: str(jit.library(name).node_dir(os.environ)) for name in json.loads(sys.argv[2])}}
 print({_MARK!r} + json.dumps({{"given": before.get({VARIABLE!r}), "triton": tritoncompat.cache_dir(), "set": dirs,
@@ -41,7 +42,7 @@ print({_MARK!r} + json.dumps({{"given": before.get({VARIABLE!r}), "triton": trit
 def server_imports() -> dict[str, str]:
     """Server -> the module a process of it imports first, for each registered server whose import can be run here
     (prewarm.providers' registry): the servers ``verify --server`` can check."""
-    from .providers import servers
+    from ..providers import servers
 
     return {name: s.imports for name, s in servers().items() if s.imports}
 
@@ -77,7 +78,7 @@ class ServerCacheDirs:
                f"({why})"
 
     def problem(self) -> str:
-        from . import jit
+        from .. import jit
 
         wrong = []
         if os.path.realpath(self.triton) != os.path.realpath(self.installed):
@@ -94,7 +95,7 @@ def server_cache_dirs(server: str, installed: str | os.PathLike, env: dict[str, 
                       jit_installed: dict[str, str] | None = None) -> ServerCacheDirs:
     """Run ``server``'s own import in a child process with ``env`` (default: this process's) and ask its Triton, and
     each JIT library of ``jit_installed`` (library -> the dir its modules were installed in), where they read."""
-    from .providers import server as server_named
+    from ..providers import server as server_named
 
     module = server_imports()[server]
     jit_installed = dict(jit_installed or {})
@@ -120,8 +121,8 @@ def check_serving_process(mode: str) -> None:
     """At the guard's arming: this process's Triton cache dir must be one a bundle was installed into (an install
     receipt) or built into (build info), else none of the node's prewarmed cache is read. "error" raises
     :class:`CacheDirMismatch` (the process refuses to serve); "warn" says it on stderr."""
-    from . import tritoncompat
-    from .cachedir import CacheDir
+    from ..building import tritoncompat
+    from ..shipping.cachedir import CacheDir
 
     cache = CacheDir(tritoncompat.cache_dir())
     if cache.build_info.is_file() or any(cache.receipts_dir.glob("*.json")):

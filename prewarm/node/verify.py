@@ -12,7 +12,7 @@ where a planned compile would be served from it (``judge_plan``), unless ``allow
 node-local compiles the operator accepts). A build's own output dir is exempt from the plan rule (today's build box).
 
 Integrity: every listed file is hashed (group files in their relative form, since install rewrote them to
-absolute paths; the entries spread over the cores by forked processes, prewarm.workers); files that differ (or are links, FIFOs, dirs) are *modified*, absent ones *missing*, anything
+absolute paths; the entries spread over the cores by forked processes, prewarm.building.workers); files that differ (or are links, FIFOs, dirs) are *modified*, absent ones *missing*, anything
 inside a listed entry that the index does not name (stray files, links, Triton's ``tmp.pid_*`` leftovers)
 *unexpected*. Any group file in the cache (listed entry or not) whose children are not files of its own entry
 points *outside*: Triton would read another dir's files or drop them and recompile. Where bundles share a key the
@@ -21,7 +21,7 @@ counted and listed as unverified (their group files judged): install merges. Fai
 reported as tampered, naming it; a dir with no receipt and no ``--bundle`` has unknown integrity (IntegrityError),
 except a build's own output dir (its build info says so: only its group files are checked; will-hit does the rest).
 Compatibility: each fingerprint factor of the bundle(s) against this node's own, mismatches explained.
-A dir of any layout (prewarm.layouts: the one it states) is checked the same way: its entries as its layout names
+A dir of any layout (prewarm.shipping.layouts: the one it states) is checked the same way: its entries as its layout names
 them, this node's factors for that layout; a receipt or ``--bundle`` of another layout is a fault, naming both.
 """
 from __future__ import annotations
@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import fingerprint
-from . import workers as workers_
-from .bundle import Entry, is_runtime_module, open_regular, read_bounded
-from .cachedir import CacheDir, Receipt, latest_owners
-from .errors import FingerprintMismatch, IntegrityError, SignatureError, UnverifiedEntries
-from .install import default_cache_dir, kept_as_built, node_factors, node_fingerprint, read_bundle
+from ..building import workers as workers_
+from ..shipping.bundle import Entry, is_runtime_module, open_regular, read_bounded
+from ..shipping.cachedir import CacheDir, Receipt, latest_owners
+from ..errors import FingerprintMismatch, IntegrityError, SignatureError, UnverifiedEntries
+from ..shipping.install import default_cache_dir, kept_as_built, node_factors, node_fingerprint, read_bundle
 
 _OTHER = "other"  # a key dir no receipt names: counted, only its group files judged
 
@@ -92,7 +92,7 @@ _AS_BUILT = "a C module kept as this node built it (not the signed bytes)"
 class VerifyReport:
     cache_dir: str
     against: list[str]  # receipt files or the bundle URL
-    layout: str = "triton"  # the dir's (prewarm.layouts)
+    layout: str = "triton"  # the dir's (prewarm.shipping.layouts)
     entries: int = 0
     entries_ok: int = 0
     files: int = 0
@@ -161,7 +161,7 @@ def _receipt_proof(r: Receipt, keys: dict | None) -> tuple[str | None, str]:
     where = f"install receipt {r.path}"
     signer, why = None, ""
     if keys is not None:
-        from .signing import MAX_SIGNATURE_BYTES, signer as signed_by
+        from ..shipping.signing import MAX_SIGNATURE_BYTES, signer as signed_by
 
         data = r.index_bytes  # IntegrityError: unreadable, or not the index the receipt names
         sig_where = f"{where}: its signature {r.signature_path}"
@@ -235,7 +235,7 @@ def _against_receipts(cache: CacheDir, report: VerifyReport, trusted_keys: list[
     owner among them, and the keys they name but do not verify (key -> why)."""
     keys = None
     if trusted_keys:
-        from .signing import load_trusted
+        from ..shipping.signing import load_trusted
 
         keys = load_trusted(list(trusted_keys))
     receipts = cache.receipts(faults=report.tampered_receipts)

@@ -1,8 +1,8 @@
 """Will-hit: would this environment's Triton find every planned kernel in a cache dir? Computed without compiling.
 
-Each planned compile is looked up through Triton's own key computation, stopped at the lookup (prewarm.probe).
+Each planned compile is looked up through Triton's own key computation, stopped at the lookup (prewarm.building.probe).
 The C modules the runtime builds at first launch are looked up the same way by the target's backend
-(prewarm.backends): on CUDA each hit kernel is loaded from the cache and the driver's own launcher class asked for
+(prewarm.building.backends): on CUDA each hit kernel is loaded from the cache and the driver's own launcher class asked for
 its ``__triton_launcher`` (and ``cuda_utils`` once); an absent one is built with the node's C compiler at first
 launch (about a second, no kernel compile). A planned kernel this environment's Triton cannot key at all
 (``plan.WillFail``) is no hit and no miss: the node's first call of it raises before any lookup; the report lists
@@ -15,7 +15,7 @@ dependencies, as ``load_jit`` does before deciding to compile.
 A kernel pinned in the manifest's autotune table, and every autotuned kernel where Triton keeps no results
 (triton-ascend 3.2), is one row: pinned (its config: the guard runs it alone) or absent (the node benchmarks its
 configs in every process). Other autotuned calls are probed the same way one level up
-(prewarm.autotune.planned_tunings): a copy of the Autotuner
+(prewarm.building.autotune.planned_tunings): a copy of the Autotuner
 runs the planned call, computes its tuning key and asks the cache for ``<kernel>.autotune.json``; the probe stops
 it there. Where that file is absent the node benchmarks every config once per process (an offline build has it
 only from an autotune table; a device build does). A file this process's Autotuner would not read (it keeps no
@@ -27,13 +27,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import backends, jit, keys
-from .autotune import autotuned_kernels, kept_timings, planned_tunings
-from .backends import npu
-from .jit import JitRequest, Lookup
-from .manifest import load
-from .plan import Request, WillFail, plan_for
-from .probe import ModuleResult, RequestResult, probe_all
+from ..building import backends, keys
+from .. import jit
+from ..building.autotune import autotuned_kernels, kept_timings, planned_tunings
+from ..building.backends import npu
+from ..jit import JitRequest, Lookup
+from ..planning.manifest import load
+from ..planning.plan import Request, WillFail, plan_for
+from ..building.probe import ModuleResult, RequestResult, probe_all
 
 
 @dataclass

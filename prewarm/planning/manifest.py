@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ManifestError
+from ..errors import ManifestError
 
 BACKENDS = ("cuda", "npu")
 TENSOR_DTYPES = (
@@ -58,7 +58,7 @@ class Manifest:
     kernels: tuple[KernelSource, ...]
     spec_table: dict[str, Any] = field(default_factory=dict)  # [spec] as written: the providers validate it
     archs: tuple[str, ...] = ()  # every SoC ``[target] arch`` lists (npu); ``arch`` is the first
-    tuned: Path | None = None  # ``[target] tuned``: the autotune table (prewarm.autotune) builds write results from
+    tuned: Path | None = None  # ``[target] tuned``: the autotune table (prewarm.building.autotune) builds write results from
 
     def spec(self) -> dict[str, Any]:
         """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives: the target's backend,

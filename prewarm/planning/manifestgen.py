@@ -23,8 +23,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .errors import EnvironmentProblem, ManifestError
-from .providers import integration, integrations, server as server_named, servers
+from ..errors import EnvironmentProblem, ManifestError
+from ..providers import integration, integrations, server as server_named, servers
 
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
                 "float": "float32"}  # fmt: skip
@@ -296,7 +296,7 @@ def generate(model: str | Path, server: str, kernels: str | None, target: str, s
 
 def _target(text: str):
     """BACKEND:ARCH[:DEVICE] -> (backend, arch, device, its profile or None), checked as a manifest's [target]."""
-    from . import devices
+    from .. import devices
     from .manifest import BACKENDS
 
     parts = text.split(":")
@@ -361,7 +361,7 @@ def _check(gen: GeneratedManifest) -> None:
 
 def write(gen: GeneratedManifest, output: str | Path) -> Path:
     """Write the manifest whole or not at all."""
-    from .cachedir import write_atomic
+    from ..shipping.cachedir import write_atomic
 
     path = Path(output)
     try:

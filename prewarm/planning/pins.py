@@ -3,8 +3,8 @@
 triton-ascend 3.2's Autotuner has no result cache: every serving process benchmarks every candidate at its first
 call of each tuning key, on every node (the stall of ``../shared/docs/user-report.txt``), and no cache can ship a
 winner it would read. A ``[[pinned]]`` row of the manifest's autotune table (``[target] tuned``; its ``[[tuned]]``
-rows and the result files built from them are :mod:`prewarm.autotune`'s) names the config instead: the plan compiles
-that config alone (``prewarm.plan.expand``) and the guard gives the kernel's Autotuner that config alone before its
+rows and the result files built from them are :mod:`prewarm.building.autotune`'s) names the config instead: the plan compiles
+that config alone (``prewarm.planning.plan.expand``) and the guard gives the kernel's Autotuner that config alone before its
 first call in every serving process (:func:`pin_chooser` for ``tritoncompat.pin_autotuners``), so it never
 benchmarks. This module imports nothing of the planner: the plan reads pins, and the autotune module plans.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import tritoncompat
-from .errors import ManifestError
+from ..building import tritoncompat
+from ..errors import ManifestError
 
 PIN_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # a pinned config's triton.Config options
 
@@ -91,7 +91,7 @@ def load_table(path: Path) -> dict:
 
 
 def read_pins(path: Path) -> list[PinnedRow]:
-    """The ``[[pinned]]`` rows of the autotune table at ``path`` (its other rows are prewarm.autotune's)."""
+    """The ``[[pinned]]`` rows of the autotune table at ``path`` (its other rows are prewarm.building.autotune's)."""
     return parse_pins(path, load_table(path).get("pinned", []))
 
 
@@ -111,7 +111,7 @@ def pinned_config(tuner, pin: PinnedRow):
 
 
 def pin_chooser(pins: dict[str, PinnedRow]):
-    """``choose(tuner)`` for :func:`prewarm.tritoncompat.pin_autotuners`: the pinned config of the tuner's kernel,
+    """``choose(tuner)`` for :func:`prewarm.building.tritoncompat.pin_autotuners`: the pinned config of the tuner's kernel,
     None where it is not pinned (it keeps its configs) or the pin does not fit (said on stderr; it benchmarks)."""
     import sys
 

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import devices, tritoncompat
-from .errors import ManifestError
-from .jit import JitRequest
+from .. import devices
+from ..building import tritoncompat
+from ..errors import ManifestError
+from ..jit import JitRequest
 from .manifest import KernelSource, Manifest
 from .record import RecordedKey, read
 
@@ -113,7 +114,7 @@ class Plan:
 def provider_options(manifest: Manifest) -> dict[str, list[dict]]:
     """Each provider entry's ``options(spec)``, where its module has one: per axis of its library's API, the values
     planned against every value the library accepts, so that a narrowed axis is never silent (plan prints them)."""
-    from .providers import provider
+    from ..providers import provider
 
     out = {}
     for src in manifest.kernels:
@@ -130,7 +131,7 @@ def plan(manifest: Manifest) -> Plan:
     """Every request of every ``[[kernels]]`` entry, in manifest order, duplicates dropped (first label kept).
 
     Activates nothing: the caller gives the process its device view first (a target's ``activate``, or
-    ``prewarm.backends.activate_for_planning``), before a provider imports a library that asks the device."""
+    ``prewarm.building.backends.activate_for_planning``), before a provider imports a library that asks the device."""
     requests: dict[str, Request] = {}
     jit: dict[JitRequest, JitRequest] = {}
     for source in manifest.kernels:
@@ -155,7 +156,7 @@ def _from_source(manifest: Manifest, src: KernelSource) -> list[Request | JitReq
 
 
 def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitRequest]:
-    from .providers import provider
+    from ..providers import provider
 
     where = f"{manifest.path}: {src.where}.provider = {src.ref!r}"
     try:
@@ -336,7 +337,7 @@ def manifest_device_name(manifest, where: str) -> str:
 
 
 def manifest_pins(manifest) -> dict:
-    """kernel ("module:qualname") -> its autotune pin (prewarm.pins): the ``[[pinned]]`` rows of the manifest's own
+    """kernel ("module:qualname") -> its autotune pin (prewarm.planning.pins): the ``[[pinned]]`` rows of the manifest's own
     table (``[target] tuned``; pins decide what the plan compiles, so ``--tuned`` does not replace them) for the
     device it plans for. {} where it names no table or the file does not exist (plan and build say so)."""
     from .pins import read_pins
@@ -476,11 +477,11 @@ class Planned:
     """A manifest's requests expanded into Triton's compiles under its target (activated in this process)."""
 
     manifest: Manifest
-    target: Any  # a prewarm.backends Target
+    target: Any  # a prewarm.building.backends Target
     requests: list[Request]  # those whose kernel this Triton can key (the others are in ``will_fail``)
     compiles: list[Compile]
     will_fail: list[WillFail] = field(default_factory=list)
-    pins: dict = field(default_factory=dict)  # kernel -> its autotune pin (prewarm.pins.PinnedRow): planned alone
+    pins: dict = field(default_factory=dict)  # kernel -> its autotune pin (prewarm.planning.pins.PinnedRow): planned alone
     jit: list[JitRequest] = field(default_factory=list)  # modules past Triton (prewarm.jit): built by their library
 
     def counts(self) -> list[CompileCount]:

@@ -5,8 +5,8 @@ the JIT cache hook (3.4+: ``knobs.runtime.jit_cache_hook``; 3.2: ``JITFunction.c
 imports triton. The hook appends one JSON line per request (kernel "module:qualname" + the specialization data
 ``JITFunction.preload`` takes) to the output file under a file lock, and never changes what Triton does. Each line
 also carries the on-disk key this process's Triton computes for the request, what that key is made of (Triton's
-own parts: :func:`prewarm.tritoncompat.cache_key_parts`) and the device it ran on, so a build elsewhere can check
-that it reproduces the key (:mod:`prewarm.keys`) and plan as that device. A manifest includes the file with
+own parts: :func:`prewarm.building.tritoncompat.cache_key_parts`) and the device it ran on, so a build elsewhere can check
+that it reproduces the key (:mod:`prewarm.building.keys`) and plan as that device. A manifest includes the file with
 ``record = "FILE"``; build replays it. :func:`read` is the one reader of the format.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import EnvironmentProblem, ManifestError
+from ..errors import EnvironmentProblem, ManifestError
 
 ENV = "PREWARM_RECORD_FILE"
 
@@ -30,7 +30,7 @@ _SITECUSTOMIZE = '''\
 (PREWARM_RECORD_FILE, PREWARM_GUARD), then runs the sitecustomize this one shadows."""
 import importlib.machinery, importlib.util, os, sys
 
-for _env, _module in (("PREWARM_RECORD_FILE", "prewarm.record"), ("PREWARM_GUARD", "prewarm.guard")):
+for _env, _module in (("PREWARM_RECORD_FILE", "prewarm.planning.record"), ("PREWARM_GUARD", "prewarm.node.guard")):
     if os.environ.get(_env):
         try:
             importlib.import_module(_module).install_from_env()
@@ -116,7 +116,8 @@ def observed(jit, compile: dict) -> dict:
     """``key`` (the dir this process's Triton looks the request up in), ``key_parts`` (what it made the key of) and
     ``device`` (what it runs on, :func:`prewarm.devices.observe`). Never raises: recording must not break the
     recorded process; a key that could not be computed is said (``key_error``), an unknown device left out."""
-    from . import devices, tritoncompat
+    from .. import devices
+    from ..building import tritoncompat
 
     out: dict[str, Any] = {}
     try:
@@ -218,7 +219,7 @@ def make_hook(path: str, previous=None):
 
 def hook_this_process(path: str) -> None:
     """Log this process's compile requests to ``path`` from now on (triton must be importable)."""
-    from . import tritoncompat
+    from ..building import tritoncompat
 
     tritoncompat.set_jit_cache_hook(make_hook(path, tritoncompat.get_jit_cache_hook()))
 

@@ -20,7 +20,7 @@ them to the real absolute location.
      "entries": [{"key", "object", "object_size", "tar_size",
                   "files": [{"path", "sha256", "size"}]}]}          # entries sorted by key, files by path
 
-``layout`` (prewarm.layouts): the kind of cache dir the entries come from and go to; absent, Triton's (every Triton
+``layout`` (prewarm.shipping.layouts): the kind of cache dir the entries come from and go to; absent, Triton's (every Triton
 bundle keeps the bytes it had before layouts). A key of a nested layout is its entry's path under the dir
 ("sm90a/sgl_kernel_jit_x/build-<hex>/deps-<hex>"); group files are Triton's only.
 
@@ -54,12 +54,12 @@ from typing import NamedTuple
 
 import zstandard
 
-from . import __version__
-from .errors import IntegrityError, PrewarmError, UnsafeBundleError
+from .. import __version__
+from ..errors import IntegrityError, PrewarmError, UnsafeBundleError
 from . import layouts
 
 try:
-    from . import _fastunpack
+    from .. import _fastunpack
 except ImportError:  # not built (no C compiler where prewarm was installed): the Python reader does it all
     _fastunpack = None
 
@@ -143,7 +143,7 @@ class Index:
     entries: tuple[Entry, ...]
     tool: str = f"prewarm {__version__}"
     format: int = FORMAT
-    layout: str = "triton"  # prewarm.layouts: the kind of cache dir its entries are of
+    layout: str = "triton"  # prewarm.shipping.layouts: the kind of cache dir its entries are of
 
     def to_bytes(self) -> bytes:
         """The canonical bytes (a parsed index: the very bytes it was read from), written piece by piece: no Python

@@ -1,5 +1,5 @@
 """A cache dir as prewarm sees it: the one owner of where prewarm keeps its own files in it, of "is this entry
-intact", and of how a file is written whole. How entries are named and found is the dir's layout's (prewarm.layouts:
+intact", and of how a file is written whole. How entries are named and found is the dir's layout's (prewarm.shipping.layouts:
 Triton's key dirs below, sglang's JIT leaves, FlashInfer's AOT modules); everything else is the same for each.
 
     <cache>/<KEY>/                                  Triton's entries (key dirs); other top-level names are skipped
@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 
 from . import layouts
 from .bundle import (CHUNK, DIR_FLAGS, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index, is_group,
-                     open_regular, parse_index, read_bounded, relative_group)
-from .errors import FingerprintMismatch, IntegrityError, PrewarmError
+    open_regular, parse_index, read_bounded, relative_group)
+from ..errors import FingerprintMismatch, IntegrityError, PrewarmError
 
 if TYPE_CHECKING:  # annotations only: fingerprint is imported where a toolchain is judged
-    from .fingerprint import Mismatch
+    from ..node.fingerprint import Mismatch
 
 META = layouts.META  # no entry of any layout
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -195,7 +195,7 @@ class Receipt:
     size: int  # the listed files' bytes
     doc: dict  # the whole receipt (source, signed_by, installed_at: for people)
     history: dict[int, str] = field(default_factory=dict)  # install number -> its index digest ("": not known)
-    layout: str = "triton"  # its bundle's (prewarm.layouts)
+    layout: str = "triton"  # its bundle's (prewarm.shipping.layouts)
 
     @property
     def signature_path(self) -> Path:
@@ -579,7 +579,7 @@ class CacheDir:
 
     def toolchain_conflicts(self, node_fp: dict[str, str]) -> list[Mismatch]:
         """Why filling this dir on a node of fingerprint ``node_fp`` would mix toolchains; [] when it is safe."""
-        from .fingerprint import Mismatch, compare, toolchain_factors  # only where a toolchain is to be judged
+        from ..node.fingerprint import Mismatch, compare, toolchain_factors  # only where a toolchain is to be judged
 
         ours = toolchain_factors(node_fp)
         if not ours:
@@ -611,7 +611,7 @@ class CacheDir:
                 f"apart (they would be reused silently): {lines}. Use a fresh cache dir for this toolchain, or empty "
                 f"this one."
             )
-        from .fingerprint import toolchain_factors
+        from ..node.fingerprint import toolchain_factors
 
         if ours := toolchain_factors(node_fp):
             self.meta.mkdir(parents=True, exist_ok=True)

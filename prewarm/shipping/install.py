@@ -1,11 +1,11 @@
 """Install a bundle into a node's cache dir: verified, atomic, locked, idempotent, merging. The dir is of the bundle's
-layout (prewarm.layouts: Triton's cache, sglang's JIT cache, FlashInfer's AOT dir; by default the one its server
+layout (prewarm.shipping.layouts: Triton's cache, sglang's JIT cache, FlashInfer's AOT dir; by default the one its server
 reads), and a dir of another layout is refused; the work is the same for each.
 
-Order of work (the paths are ``CacheDir``'s, prewarm.cachedir): read the index bytes (and check their signature when
+Order of work (the paths are ``CacheDir``'s, prewarm.shipping.cachedir): read the index bytes (and check their signature when
 keys are given or one is required) -> check the bundle's fingerprint against this node (the one place that judges
 the node: ``check_node``; the node's own factors are reused while nothing they are computed from changed:
-prewarm.nodestamp) -> take the dir's ``install_lock`` -> decide what is to do:
+prewarm.shipping.nodestamp) -> take the dir's ``install_lock`` -> decide what is to do:
 
 - an install of this very index left a receipt, no later install claimed one of its keys with other files, and
   every entry's stamp (its dir's inode, mtime and ctime: ``cachedir.stamp``) is the recorded one: nothing to do,
@@ -32,7 +32,7 @@ layout's entry (sglang's leaf) is renamed into its parent dir, made first where 
 as sglang's own publication does), and the filesystem flushed after the renames instead of the one dir. Entries from
 other sources are never touched. Nothing from the bundle is executed.
 
-Work is spread over the cores (prewarm.workers): a local bundle's entries by forked processes (per-entry work is
+Work is spread over the cores (prewarm.building.workers): a local bundle's entries by forked processes (per-entry work is
 Python; the member loop of most objects is C: bundle.unpack_object) in ranges that shrink towards the end (``_tasks``), a remote store's by threads (its latency
 dominates). Memory is O(1) per entry: the index bytes, a few hundred bytes per entry, O(CHUNK) per worker; the
 parent lets the index go once its workers have it.
@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Callable
 
 from . import layouts, nodestamp
-from . import workers as workers_
+from ..building import workers as workers_
 from .bundle import (DIR_FLAGS, INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, Entry, FileRecord, Index, index_layout,
-                     is_runtime_module, parse_index, read_bounded, unpack_object)
+    is_runtime_module, parse_index, read_bounded, unpack_object)
 from .cachedir import CacheDir, EntryState, Receipt, fsync_dir, install_history, latest_owners, stamp, syncfs
-from .errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError, StoreError
+from ..errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError, StoreError
 from .stores.base import Store, join, retry
 
 
@@ -198,10 +198,11 @@ def node_factors(layout: layouts.Layout, meta_dir: Path | None) -> tuple[dict[st
 
 def jit_node_factors(layout: layouts.Layout) -> dict[str, str]:
     """This node's factors for a bundle of a layout past Triton: what its library keys its cache on besides the
-    sources, as this node's library computes them (prewarm.jit: imported here, lazily, since prewarm.layouts sits
+    sources, as this node's library computes them (prewarm.jit: imported here, lazily, since prewarm.shipping.layouts sits
     below every module that reads a cache dir), for this node's GPU. A node without a visible GPU states the rest
     and its target as unknown (a device factor: not compared, as ``target.arch`` is not)."""
-    from . import fingerprint, jit
+    from ..node import fingerprint
+    from .. import jit
 
     lib = jit.for_layout(layout.name)
     arch = fingerprint.detect_arch("cuda")
@@ -216,7 +217,7 @@ def check_node(built: dict[str, str], node: dict[str, str], cache_dir: Path, all
     """Compare the bundle's fingerprint (``built``) with this node's; refuse on blocking factors unless allowed:
     values that differ (``allow_mismatch``), factors the bundle lacks, carries unknown or this node cannot know
     (``allow_missing``)."""
-    from . import fingerprint
+    from ..node import fingerprint
 
     mismatches = fingerprint.compare(built, node)
     refused = [m for m in mismatches if m.blocking and not (allow_missing if m.gap else allow_mismatch)]

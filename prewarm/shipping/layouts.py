@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from .errors import EnvironmentProblem, IntegrityError
+from ..errors import EnvironmentProblem, IntegrityError
 
 META = ".prewarm"  # prewarm's own dir in a cache dir of any layout (cachedir.py's files): never an entry
 LAYOUT_FILE = "layout"  # in META: the dir's layout, where not Triton's
@@ -65,7 +65,7 @@ class Layout:
     def key_check(self, fingerprint: Mapping[str, str]) -> tuple[re.Pattern, str]:
         """(what a bundle's key must fullmatch, what that is in words) for a bundle of ``fingerprint``."""
         if self is TRITON:  # the Triton the bundle names decides the form of its keys
-            from .tritoncompat import key_dir_form
+            from ..building.tritoncompat import key_dir_form
 
             form, words = key_dir_form(fingerprint.get("triton.distribution"), fingerprint.get("triton.version"))
             built_by = " ".join(filter(None, (fingerprint.get("triton.distribution"),
@@ -119,7 +119,7 @@ TRITON = Layout("triton", (KEY_RE,), "a Triton cache key", "TRITON_CACHE_DIR", "
 @functools.cache
 def known() -> dict[str, Layout]:
     """Every layout prewarm knows, by name: Triton's, then each JIT library's (prewarm.providers' registry)."""
-    from . import jit
+    from .. import jit
 
     return {TRITON.name: TRITON, **{lib.layout: lib.cache_layout for lib in map(jit.library, jit.library_names())}}
 

@@ -31,7 +31,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import __version__
+from .. import __version__
 
 RECORD = "node.json"
 # Variables prewarm's fingerprint code (or a tool it runs) may read: never learnt as ignorable.
@@ -50,7 +50,8 @@ def current(meta_dir: Path | None) -> tuple[dict[str, str], dict | None]:
     record = _read(meta_dir / RECORD) if meta_dir is not None else None
     if record is not None and record["inputs"] == _digest(snapshot, set(record["ignored"])):
         return dict(record["factors"]), None
-    from . import fingerprint, tritoncompat
+    from ..node import fingerprint
+    from ..building import tritoncompat
 
     factors = fingerprint.current()
     triton_reads = tritoncompat.cache_invalidating_env_vars()  # the set ones Triton folds into its key
@@ -72,7 +73,7 @@ def remember(meta_dir: Path, record: dict) -> None:
 
 def _read(path: Path) -> dict | None:
     from .bundle import open_regular, read_bounded
-    from .errors import IntegrityError
+    from ..errors import IntegrityError
 
     try:
         record = json.loads(read_bounded(open_regular(path), 1 << 20, str(path)))  # no link, FIFO or device read

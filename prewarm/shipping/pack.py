@@ -1,7 +1,7 @@
 """Pack a cache dir into a bundle dir (the format is bundle.py's): every entry's object written in parallel
 (forked processes for a large cache: tar and zstd work is per entry) and flushed, then the signature, then
 ``index.json`` last, so a reader never sees an index whose objects or signature are missing. The cache dir is read
-through its owner (cachedir.py): its layout (prewarm.layouts: the bundle's), its entries, the files of each without
+through its owner (cachedir.py): its layout (prewarm.shipping.layouts: the bundle's), its entries, the files of each without
 Triton's in-flight ``tmp.pid_*`` dirs, and the fingerprint and manifest its build recorded (none recorded: this
 machine's factors for the layout). A dir whose name is not a cache key of the Triton the bundle names
 (``tritoncompat.key_dir_form``) is left out and reported: no node would accept it, nor would Triton look it up.
@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import workers as workers_
+from ..building import workers as workers_
 from .bundle import INDEX, OBJECTS, SIGNATURE, Index, index_bytes, pack_entry, parse_index
 from .cachedir import CacheDir, syncfs, write_atomic
-from .errors import EnvironmentProblem, IntegrityError
+from ..errors import EnvironmentProblem, IntegrityError
 from .install import node_factors
 
 

@@ -1,6 +1,6 @@
 """What a node's cache dir holds (`prewarm ls`): the bundles installed into it, the entries no bundle installed
 (compiled by the runtime on this node, or copied in by hand), and the Ascend toolchain the dir is claimed for. A dir
-of any layout (prewarm.layouts: the one it states), its entries as that layout names them.
+of any layout (prewarm.shipping.layouts: the one it states), its entries as that layout names them.
 
 A frozen report read from the install receipts and the dir itself; it judges nothing (that is verify's job) and
 hashes nothing, so it is instant on any cache size.
@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from .cachedir import CacheDir
-from .errors import IntegrityError
+from ..errors import IntegrityError
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class CacheScan:
     bundles: tuple[InstalledBundle, ...]
     other_entries: tuple[OtherEntry, ...]  # key dirs no receipt names
     toolchain: dict | None  # the Ascend toolchain claim, if any
-    layout: str = "triton"  # the dir's (prewarm.layouts)
+    layout: str = "triton"  # the dir's (prewarm.shipping.layouts)
 
     def to_json(self) -> dict:
         return asdict(self)

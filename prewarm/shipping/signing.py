@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from .bundle import open_regular, read_bounded
 from .cachedir import write_atomic
-from .errors import EnvironmentProblem, IntegrityError, SignatureError
+from ..errors import EnvironmentProblem, IntegrityError, SignatureError
 
 
 def key_id(public: Ed25519PublicKey) -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import EnvironmentProblem, ManifestError
-from ..manifest import Manifest
-from ..plan import manifest_device
+from ...errors import EnvironmentProblem, ManifestError
+from ...planning.manifest import Manifest
+from ...planning.plan import manifest_device
 from . import cuda, npu
 from .cuda import CudaDeviceTarget, CudaOfflineTarget
 from .target import MODES, Target
@@ -68,5 +68,5 @@ def activate_for_planning(manifest: Manifest) -> None:
 
 def probe_modules(target: Target, compiles: list, results: list, cache_dir: str) -> list:
     """The C modules ``target``'s runtime builds at first launch for the planned compiles that hit (``results``:
-    prewarm.probe's), looked up in ``cache_dir`` through the backend's own classes (``ModuleResult`` each)."""
+    prewarm.building.probe's), looked up in ``cache_dir`` through the backend's own classes (``ModuleResult`` each)."""
     return BACKENDS[target.backend].probe_modules(compiles, results, cache_dir)

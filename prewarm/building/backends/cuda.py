@@ -3,7 +3,7 @@
 - :class:`CudaOfflineTarget`: no GPU. Installs a target-only driver, so Triton compiles for ``sm_XX`` without
   libcuda, and builds each kernel's launcher (the per-signature C ``.so`` Triton builds at first launch) and
   ``cuda_utils.so`` with the host C compiler. Autotune results cannot be measured here (nothing to benchmark on):
-  build writes them from an autotune table measured on one device (prewarm.autotune).
+  build writes them from an autotune table measured on one device (prewarm.building.autotune).
 - :class:`CudaDeviceTarget`: a real GPU. Compiles the same way, then runs each provider's ``run(spec, device)``
   once so autotune results and launchers land in the cache dir too.
 - :func:`probe_modules`: are a plan's launchers and ``cuda_utils`` in a cache dir (the driver's own classes asked).
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .. import devices, tritoncompat
-from ..errors import BuildError, EnvironmentProblem, ManifestError
-from ..plan import resolve
+from ... import devices
+from .. import tritoncompat
+from ...errors import BuildError, EnvironmentProblem, ManifestError
+from ...planning.plan import resolve
 from .target import Target
 
 
@@ -295,7 +296,7 @@ def cuda_utils(build: bool) -> None:
 
 
 def probe_modules(compiles: list, results: list, cache_dir: str) -> list:
-    """For every planned compile that hits (``results``: prewarm.probe's), is its launcher in ``cache_dir``, and is
+    """For every planned compile that hits (``results``: prewarm.building.probe's), is its launcher in ``cache_dir``, and is
     cuda_utils? One ``ModuleResult`` per module key; none where this Triton builds no C launchers."""
     from ..probe import ModuleResult, Probe, ProbeCacheManager, ReadOnlyCacheManager
 

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .. import devices, fingerprint, tritoncompat
-from ..cachedir import CacheDir
-from ..plan import resolve
-from ..errors import BuildError, EnvironmentProblem, FingerprintMismatch
+from ... import devices
+from ...node import fingerprint
+from .. import tritoncompat
+from ...shipping.cachedir import CacheDir
+from ...planning.plan import resolve
+from ...errors import BuildError, EnvironmentProblem, FingerprintMismatch
 from .target import Target
 
 # Files triton-ascend writes into TRITON_CACHE_DIR besides the kernels, at the first launch of each signature:
@@ -388,7 +390,7 @@ def _answer_lookup(filename: str, path: str, present: bool) -> str | None:
 
 def probe_modules(compiles: list, results: list, cache_dir: str) -> list:
     """What triton-ascend builds with g++ at a node's first launch, for every planned compile that hits
-    (``results``: prewarm.probe's): its launcher, the precompiled header (a missing one is built even when every
+    (``results``: prewarm.building.probe's): its launcher, the precompiled header (a missing one is built even when every
     launcher is there) and npu_utils. Keys computed by triton-ascend's own constructors; one ``ModuleResult`` per
     key."""
     from ..probe import ModuleResult, Probe, ReadOnlyCacheManager, RecordingCacheManager
@@ -435,7 +437,7 @@ def serving_env_mismatches(cache_dir: str | os.PathLike | None = None,
     """This process's Ascend codegen env (``fingerprint.ASCEND_CODEGEN_ENV``) against the values each Ascend bundle installed in
     ``cache_dir`` (default: this process's TRITON_CACHE_DIR) was built with, read from the install receipts.
 
-    prewarm.guard calls this when it arms in a serving process (PREWARM_GUARD=warn|error): each mismatch names the
+    prewarm.node.guard calls this when it arms in a serving process (PREWARM_GUARD=warn|error): each mismatch names the
     variable, the bundle's value and this process's. A bundle that did not record a variable (built before it was a
     factor) is a mismatch only where this process sets it."""
     environ = os.environ if environ is None else environ
@@ -463,7 +465,7 @@ def serving_env_mismatches(cache_dir: str | os.PathLike | None = None,
 
 def check_serving_env(mode: str, cache_dir: str | os.PathLike | None = None) -> list[fingerprint.Mismatch]:
     """:func:`serving_env_mismatches`, acted on as PREWARM_GUARD says: "error" raises FingerprintMismatch (the
-    process refuses to serve), "warn" writes one line per mismatch to stderr. prewarm.guard calls it when it arms."""
+    process refuses to serve), "warn" writes one line per mismatch to stderr. prewarm.node.guard calls it when it arms."""
     import sys
 
     found = serving_env_mismatches(cache_dir)

@@ -34,7 +34,7 @@ class Target(ABC):
         """This toolchain's fingerprint factors (``fingerprint.current``), computed once: on Ascend that runs
         bishengir-compile and hashes it, so build's parent computes it and its workers receive it with the target."""
         if self.fingerprint is None:
-            from .. import fingerprint
+            from ...node import fingerprint
 
             self.fingerprint = fingerprint.current(self.backend, self.arch)
         return self.fingerprint

@@ -401,6 +401,6 @@ def _tag(index: dict) -> str:
 
 
 def _kernel_name(launch) -> str:
-    from prewarm import tritoncompat
+    from prewarm.building import tritoncompat
 
     return tritoncompat.jit_function(launch.kernel).fn.__name__

@@ -18,8 +18,8 @@ import math
 import re
 
 from ...errors import ManifestError
-from ...manifestgen import GIB, NUMBER, Sourced, device_memory, flag_source, json_object_arg, positive_int, \
-    positive_int_arg
+from ...planning.manifestgen import (GIB, NUMBER, Sourced, device_memory, flag_source, json_object_arg, positive_int,
+    positive_int_arg)
 from ..contract import Server
 
 VERSION = "vLLM 0.34.0"
@@ -263,7 +263,7 @@ def _layer_spec(args, argv, cfg, tp: int) -> dict:
     padded to the MLA attention page, the recurrent slot stride, the conv kernel and state dtype, custom_ops as vLLM
     completes them, the cache mode) and the layer's own dtypes (``[spec.dtypes]``: the gate and beta in the model
     dtype, fp32 A_log / dt_bias, the recurrent state per --mamba-ssm-cache-dtype)."""
-    from ...manifestgen import _activation
+    from ...planning.manifestgen import _activation
     from .layer import custom_ops_setting, padded_page, page_bytes
 
     heads = cfg.linear("num_heads", positive_int, "a positive integer (KDA heads, all ranks)")

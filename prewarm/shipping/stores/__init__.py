@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..bundle import INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, check_object, open_regular, parse_index, read_bounded
-from ..errors import IntegrityError, PrewarmError, StoreError
+from ...errors import IntegrityError, PrewarmError, StoreError
 from .base import Store, join, retry
 from .fs import OBJECT_PROTOCOLS, FsspecStore, LocalStore, ObjectStore
 

@@ -7,7 +7,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Callable
 
-from ..errors import PrewarmError, StoreError
+from ...errors import PrewarmError, StoreError
 
 NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, PrewarmError)
 

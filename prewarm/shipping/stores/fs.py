@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..bundle import OBJECTS, open_regular
 from ..cachedir import write_atomic
-from ..errors import IntegrityError, StoreError
+from ...errors import IntegrityError, StoreError
 from .base import Store, join
 
 # Protocols whose PUT is atomic by itself (no partial object is ever visible): written directly.
