@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from .errors import CacheDirMismatch, PrewarmError, StoreError, WillFailError, WillMissError
+from .errors import PrewarmError, StoreError, WillFailError, WillMissError
 
 # Piped into a job's log, rich would wrap every line at 80 columns, splitting the error and result lines operators
 # grep for: there, a message stays one line and a table as wide as its cells (COLUMNS, when set, still wins).
@@ -453,40 +453,21 @@ def cmd_install(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .node.verify import judge_plan, verify
+    from .node.verdict import judge
 
-    r = verify(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust, require_signature=args.require_signature,
-               allow_unverified=args.allow_unverified, check_fingerprint=not args.no_fingerprint)
-    hit = None
-    if args.plan:
-        from .node.willhit import check
-
-        hit = check(args.plan, r.cache_dir, jit_dirs=dict(args.jit_dir))
-        judge_plan(r, hit)
-    dirs = None
-    if args.server:
-        from .node.serverenv import server_cache_dirs
-
-        from .jit import for_layout
-
-        dirs = server_cache_dirs(args.server, r.cache_dir,
-                                 jit_installed={for_layout(layout).name: d for layout, d in args.jit_dir})
-    missed = hit is not None and (not hit.ok or (args.require_autotune and any(not a.present for a in hit.autotune))
-                                  or any(a.unread for a in hit.autotune)
-                                  or (args.require_launchers and any(not m.present for m in hit.modules)))
-    will_fail = hit.will_fail if hit is not None else []
-    code = r.exit_code or (CacheDirMismatch.exit_code if dirs is not None and not dirs.ok else 0) or (
-        WillMissError.exit_code if missed else WillFailError.exit_code if will_fail else 0)
+    v = judge(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust, require_signature=args.require_signature,
+              allow_unverified=args.allow_unverified, check_fingerprint=not args.no_fingerprint, plan=args.plan,
+              jit_dirs=dict(args.jit_dir), server=args.server, require_autotune=args.require_autotune,
+              require_launchers=args.require_launchers)
     if args.json:
-        emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code,
-                   "ok": code == 0, "server_cache_dirs": _server_dirs_json(dirs)})
-        return code
-    (_print_verify_tables if args.details else _print_verify_summary)(r, hit, args)
-    _print_server_dirs(dirs)
-    absent = sum(not a.present for a in hit.autotune) if hit is not None else 0
-    note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and not code else ""
-    out.print(("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})") + note)
-    return code
+        emit_json(v.to_json())
+        return v.exit_code
+    (_print_verify_tables if args.details else _print_verify_summary)(v.report, v.will_hit, args)
+    _print_server_dirs(v.server_dirs)
+    absent = v.autotune_absent
+    note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and v.ok else ""
+    out.print(("[green]clean[/]" if v.ok else f"[red]problems found[/] (exit {v.exit_code})") + note)
+    return v.exit_code
 
 
 def _layout_dir(pair: str) -> tuple[str, str]:
@@ -498,12 +479,6 @@ def _layout_dir(pair: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"{pair!r}: expected LAYOUT=DIR with LAYOUT one of "
                                          f"{', '.join(k for k in known() if k != 'triton')}")
     return layout, where
-
-
-def _server_dirs_json(dirs) -> dict | None:
-    from dataclasses import asdict
-
-    return None if dirs is None else {**asdict(dirs), "ok": dirs.ok, "problem": None if dirs.ok else dirs.problem()}
 
 
 def _print_server_dirs(dirs) -> None:

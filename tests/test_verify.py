@@ -204,3 +204,25 @@ def test_verify_spread_over_processes_finds_what_one_worker_finds(tmp_path):
         assert r.missing == [ptxs[70].relative_to(node).as_posix()]
         assert r.unexpected == [f"{ptxs[5].parent.name}/stray.so"]
     assert reports[0].bytes_hashed == reports[1].bytes_hashed
+
+
+def test_the_verdict_is_judged_in_the_library_and_the_cli_returns_it(node):
+    """`verify` as a verb is one library call (prewarm.node.verdict.judge): a frozen verdict whose exit code and JSON
+    are what the CLI returns and prints; a modified entry makes it the integrity error's."""
+    import dataclasses
+
+    from prewarm.node.verdict import judge
+
+    clean = judge(node)
+    assert clean.ok and clean.exit_code == 0 and clean.will_hit is None and clean.server_dirs is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        clean.exit_code = 1  # type: ignore[misc]
+    cubin = _entry_files(node, ".cubin")[0]
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    cubin.write_bytes(bytes(data))
+    v = judge(node)
+    assert not v.ok and v.exit_code == IntegrityError.exit_code == v.report.exit_code
+    p = run_cli("verify", "--cache-dir", node, "--json", check=v.exit_code)
+    doc = json.loads(p.stdout)
+    assert doc["exit_code"] == v.exit_code and doc["ok"] is False and doc == json.loads(json.dumps(v.to_json()))
