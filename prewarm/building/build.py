@@ -320,7 +320,7 @@ _PRELOAD = ["torch", "triton", "triton.compiler", __name__]  # the forkserver's 
 
 def start_workers(start_method: str = "forkserver") -> multiprocessing.context.BaseContext:
     """The pool's context; for a forkserver, started now (idempotent), so that its imports run while the parent
-    plans (in a fresh process they took ~5 s of a 13 s 8-worker run on the H200 machine, bench/build_scaling.py)."""
+    plans (docs/measurements.md: bench/build_scaling.py)."""
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
@@ -335,11 +335,10 @@ def compile_into(compiles: list[Compile], cache: str, target: Target, workers: i
     """Compile each of ``compiles`` into ``cache`` in a pool of ``workers`` processes (no presence check);
     ``finish(index, result)`` as each completes.
 
-    Workers fork from a forkserver that imported torch, triton and this module once: spawned workers each imported
-    them at once, which on the H200 machine's 16 cores made the same 48 compiles take 84 s of compile time at 8
-    workers instead of 49 s (speedup 4.4x; 7.6x from the forkserver; bench/build_scaling.py). Nothing that depends
-    on the target or a device is imported there (fla, say, reads the device at import): each worker activates its
-    target in ``_init``. ``start_method="spawn"`` is the old way, kept for that benchmark's baseline."""
+    Workers fork from a forkserver that imported torch, triton and this module once, instead of each importing them
+    at once (what that saves: bench/build_scaling.py). Nothing that depends on the target or a device is imported
+    there (fla, say, reads the device at import): each worker activates its target in ``_init``.
+    ``start_method="spawn"``: each worker imports on its own (that benchmark's baseline)."""
     ctx = start_workers(start_method)
     initargs = (cache, target, dict(os.environ))
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=initargs) as pool:

@@ -18,8 +18,8 @@ from typing import Any
 def triton_distribution() -> tuple[str, str]:
     """(distribution name, version) of whatever provides the `triton` module: `triton` or `triton-ascend`.
 
-    The two known names are asked first (milliseconds); scanning every installed distribution costs ~0.6 s of a
-    pre-launch job and is left for other builds (pytorch-triton-rocm, nightlies...).
+    The two known names are asked first (cheap); scanning every installed distribution is slow for a pre-launch job
+    and is left for other builds (pytorch-triton-rocm, nightlies...).
     """
     import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.shipping.nodestamp)
 
@@ -49,9 +49,9 @@ def triton_key() -> str:
 
 def start_process_warmup() -> threading.Thread:
     """Do now, in a daemon thread, the one-time work Triton does at a process's first kernel launch that no cache
-    holds (measured on the H200 with bench/offline_autotune.py --profile: 0.5-0.6 s of a 0.76 s first step): its own
-    key (its sources and the 415 MB libtriton hashed, 0.4 s) and the modules its native specializer imports at the
-    first launch (3.6: gluon's hopper TensorDescriptor, 0.15 s). hashlib and file reads release the GIL; a launch
+    holds (most of a process's first step: bench/offline_autotune.py --profile): its own key (its sources and
+    libtriton hashed) and the modules its native specializer imports at the first launch (3.6: gluon's hopper
+    TensorDescriptor). hashlib and file reads release the GIL; a launch
     that comes first waits for the key being computed instead of hashing it a second time (:func:`_one_key`). A
     failure here is left for the launch path to meet and report."""
     import importlib

@@ -86,7 +86,7 @@ def _ptxas_version() -> str:
 def _torch_version() -> str:
     import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.shipping.nodestamp)
 
-    try:  # the installed distribution's version: no 2 s `import torch` in a pre-launch job
+    try:  # the installed distribution's version: no `import torch` in a pre-launch job
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         return UNKNOWN

@@ -33,7 +33,7 @@ cache lookup missed is logged before it builds (sglang's nvcc, FlashInfer's ninj
 ``"event": "jit"`` line, counted (``prewarm_guard_jit_builds_total``) and refused in error mode
 (:class:`UncoveredJitBuild`).
 Installing the guard also starts, in a background thread, the one-time work Triton otherwise does at a process's first
-kernel launch, i.e. in the first request (its own key: 0.4 s of hashing libtriton on the H200; the modules its
+kernel launch, i.e. in the first request (its own key: hashing libtriton; the modules its
 specializer imports): :func:`prewarm.building.tritoncompat.start_process_warmup`. On triton-ascend, arming also checks the
 process's Ascend codegen env vars, which the key misses, against the installed bundles' build
 (:func:`prewarm.building.backends.npu.check_serving_env`: error mode refuses to serve). With PREWARM_GUARD_PLAN, arming also

@@ -606,7 +606,7 @@ def _write_receipt(cache: CacheDir, bundle: StoredBundle, source: str, seq: int,
 class _Flusher:
     """While staging goes on, write what it staged back to disk every quarter second, so that the flush before the
     renames finds little left: the data goes out while the cores parse and hash (every second left up to a second's
-    writes to that flush: 0.1 s more per install of 500 MB on a 2-core box). Started once the workers are forked."""
+    writes to that flush). Started once the workers are forked."""
 
     def __init__(self, path: Path | None, every: float = 0.25):
         self.path, self.every, self.stop, self.thread = path, every, threading.Event(), None

@@ -1,8 +1,8 @@
 """This node's fingerprint (``fingerprint.current()``), remembered in the cache dir and reused while nothing it is
-computed from has changed: a `prewarm install` with nothing to do must not pay ~1 s at every pod start for importing
+computed from has changed: a `prewarm install` with nothing to do must not pay, at every pod start, for importing
 Triton and hashing its sources (triton.key), running ptxas and nvidia-smi.
 
-What ``current()`` reads, and how the stamp sees each of them without importing Triton (~20 ms):
+What ``current()`` reads, and how the stamp sees each of them without importing Triton (stats and small reads):
 - the interpreter: sys.executable, sys.version, the machine (verbatim);
 - code: every file and dir under the triton package it imports, wherever sys.path finds it (its sources and
   libtriton: triton.key; the wheel's ptxas; triton-ascend's backend), prewarm's own fingerprint code, torch's and
