@@ -539,7 +539,8 @@ def test_a_receipt_from_before_stamps_is_read_and_replaced(toy_bundle, tmp_path)
 _NODE = """
 import sys
 from prewarm.errors import PrewarmError
-from prewarm.shipping.install import install, node_fingerprint
+from prewarm.shipping.install import install
+from prewarm.shipping.nodestamp import node_fingerprint
 try:
     if sys.argv[1] == "install":
         install(sys.argv[2], sys.argv[3], durable=False)

@@ -22,7 +22,7 @@ from prewarm.shipping import layouts
 from prewarm.shipping.bundle import INDEX, OBJECTS, Entry, Index, parse_index
 from prewarm.shipping.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, UnsafeBundleError
-from prewarm.shipping.install import jit_node_factors
+from prewarm.shipping.nodestamp import jit_node_factors
 from prewarm.shipping.signing import keygen
 
 from prewarm_helpers import run_cli, synthetic_cache

@@ -35,7 +35,8 @@ from ..building import workers as workers_
 from ..shipping.bundle import Entry, is_runtime_module, open_regular, read_bounded
 from ..shipping.cachedir import CacheDir, Receipt, latest_owners
 from ..errors import FingerprintMismatch, IntegrityError, SignatureError, UnverifiedEntries
-from ..shipping.install import default_cache_dir, kept_as_built, node_factors, node_fingerprint, read_bundle
+from ..shipping.install import default_cache_dir, kept_as_built, read_bundle
+from ..shipping.nodestamp import node_factors, node_fingerprint
 
 _OTHER = "other"  # a key dir no receipt names: counted, only its group files judged
 

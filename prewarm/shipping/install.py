@@ -179,39 +179,6 @@ class _StoreStream:
         self.f.close()
 
 
-def node_fingerprint(cache_dir: Path | None = None) -> dict[str, str]:
-    """This node's own factors: backend and arch detected here, never taken from a bundle (a CUDA node without a
-    visible device reports its arch unknown: not compared; an Ascend node that cannot tell its SoC is refused; a node
-    with another GPU or SoC is a mismatch). With ``cache_dir``: reused from its record while still true."""
-    return nodestamp.current(CacheDir(cache_dir).meta if cache_dir else None)[0]
-
-
-def node_factors(layout: layouts.Layout, meta_dir: Path | None) -> tuple[dict[str, str], dict | None]:
-    """(this node's own factors for a bundle of ``layout``, a record to remember them by in ``meta_dir`` or None):
-    what check_node and verify compare a bundle's fingerprint with, and what pack records where the dir's build
-    recorded none. Triton's reused from ``meta_dir``'s record while still true (``node_fingerprint``); a layout past
-    Triton's from its library (``jit_node_factors``)."""
-    if layout is layouts.TRITON:
-        return nodestamp.current(meta_dir)
-    return jit_node_factors(layout), None
-
-
-def jit_node_factors(layout: layouts.Layout) -> dict[str, str]:
-    """This node's factors for a bundle of a layout past Triton: what its library keys its cache on besides the
-    sources, as this node's library computes them (prewarm.jit: imported here, lazily, since prewarm.shipping.layouts sits
-    below every module that reads a cache dir), for this node's GPU. A node without a visible GPU states the rest
-    and its target as unknown (a device factor: not compared, as ``target.arch`` is not)."""
-    from ..node import fingerprint
-    from .. import jit
-
-    lib = jit.for_layout(layout.name)
-    arch = fingerprint.detect_arch("cuda")
-    if arch != fingerprint.UNKNOWN:
-        return lib.toolchain(arch)
-    factors = lib.toolchain("sm_90")  # any arch: only the target factor depends on it
-    return {**factors, lib.target_factor: fingerprint.UNKNOWN}
-
-
 def check_node(built: dict[str, str], node: dict[str, str], cache_dir: Path, allow_mismatch: bool,
                allow_missing: bool = False):
     """Compare the bundle's fingerprint (``built``) with this node's; refuse on blocking factors unless allowed:
@@ -444,7 +411,7 @@ def install(
     built = own.fingerprint if own else bundle.index.fingerprint
     res = InstallResult(cache_dir, bundle.digest, len(own.entries) if own else len(bundle.index.entries),
                         signed_by=bundle.signed_by)
-    node, record = node_factors(bundle.layout, cache.meta if cache.meta.is_dir() else None)
+    node, record = nodestamp.node_factors(bundle.layout, cache.meta if cache.meta.is_dir() else None)
     res.mismatches = check_node(built, node, cache_dir, allow_fingerprint_mismatch, allow_missing_factors)
     try:
         cache.meta.mkdir(parents=True, exist_ok=True)

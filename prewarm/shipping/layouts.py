@@ -14,7 +14,7 @@ triton (every Triton bundle keeps its bytes). Every part of a key matches its fo
 absolute path or an empty part, nor anything outside its entry dir. ``.prewarm`` (prewarm's own files in a cache dir,
 cachedir.py's) is no entry of any layout. Imports nothing of prewarm's but its errors (Triton's key forms, and the
 JIT libraries' layouts through the registry, where asked for): the format's reader (bundle.py) and the dir's owner
-(cachedir.py) both use it, so this node's factors for a layout are install's (``install.node_factors``), which may
+(cachedir.py) both use it, so this node's factors for a layout are nodestamp's (``nodestamp.node_factors``), which may
 import the libraries' code.
 """
 from __future__ import annotations

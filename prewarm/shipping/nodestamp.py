@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
+from .layouts import TRITON, Layout
 
 RECORD = "node.json"
 # Variables prewarm's fingerprint code (or a tool it runs) may read: never learnt as ignorable.
@@ -157,3 +158,38 @@ def _snapshot() -> dict:
             gpus.append((info.parent.name, None))
     return {"python": (sys.executable, sys.version, os.uname().machine), "env": env, "stats": stats,
             "devices": devices, "gpus": gpus}
+
+
+def node_fingerprint(cache_dir: Path | None = None) -> dict[str, str]:
+    """This node's own factors: backend and arch detected here, never taken from a bundle (a CUDA node without a
+    visible device reports its arch unknown: not compared; an Ascend node that cannot tell its SoC is refused; a node
+    with another GPU or SoC is a mismatch). With ``cache_dir``: reused from its record while still true."""
+    from .cachedir import CacheDir
+
+    return current(CacheDir(cache_dir).meta if cache_dir else None)[0]
+
+
+def node_factors(layout: Layout, meta_dir: Path | None) -> tuple[dict[str, str], dict | None]:
+    """(this node's own factors for a bundle of ``layout``, a record to remember them by in ``meta_dir`` or None):
+    what install's check_node and verify compare a bundle's fingerprint with, and what pack records where the dir's build
+    recorded none. Triton's reused from ``meta_dir``'s record while still true (``node_fingerprint``); a layout past
+    Triton's from its library (``jit_node_factors``)."""
+    if layout is TRITON:
+        return current(meta_dir)
+    return jit_node_factors(layout), None
+
+
+def jit_node_factors(layout: Layout) -> dict[str, str]:
+    """This node's factors for a bundle of a layout past Triton: what its library keys its cache on besides the
+    sources, as this node's library computes them (prewarm.jit: imported here, lazily, since prewarm.shipping.layouts sits
+    below every module that reads a cache dir), for this node's GPU. A node without a visible GPU states the rest
+    and its target as unknown (a device factor: not compared, as ``target.arch`` is not)."""
+    from ..node import fingerprint
+    from .. import jit
+
+    lib = jit.for_layout(layout.name)
+    arch = fingerprint.detect_arch("cuda")
+    if arch != fingerprint.UNKNOWN:
+        return lib.toolchain(arch)
+    factors = lib.toolchain("sm_90")  # any arch: only the target factor depends on it
+    return {**factors, lib.target_factor: fingerprint.UNKNOWN}

@@ -17,7 +17,7 @@ from ..building import workers as workers_
 from .bundle import INDEX, OBJECTS, SIGNATURE, Index, index_bytes, pack_entry, parse_index
 from .cachedir import CacheDir, syncfs, write_atomic
 from ..errors import EnvironmentProblem, IntegrityError
-from .install import node_factors
+from .nodestamp import node_factors
 
 
 @dataclass
