@@ -41,7 +41,9 @@ _READ_PREFIXES = ("TRITON_", "ASCEND_", "CUDA_", "NVIDIA_", "NPU_", "CANN_", "TO
 _READ = {"PATH", "HOME", "CC", "CXX", "VIRTUAL_ENV", "CONDA_PREFIX"}
 _DISTS = re.compile(r"(\w*triton\w*|torch|torch_npu)-[^-]+\.(?:dist|egg)-info", re.IGNORECASE)
 _DEVICES = re.compile(r"nvidia(?:\d+|ctl|-uvm)|davinci(?:\d+|_manager)")
-_FINGERPRINT_CODE = ("fingerprint.py", "tritoncompat.py", "nodestamp.py")
+_PREWARM = Path(__file__).resolve().parents[1]
+# prewarm's own code the factors come from (under prewarm/): a module, or a package's modules
+_FINGERPRINT_CODE = ("node/fingerprint.py", "building/tritoncompat", "shipping/nodestamp.py")
 _ASCEND_HOMES = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
 
 
@@ -124,7 +126,8 @@ def _package_dir(name: str) -> str | None:
 
 def _snapshot() -> dict:
     env = dict(os.environ)
-    stats: list = [_stat(Path(__file__).with_name(n)) for n in _FINGERPRINT_CODE]
+    stats: list = [_stat(p) for rel in _FINGERPRINT_CODE
+                   for p in (sorted((_PREWARM / rel).glob("*.py")) if (_PREWARM / rel).is_dir() else [_PREWARM / rel])]
     if triton := _package_dir("triton"):
         _tree(triton, stats)
     for name in ("torch", "torch_npu"):
