@@ -21,7 +21,7 @@ from typing import Any
 from ..building import tritoncompat
 from ..shipping.cachedir import CacheDir
 from ..errors import ManifestError
-from ..planning.plan import Compile, load_record, resolve
+from ..planning.plan import Compile, load_record, parse_compile_data
 from ..building.tritoncompat import Arg, Specialization
 
 UNSET = "unset"
@@ -181,17 +181,6 @@ def compare(runtime: Specialization, planned: Specialization, runtime_env: Mappi
 # --- explaining ------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
-def _parse(data: str, kernel_ref: str | None = None) -> Specialization:
-    names = None
-    if kernel_ref and '"constants"' in data:  # 3.2: the parameter order lives on the kernel
-        try:
-            names = tritoncompat.jit_function(resolve(kernel_ref)).arg_names
-        except (ImportError, AttributeError, TypeError):
-            names = None
-    return tritoncompat.parse_specialization(data, names)
-
-
 def _nearest(runtime: Specialization, candidates: Iterable[tuple[Any, Specialization, Mapping | None]],
              runtime_env: Mapping | None) -> tuple[Any, list[Difference]]:
     best, best_diffs = None, []
@@ -211,8 +200,8 @@ def explain(runtime: str, planned: Iterable[Compile], *, kernel: str | None = No
     """The planned compile nearest to the request ``runtime`` (specialization data of either triton version) and
     what differs. ``kernel``: its "module:qualname" where known (orders triton 3.2's parameters); the env vars of
     Triton's key are compared only when both sides' are given."""
-    spec = _parse(runtime, kernel)
-    candidates = ((c, _parse(c.specialization, c.kernel), planned_env) for c in planned)
+    spec = parse_compile_data(runtime, kernel)
+    candidates = ((c, c.parsed, planned_env) for c in planned)
     nearest, diffs = _nearest(spec, candidates, runtime_env)
     return Explanation(runtime, spec.name, nearest, tuple(diffs) if nearest is not None else ())
 
@@ -237,7 +226,7 @@ def explain_key_dir(path: str | os.PathLike, planned: Iterable[Compile],
     key = Path(path).name
     if key in planned_keys:
         return Explanation(str(path), spec.name, planned_keys[key], ())
-    candidates = ((c, _parse(c.specialization, c.kernel), tritoncompat.cache_invalidating_env_vars()) for c in planned)
+    candidates = ((c, c.parsed, tritoncompat.cache_invalidating_env_vars()) for c in planned)
     nearest, diffs = _nearest(spec, candidates, spec.context.get("env"))
     if nearest is not None and not diffs:
         diffs = [_unrecorded(next((k for k, c in planned_keys.items() if c is nearest), "?"), key)]
@@ -252,7 +241,7 @@ def explain_miss(c: Compile, cache_dir: str | os.PathLike, key: str,
     """Why a planned compile (looked up under ``key``) would miss in ``cache_dir``: the cache's nearest entry of that
     kernel and what differs (this process's env vars against those the entry was compiled under, too). No entry of
     the kernel: nearest None. ``sides`` names the two sides in the text (the guard: the cache and this process)."""
-    spec = _parse(c.specialization, c.kernel)
+    spec = c.parsed
     entries = ((CacheEntry(k, f"{s.function} in {k}", s.name), s, s.context.get("env"))
                for k, s in _cache_entries(os.path.realpath(cache_dir)))
     nearest, diffs = _nearest(spec, entries, tritoncompat.cache_invalidating_env_vars())

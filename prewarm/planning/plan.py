@@ -88,9 +88,26 @@ class Compile:
     specialization: str
     closing: str = ""  # what closing changed in the recorded request ("T=1 n other"); "": Triton's own compile
 
+    @functools.cached_property
+    def parsed(self) -> tritoncompat.Specialization:
+        """This compile's specialization data, parsed once (what explain compares and labels read)."""
+        return parse_compile_data(self.specialization, self.kernel)
+
     def to_json(self) -> dict:
         return {"request": self.request, "kernel": self.kernel, "label": self.label,
                 "specialization_data": self.specialization, "closing": self.closing}  # fmt: skip
+
+
+def parse_compile_data(data: str, kernel: str | None = None) -> tritoncompat.Specialization:
+    """Specialization data of either Triton layout parsed; ``kernel`` ("module:qualname", where known): triton 3.2's
+    data keys constexprs by name, their order is the kernel's, read from it where it can be imported."""
+    names = None
+    if kernel and '"constants"' in data:
+        try:
+            names = tritoncompat.jit_function(resolve(kernel)).arg_names
+        except (ImportError, AttributeError, TypeError):
+            names = None
+    return tritoncompat.parse_specialization(data, names)
 
 
 @dataclass
