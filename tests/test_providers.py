@@ -123,3 +123,33 @@ def test_a_fourth_server_is_one_module_and_one_registry_row(registry, tmp_path):
     assert "tensor_parallel = 4" in gen.toml() and "# --shards 4" in gen.toml()
     with pytest.raises(ManifestError, match=r"--kernels: required with --server toyserve"):
         generate(KIMI_LINEAR, "toyserve", None, "cuda:sm_90", [])
+
+
+def test_verify_server_refuses_a_jit_dir_of_a_library_the_server_never_builds(registry, tmp_path):
+    """`verify --server S --jit-dir LAYOUT=DIR` checks where S's processes read that library's modules: a server
+    whose processes reach no such library (its Server.jit_libraries) is told so, before any probe runs."""
+    from prewarm.errors import EnvironmentProblem
+    from prewarm.node.serverenv import server_cache_dirs, server_imports
+
+    (tmp_path / "plainserve.py").write_text(textwrap.dedent("""
+        from prewarm.providers.contract import Server
+
+        class PlainServe(Server):
+            name = "plainserve"
+            version = "plainserve 1.0"
+            imports = "json"
+
+            def add_flags(self, parser):
+                pass
+
+            def parallel(self, args, argv):
+                return {}
+
+            def serving(self, args, argv, profile, arch):
+                return {}, None, []
+    """))
+    registry["plainserve"] = "plainserve:PlainServe"
+    assert server_imports()["plainserve"] == "json"
+    with pytest.raises(EnvironmentProblem, match=r"--server plainserve: a plainserve process builds no sglang "
+                                                 r"modules \(it reaches no JIT library\)"):
+        server_cache_dirs("plainserve", tmp_path / "cache", jit_installed={"sglang": str(tmp_path / "jit")})
