@@ -134,7 +134,7 @@ def test_without_a_c_compiler_prewarm_builds_and_installs_through_the_python_rea
                               env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout  # not the checkout in cwd
 
     assert prewarm("-c", "import prewarm.shipping.bundle as b; print(b.__file__, b._fastunpack)").split() == [
-        str(site / "prewarm" / "bundle.py"), "None"]
+        str(site / "prewarm" / "shipping" / "bundle.py"), "None"]
     out = json.loads(prewarm("-m", "prewarm.cli", "install", str(toy_bundle), "--cache-dir", str(tmp_path / "node"),
                              "--json"))
     assert out["installed"] == 5

@@ -88,7 +88,7 @@ def test_push_to_two_repos_install_verify_and_oras_pull_gets_the_bundle(signed_b
     assert sorted(layer["mediaType"] for layer in doc["layers"]) == sorted(
         [OBJECT_MEDIA_TYPE] * n + [INDEX_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE])
     assert doc["annotations"]["dev.prewarm.entries"] == str(n)
-    assert "triton.version=" in doc["annotations"]["dev.prewarm.node.fingerprint"]
+    assert "triton.version=" in doc["annotations"]["dev.prewarm.fingerprint"]
     assert manifest_of(registry, "team.b/kimi:v1")[2] == digest  # same bundle, same manifest, any repository
 
     # oras's own client pulls exactly the bundle directory, which installs like any bundle dir

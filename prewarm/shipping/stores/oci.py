@@ -55,10 +55,10 @@ from ..bundle import INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, parse_index, re
 from ...errors import IntegrityError, StoreError
 from .base import Store
 
-ARTIFACT_TYPE = "application/vnd.prewarm.shipping.bundle.v1"
-INDEX_MEDIA_TYPE = "application/vnd.prewarm.shipping.bundle.index.v1+json"
-OBJECT_MEDIA_TYPE = "application/vnd.prewarm.shipping.bundle.object.v1.tar+zstd"
-SIGNATURE_MEDIA_TYPE = "application/vnd.prewarm.shipping.bundle.signature.v1.ed25519"
+ARTIFACT_TYPE = "application/vnd.prewarm.bundle.v1"
+INDEX_MEDIA_TYPE = "application/vnd.prewarm.bundle.index.v1+json"
+OBJECT_MEDIA_TYPE = "application/vnd.prewarm.bundle.object.v1.tar+zstd"
+SIGNATURE_MEDIA_TYPE = "application/vnd.prewarm.bundle.signature.v1.ed25519"
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
 TITLE = "org.opencontainers.image.title"
 ANNOTATION = "dev.prewarm"  # prefix of our own manifest annotations
