@@ -225,7 +225,7 @@ def main() -> None:
         aenv = user_env(avenv, user / "home")
         sh([str(avenv / "bin" / "pip"), "install", "-q", "--no-cache-dir", str(sdist)], cwd=user, env=aenv)
         # prewarm_kernels' modules need a device driver to import under triton-ascend: the plans import what they use
-        check_imports(avenv, asite, ["prewarm.cli", "prewarm.plan"], user, aenv)
+        check_imports(avenv, asite, ["prewarm.cli", "prewarm.planning.plan"], user, aenv)
         say(f"Ascend ({sdist.name} into Python 3.11): plan "
               f"{' '.join(plan_all(manifests['npu'], user, aenv))}")
     say("passed")

@@ -42,8 +42,8 @@ for _path in (TESTS, REPO):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from prewarm.bundle import INDEX, parse_index  # noqa: E402
-from prewarm.cachedir import write_atomic  # noqa: E402
+from prewarm.shipping.bundle import INDEX, parse_index  # noqa: E402
+from prewarm.shipping.cachedir import write_atomic  # noqa: E402
 
 
 def import_kernels() -> None:
@@ -324,7 +324,7 @@ def result_header(manifest: Path) -> dict:
 
 def load_spec(manifest: Path) -> dict:
     """The spec a provider receives: the envelope the traffic generator draws calls within."""
-    from prewarm.manifest import load
+    from prewarm.planning.manifest import load
 
     return load(manifest).spec()
 
@@ -393,7 +393,7 @@ class Probes:
     def wrap_launch(self, sync) -> None:
         """Time every launch through ``prewarm_kernels.launch.launch``; must run before kernel modules import it."""
         import prewarm_kernels.launch as lm
-        from prewarm.tritoncompat import jit_function
+        from prewarm.building.tritoncompat import jit_function
 
         if any(m.startswith("prewarm_kernels.") and m != "prewarm_kernels.launch" for m in sys.modules):
             raise RuntimeError("wrap_launch must run before any kernel module is imported")

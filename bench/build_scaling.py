@@ -6,7 +6,7 @@
 
 Each run is a fresh process that plans and expands the manifest (every autotune config is a compile), takes the
 same --max-compiles of them (evenly spread: every kernel is represented) and times one
-``prewarm.build.compile_into`` over them into a fresh empty cache dir: the real JIT path with a target-only driver (no
+``prewarm.building.build.compile_into`` over them into a fresh empty cache dir: the real JIT path with a target-only driver (no
 GPU used, even on a GPU machine). The time includes starting the pool, a forkserver's preload too (what a user waits
 for). Workers fork from the preloaded forkserver, as `prewarm build` does (--workers); then, as the before-picture,
 they are spawned (--spawn-workers). Each speedup is against the 1-worker run of the same start method in the same
@@ -75,10 +75,10 @@ def main() -> int:
 
 def one_run(args) -> int:
     """In a fresh process (so a forkserver's start is inside the time): plan, then time one pool over the compiles."""
-    from prewarm.build import CompileResult, compile_into, start_workers
-    from prewarm.manifest import load
-    from prewarm.plan import expand_all, plan
-    from prewarm.backends import CudaOfflineTarget
+    from prewarm.building.build import CompileResult, compile_into, start_workers
+    from prewarm.planning.manifest import load
+    from prewarm.planning.plan import expand_all, plan
+    from prewarm.building.backends import CudaOfflineTarget
 
     method, n, result = args.child.split(":", 2)
     start_workers(method)  # where `prewarm build` starts it: before planning

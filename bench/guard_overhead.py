@@ -45,7 +45,7 @@ def child(args) -> None:
     compiles: list[bool] = []
     knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: compiles.append(cache_hit)
     if args.device == "cpu":
-        from prewarm.backends import CudaOfflineTarget
+        from prewarm.building.backends import CudaOfflineTarget
 
         CudaOfflineTarget("cuda", "sm_90").activate()
 
@@ -62,7 +62,7 @@ def child(args) -> None:
 
         sync = torch.cuda.synchronize
         sync()
-    import prewarm.guard as guard
+    import prewarm.node.guard as guard
 
     guarded = guard._guard is not None and guard._guard.armed
     variants = [(getattr(torch, d), b) for d in DTYPES for b in BLOCKS]

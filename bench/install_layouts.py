@@ -33,9 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench._common import child_env  # noqa: E402
-from prewarm import nodestamp  # noqa: E402
-from prewarm.cachedir import CacheDir  # noqa: E402
-from prewarm.install import read_bundle  # noqa: E402
+from prewarm.shipping import nodestamp  # noqa: E402
+from prewarm.shipping.cachedir import CacheDir  # noqa: E402
+from prewarm.shipping.install import read_bundle  # noqa: E402
 
 MANIFEST = REPO / "bench" / "jit-h200.toml"
 

@@ -13,7 +13,7 @@ fresh processes started at once on that dir, then ``--sequential`` more one afte
 TRITON_CACHE_AUTOTUNING=1 under `prewarm guard` (warn mode), as deploy/prelaunch.sh starts a server.
 
 Counted in each process, for real: compiles (Triton's compilation listener, ``cache_hit=False``), autotune
-benchmark runs (Triton's own benchmarking, hooked through ``prewarm.tritoncompat.watch_autotune_benchmarks``: one
+benchmark runs (Triton's own benchmarking, hooked through ``prewarm.building.tritoncompat.watch_autotune_benchmarks``: one
 per call that starts timing configs) and the first step's wall time: the first ``--calls`` calls, run and
 synchronized, once torch, the CUDA context, triton and the kernel library are up. Importing the library (and making
 the traffic generator) is timed apart as ``import_s``: a server pays it at start, before it reports ready, and the
@@ -46,7 +46,7 @@ FLA_PROVIDER = "prewarm.providers.fla.kda"
 
 
 def uses_fla(manifest: Path) -> bool:
-    from prewarm.manifest import load
+    from prewarm.planning.manifest import load
 
     return any(k.ref == FLA_PROVIDER for k in load(manifest).kernels if k.kind == "provider")
 
@@ -56,7 +56,7 @@ def uses_fla(manifest: Path) -> bool:
 
 def measure(args) -> dict:
     torch = init_device()
-    from prewarm import tritoncompat
+    from prewarm.building import tritoncompat
 
     probes = Probes()
     benchmarked: list[str] = []

@@ -13,7 +13,7 @@ On the GPU node:
 3. a record-only manifest of the recording (no ``[target] device``: it takes the recorded device) is planned in a
    fresh ``prewarm plan --compiles --json`` process per ``--mode`` (device: as ``verify --plan`` runs on the node;
    offline: as a build box plans): every recorded key must be reproduced, and each one that is not is listed with
-   the parts that differ (``prewarm.keys``: a global the kernel reads, an option, an env var, ptxas, a line).
+   the parts that differ (``prewarm.building.keys``: a global the kernel reads, an option, an env var, ptxas, a line).
 The recording is kept beside ``--out`` (``.jsonl``); ``--plan-only`` runs step 3 on it elsewhere (the CPU box).
 Writes ``{"recorded", "server_keys_match", "device", "plan": {MODE: {"exit_code", "compiles", "drifted",
 "parts", "key_drift"}}}``; exits 1 where the server's keys were not recorded or a mode reproduced fewer than all.
@@ -87,7 +87,7 @@ def main() -> int:
     args = p.parse_args()
     if args.child:
         return child_main(child, args)
-    from prewarm.record import read
+    from prewarm.planning.record import read
 
     work = fresh_dir(Path(args.work_dir) / "sglang-record-check")
     out = {**result_header(Path(args.manifest)), "seed": args.seed, "calls": args.calls}

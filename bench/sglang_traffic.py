@@ -100,9 +100,9 @@ def child(args) -> dict:
 
 def _jit_builds() -> dict:
     """The guard's count of builds past Triton in this process (its metrics file), where it guards it."""
-    from prewarm.metrics import JIT_BUILDS, TEXTFILE, read
+    from prewarm.node.metrics import JIT_BUILDS, TEXTFILE, read
 
-    from prewarm import guard
+    from prewarm.node import guard
 
     if not os.environ.get(TEXTFILE):
         return {}
@@ -217,9 +217,9 @@ def _install_jit(bundles: dict[str, str], node: Path, work: Path, env: dict, ins
     import shutil
 
     from prewarm import jit
-    from prewarm.guard import MODE
-    from prewarm.metrics import TEXTFILE
-    from prewarm.record import hooked_pythonpath
+    from prewarm.node.guard import MODE
+    from prewarm.node.metrics import TEXTFILE
+    from prewarm.planning.record import hooked_pythonpath
 
     site = hooked_pythonpath().split(os.pathsep)[0]  # prewarm guard's sitecustomize, as `prewarm guard --` puts it
     added = {MODE: "warn", TEXTFILE: str(node) + ".prom", "PYTHONPATH": os.pathsep.join((site, env["PYTHONPATH"]))}

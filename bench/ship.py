@@ -138,13 +138,13 @@ def sha256_tree(root: Path) -> int:
 # share the parent's pages, and the tools the fingerprint runs).
 _STEP = """
 import json, resource, sys, time
-from prewarm import fingerprint
-from prewarm.install import install
-from prewarm.verify import verify
+from prewarm.node import fingerprint
+from prewarm.shipping.install import install
+from prewarm.node.verify import verify
 step, bundle, node = sys.argv[1:4]
 if step == "install-python":  # as where prewarm was installed without a C compiler
-    import prewarm.bundle
-    prewarm.bundle._fastunpack = None
+    import prewarm.shipping.bundle
+    prewarm.shipping.bundle._fastunpack = None
 fingerprint.current()
 before = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 t0 = time.perf_counter()
@@ -201,10 +201,10 @@ def main() -> None:
     entries = args.entries or (200 if args.small else 2000)
     scale = args.scale or (0.01 if entries > 10_000 else 1.0)
 
-    from prewarm import fingerprint
-    from prewarm.cachedir import syncfs
-    from prewarm.install import install
-    from prewarm.pack import pack
+    from prewarm.node import fingerprint
+    from prewarm.shipping.cachedir import syncfs
+    from prewarm.shipping.install import install
+    from prewarm.shipping.pack import pack
 
     cores = len(os.sched_getaffinity(0))
     work = Path(tempfile.mkdtemp(prefix="prewarm-ship-", dir=args.workdir))

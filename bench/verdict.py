@@ -2,12 +2,12 @@
 
     python3 bench/verdict.py --bundle BUNDLE --manifest MANIFEST [--out JSON]
 
-Installs BUNDLE into a fresh node dir, then runs ``prewarm.willhit.check`` on it twice, each in a fresh process:
+Installs BUNDLE into a fresh node dir, then runs ``prewarm.node.willhit.check`` on it twice, each in a fresh process:
 ``--mode device`` (the node's real driver, as the pre-launch job's verify runs there) and ``--mode offline`` (the
 target-only driver a build box uses). Both must compute the same key for every planned compile and give the same
 hit / miss. Writes ``{"same", "device": {...}, "offline": {...}, "differences": [...]}``; exits 1 when they differ.
 Found on the H200 (2026-12-01): a fresh process's device-mode check named the cuda_utils key for kernels and
-computed other keys for sglang's inter_solve kernel than the server does (``prewarm.backends.cuda.start_driver``).
+computed other keys for sglang's inter_solve kernel than the server does (``prewarm.building.backends.cuda.start_driver``).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from _common import (  # noqa: E402
 
 
 def child(args) -> dict:
-    from prewarm.willhit import check
+    from prewarm.node.willhit import check
 
     report = check(args.manifest, args.cache_dir, args.mode)
     return {"mode": args.mode, "target": report.target, "hits": report.hits, "misses": report.misses,

@@ -66,8 +66,8 @@ def child(args) -> dict:
 
 def _jit_builds() -> dict:
     """The guard's count of builds past Triton in this process (its metrics file)."""
-    from prewarm import guard
-    from prewarm.metrics import JIT_BUILDS, TEXTFILE, read
+    from prewarm.node import guard
+    from prewarm.node.metrics import JIT_BUILDS, TEXTFILE, read
 
     if not os.environ.get(TEXTFILE):
         return {"guarded": guard.armed()}
@@ -109,9 +109,9 @@ def main() -> int:
     bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
 
     def node_env(node: Path) -> dict:
-        from prewarm.guard import MODE
-        from prewarm.metrics import TEXTFILE
-        from prewarm.record import hooked_pythonpath
+        from prewarm.node.guard import MODE
+        from prewarm.node.metrics import TEXTFILE
+        from prewarm.planning.record import hooked_pythonpath
 
         env = traffic_env(work, node, vllm_path)
         env.pop("VLLM_TRITON_FORCE_FIRST_CONFIG", None)  # vLLM's default: its autotuners benchmark

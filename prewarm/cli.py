@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
-from .errors import CacheDirMismatch, PrewarmError, StoreError, WillFailError, WillMissError
+from .errors import PrewarmError, StoreError, WillFailError, WillMissError
 
 # Piped into a job's log, rich would wrap every line at 80 columns, splitting the error and result lines operators
 # grep for: there, a message stays one line and a table as wide as its cells (COLUMNS, when set, still wins).
@@ -64,10 +64,10 @@ def progress_bar(args):
 def cmd_plan(args) -> int:
     from rich.table import Table
 
-    from .autotune import autotuned_kernels
-    from .backends import npu
-    from .manifest import load
-    from .plan import Plan
+    from .building.autotune import autotuned_kernels
+    from .building.backends import npu
+    from .planning.manifest import load
+    from .planning.plan import Plan
 
     m = load(args.manifest)
     with npu.prints_to_stderr():  # triton-ascend prints advice to stdout at every bind
@@ -141,9 +141,9 @@ def _plans(m, args) -> list:
     """(Planned, why not expanded) for each target `plan` expands the manifest under (backends.plan_targets: every
     SoC of an npu manifest, no node needed). Without --compiles, a target that cannot be activated here (an npu
     manifest outside triton-ascend) still lists its requests, with why its compiles are not counted."""
-    from . import backends
+    from .building import backends
     from .errors import EnvironmentProblem
-    from .plan import Planned, plan, plan_for
+    from .planning.plan import Planned, plan, plan_for
 
     out = []
     for manifest, target in backends.plan_targets(m, args.mode):
@@ -185,7 +185,7 @@ def _print_options(m) -> None:
     """Every API axis a provider plans on fewer values than its library accepts, and who narrowed it; every
     parameter it does not plan, and why; every server geometry value it planned with (a row's ``derived``: what the
     value is and how to read it off a live server)."""
-    from .plan import provider_options
+    from .planning.plan import provider_options
 
     for source, rows in provider_options(m).items():
         for r in (r for r in rows if r.get("derived")):
@@ -204,8 +204,8 @@ def _print_options(m) -> None:
 def _table_coverage(m, requests, args):
     """The plan's tuning keys against the manifest's autotune table (or --tuned), nothing written; None: no table.
     The target must be active."""
-    from . import autotune
-    from .plan import manifest_device_name
+    from .building import autotune
+    from .planning.plan import manifest_device_name
 
     table = autotune.table_path(m, args.tuned)
     if table is None:
@@ -242,13 +242,13 @@ def _print_pins(tuned, pins) -> None:
 
 def _print_compiles(plans, args) -> int:
     """The plan expanded into Triton's own compile requests for the manifest's target (one per autotune config),
-    and every recorded request whose key this host does not reproduce (prewarm.keys; exit 8)."""
+    and every recorded request whose key this host does not reproduce (prewarm.building.keys; exit 8)."""
     from rich.table import Table
 
-    from . import keys
-    from .backends import npu
+    from .building import keys
+    from .building.backends import npu
     from .errors import FingerprintMismatch
-    from .plan import Plan
+    from .planning.plan import Plan
 
     with npu.prints_to_stderr():
         drifts = [keys.check(planned.requests, planned.compiles) for planned, _ in plans]
@@ -284,7 +284,7 @@ def _print_compiles(plans, args) -> int:
 def cmd_build(args) -> int:
     from rich.table import Table
 
-    from .build import build
+    from .building.build import build
     from .errors import BuildError
 
     with progress_bar(args) as bar:
@@ -341,7 +341,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .tune import tune
+    from .building.tune import tune
 
     r = tune(args.manifest, args.output, workers=args.workers, work_dir=args.work_dir, cache_dir=args.cache_dir)
     if args.json:
@@ -359,7 +359,7 @@ def cmd_tune(args) -> int:
 
 
 def cmd_record(args) -> int:
-    from .record import record
+    from .planning.record import record
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     r = record(args.output, command)
@@ -372,7 +372,7 @@ def cmd_record(args) -> int:
 
 
 def cmd_pack(args) -> int:
-    from .pack import pack
+    from .shipping.pack import pack
 
     r = pack(args.cache_dir, args.output, signing_key=args.sign)
     if args.json:
@@ -393,7 +393,7 @@ def cmd_pack(args) -> int:
 def cmd_push(args) -> int:
     from rich.table import Table
 
-    from .stores import push
+    from .shipping.stores import push
 
     with progress_bar(args) as bar:
         tasks = {}  # one bar per target; progress() is called from the push threads, rich's Progress is thread-safe
@@ -421,8 +421,8 @@ def cmd_push(args) -> int:
 
 
 def cmd_install(args) -> int:
-    from .install import install
-    from .layouts import NoNodeDir
+    from .shipping.install import install
+    from .shipping.layouts import NoNodeDir
 
     with progress_bar(args) as bar:
         task = bar.add_task("install (fetch, check, stage)", total=None)
@@ -453,45 +453,26 @@ def cmd_install(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .verify import judge_plan, verify
+    from .node.verdict import judge
 
-    r = verify(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust, require_signature=args.require_signature,
-               allow_unverified=args.allow_unverified, check_fingerprint=not args.no_fingerprint)
-    hit = None
-    if args.plan:
-        from .willhit import check
-
-        hit = check(args.plan, r.cache_dir, jit_dirs=dict(args.jit_dir))
-        judge_plan(r, hit)
-    dirs = None
-    if args.server:
-        from .serverenv import server_cache_dirs
-
-        from .jit import for_layout
-
-        dirs = server_cache_dirs(args.server, r.cache_dir,
-                                 jit_installed={for_layout(layout).name: d for layout, d in args.jit_dir})
-    missed = hit is not None and (not hit.ok or (args.require_autotune and any(not a.present for a in hit.autotune))
-                                  or any(a.unread for a in hit.autotune)
-                                  or (args.require_launchers and any(not m.present for m in hit.modules)))
-    will_fail = hit.will_fail if hit is not None else []
-    code = r.exit_code or (CacheDirMismatch.exit_code if dirs is not None and not dirs.ok else 0) or (
-        WillMissError.exit_code if missed else WillFailError.exit_code if will_fail else 0)
+    v = judge(args.cache_dir, bundle=args.bundle, trusted_keys=args.trust, require_signature=args.require_signature,
+              allow_unverified=args.allow_unverified, check_fingerprint=not args.no_fingerprint, plan=args.plan,
+              jit_dirs=dict(args.jit_dir), server=args.server, require_autotune=args.require_autotune,
+              require_launchers=args.require_launchers)
     if args.json:
-        emit_json({**r.to_json(), "will_hit": hit.to_json() if hit is not None else None, "exit_code": code,
-                   "ok": code == 0, "server_cache_dirs": _server_dirs_json(dirs)})
-        return code
-    (_print_verify_tables if args.details else _print_verify_summary)(r, hit, args)
-    _print_server_dirs(dirs)
-    absent = sum(not a.present for a in hit.autotune) if hit is not None else 0
-    note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and not code else ""
-    out.print(("[green]clean[/]" if code == 0 else f"[red]problems found[/] (exit {code})") + note)
-    return code
+        emit_json(v.to_json())
+        return v.exit_code
+    (_print_verify_tables if args.details else _print_verify_summary)(v.report, v.will_hit, args)
+    _print_server_dirs(v.server_dirs)
+    absent = v.autotune_absent
+    note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and v.ok else ""
+    out.print(("[green]clean[/]" if v.ok else f"[red]problems found[/] (exit {v.exit_code})") + note)
+    return v.exit_code
 
 
 def _layout_dir(pair: str) -> tuple[str, str]:
     """``--jit-dir LAYOUT=DIR`` -> (layout, dir); argparse's usage error otherwise."""
-    from .layouts import known
+    from .shipping.layouts import known
 
     layout, sep, where = pair.partition("=")
     if not sep or layout not in known() or layout == "triton" or not where:
@@ -500,15 +481,9 @@ def _layout_dir(pair: str) -> tuple[str, str]:
     return layout, where
 
 
-def _server_dirs_json(dirs) -> dict | None:
-    from dataclasses import asdict
-
-    return None if dirs is None else {**asdict(dirs), "ok": dirs.ok, "problem": None if dirs.ok else dirs.problem()}
-
-
 def _print_server_dirs(dirs) -> None:
     """`verify --server`: where a server process would read Triton's cache; the variable to set when not here."""
-    from .serverenv import VARIABLE
+    from .node.serverenv import VARIABLE
 
     if dirs is None:
         return
@@ -709,8 +684,8 @@ def _print_verify_tables(r, hit, args) -> None:
 def cmd_ls(args) -> int:
     from rich.table import Table
 
-    from .install import default_cache_dir
-    from .scan import scan
+    from .shipping.install import default_cache_dir
+    from .shipping.scan import scan
 
     r = scan(args.cache_dir or default_cache_dir())
     if args.json:
@@ -737,11 +712,11 @@ def cmd_ls(args) -> int:
 def cmd_explain(args) -> int:
     import os
 
-    from . import backends
-    from .explain import explain_path
-    from .manifest import load
-    from .plan import plan_for
-    from .probe import planned_keys
+    from .building import backends
+    from .node.explain import explain_path
+    from .planning.manifest import load
+    from .planning.plan import plan_for
+    from .building.probe import planned_keys
 
     planned = plan_for(*backends.select(load(args.plan), args.mode))
     keys = planned_keys(planned.compiles) if os.path.isdir(args.source) else {}
@@ -767,12 +742,12 @@ def cmd_explain(args) -> int:
 
 
 def cmd_guard(args) -> int:
-    """Replace this process with the command, its Python processes guarded (see prewarm.guard)."""
+    """Replace this process with the command, its Python processes guarded (see prewarm.node.guard)."""
     import os
 
-    from . import guard, metrics
+    from .node import guard, metrics
     from .errors import EnvironmentProblem, ManifestError
-    from .record import hooked_pythonpath
+    from .planning.record import hooked_pythonpath
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -792,7 +767,7 @@ def cmd_guard(args) -> int:
 
 
 def cmd_keygen(args) -> int:
-    from .signing import keygen
+    from .shipping.signing import keygen
 
     priv, pub, kid = keygen(args.output, force=args.force)
     if args.json:
@@ -806,7 +781,7 @@ def cmd_keygen(args) -> int:
 def cmd_fingerprint(args) -> int:
     from rich.table import Table
 
-    from .fingerprint import current
+    from .node.fingerprint import current
 
     fp = current(args.backend, args.arch)
     if args.json:
@@ -824,7 +799,7 @@ def cmd_fingerprint(args) -> int:
 def cmd_manifest(args) -> int:
     from rich.table import Table
 
-    from .manifestgen import generate, write
+    from .planning.manifestgen import generate, write
 
     gen = generate(args.model, args.server, args.kernels, args.target, args.server_args, name=args.name)
     path = write(gen, args.output) if args.output else None
@@ -853,8 +828,8 @@ def cmd_lower(args) -> int:
     from rich.table import Table
 
     from .errors import BuildError
-    from .lower import STAGES, lower
-    from .manifest import load
+    from .building.lower import STAGES, lower
+    from .planning.manifest import load
 
     r = lower(load(args.manifest))
     if args.json:  # one document: the report says what failed; the exit code says that something did
@@ -919,9 +894,9 @@ class _ArgsAfterDashes(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .manifestgen import kernel_choices
+    from .planning.manifestgen import kernel_choices
     from .providers import servers
-    from .serverenv import server_imports
+    from .node.serverenv import server_imports
 
     p = argparse.ArgumentParser(prog="prewarm", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"prewarm {__version__}")
@@ -1046,7 +1021,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--record", metavar="FILE", help="append uncovered requests here (default: $PREWARM_GUARD_RECORD)")
     sp.add_argument("--plan", metavar="MANIFEST", help="explain against this plan (default: $PREWARM_GUARD_PLAN)")
     sp.add_argument("--arm", choices=("import", "manual"),
-                    help="import (default): from the start; manual: from prewarm.guard.arm() in the server")
+                    help="import (default): from the start; manual: from prewarm.node.guard.arm() in the server")
     sp.add_argument("--metrics-textfile", metavar="FILE.prom",
                     help="Prometheus metrics for node-exporter's textfile collector "
                          "(default: $PREWARM_METRICS_TEXTFILE)")

@@ -322,7 +322,7 @@ class ProfileUtils:
 
 class OfflineDriver:
     """The smallest driver Triton's JIT needs to compile (no launch): a target, device 0, stream 0. Each backend
-    installs its own (prewarm.backends); :func:`activate` gives it a profile's ``utils``."""
+    installs its own (prewarm.building.backends); :func:`activate` gives it a profile's ``utils``."""
 
     def __init__(self, backend: str, arch: int | str, warp_size: int):
         from triton.backends.compiler import GPUTarget
@@ -352,7 +352,7 @@ def activate(profile: DeviceProfile) -> None:
     :func:`_answer_npu`) and the active target-only Triton driver's ``utils.get_device_properties`` answer as
     ``profile``. Idempotent; :func:`deactivate` undoes.
     Call only where a target-only driver is active (plan and build processes), never on a node."""
-    from .tritoncompat import chosen_driver
+    from .building.tritoncompat import chosen_driver
 
     current = chosen_driver()
     if not isinstance(current, OfflineDriver):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from prewarm.bundle import GROUP_PREFIX, absolute_group, relative_group
+from prewarm.shipping.bundle import GROUP_PREFIX, absolute_group, relative_group
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -113,7 +113,7 @@ def run_cli(*args: str, env: dict | None = None, check: int | None = 0) -> subpr
 
 
 def _install_in_child(source: str, cache: str, storage_options: dict | None, q) -> None:
-    from prewarm.install import install
+    from prewarm.shipping.install import install
 
     r = install(source, cache, storage_options=storage_options)
     q.put((r.installed, r.noop))
@@ -122,7 +122,7 @@ def _install_in_child(source: str, cache: str, storage_options: dict | None, q) 
 def concurrent_installs(source, cache: Path, n: int = 16, storage_options: dict | None = None) -> list[tuple]:
     """``n`` forked processes install ``source`` into one cache dir at once, as a node's ranks do; each must exit 0.
     Returns (entries installed, no-op) per process."""
-    from prewarm import fingerprint
+    from prewarm.node import fingerprint
 
     fingerprint.current()  # paid once in the parent; forked ranks inherit it
     ctx = multiprocessing.get_context("fork")
@@ -141,8 +141,8 @@ def concurrent_installs(source, cache: Path, n: int = 16, storage_options: dict 
 def shipped_table_statuses(manifest, requests) -> dict[str, list[str]]:
     """Each planned tuning key of ``manifest``'s requests against its shipped autotune table (``[target] tuned``),
     as a build applies it: label lists by status ("in table", "absent", "stale", "unknown")."""
-    from prewarm import autotune
-    from prewarm.plan import manifest_device_name
+    from prewarm.building import autotune
+    from prewarm.planning.plan import manifest_device_name
 
     report = autotune.apply_table(autotune.table_path(manifest), manifest_device_name(manifest, "tuned"),
                                   autotune.planned_tunings(requests), None)

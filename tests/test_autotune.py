@@ -1,4 +1,4 @@
-"""Autotune results as shipped data: a table measured once (prewarm.autotune), written by the offline build as
+"""Autotune results as shipped data: a table measured once (prewarm.building.autotune), written by the offline build as
 Triton's own result files under the keys Triton computes, read by a fresh process that then benchmarks nothing.
 
 No GPU here: the "device run" that fills the table is Triton's own Autotuner on real CPU tensors through a
@@ -20,14 +20,14 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm import backends  # noqa: E402
-from prewarm.autotune import (  # noqa: E402
+from prewarm.building import backends  # noqa: E402
+from prewarm.building.autotune import (  # noqa: E402
     Table, TunedRow, apply_table, measured, planned_tunings, read_table, write_table,
 )
-from prewarm.install import install  # noqa: E402
-from prewarm.manifest import load  # noqa: E402
-from prewarm.pack import pack  # noqa: E402
-from prewarm.plan import plan  # noqa: E402
+from prewarm.shipping.install import install  # noqa: E402
+from prewarm.planning.manifest import load  # noqa: E402
+from prewarm.shipping.pack import pack  # noqa: E402
+from prewarm.planning.plan import plan  # noqa: E402
 from prewarm_helpers import copy_cache  # noqa: E402
 
 MANIFEST = FIXTURES / "toy-tuned.toml"
@@ -186,7 +186,7 @@ def test_the_guard_treats_an_autotune_benchmark_like_a_compile(tuned, tmp_path):
     empty.mkdir()
     gain = next(t for t in tuned.planned if t.label == "gain n=1000")
     p = guarded(empty, "error", record, "1000")
-    assert p.returncode != 0 and "prewarm.guard.UncoveredBenchmark" in p.stderr, p.stderr
+    assert p.returncode != 0 and "prewarm.node.guard.UncoveredBenchmark" in p.stderr, p.stderr
     (logged,) = [line for line in p.stderr.splitlines() if line.startswith("prewarm guard:")]
     assert logged == (f"prewarm guard: refusing to benchmark prewarm_toy.kernels:gain_kernel: no gain_kernel.autotune"
                       f".json under {gain.key} in {empty}; tuning key {gain.tuning_key}, 2 configs")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prewarm.pack import pack
+from prewarm.shipping.pack import pack
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"

@@ -12,8 +12,8 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm.build import build  # noqa: E402
-from prewarm.cachedir import META, CacheDir  # noqa: E402
+from prewarm.building.build import build  # noqa: E402
+from prewarm.shipping.cachedir import META, CacheDir  # noqa: E402
 from prewarm.cli import main  # noqa: E402
 from prewarm.errors import BuildError, EnvironmentProblem  # noqa: E402
 
@@ -49,10 +49,10 @@ import sys
 from unittest import mock
 import triton.runtime.build as tb
 from triton.backends.nvidia import driver as nv
-from prewarm import tritoncompat
-from prewarm.manifest import load
-from prewarm.plan import expand_all, plan, resolve
-from prewarm.backends import CudaOfflineTarget
+from prewarm.building import tritoncompat
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import expand_all, plan, resolve
+from prewarm.building.backends import CudaOfflineTarget
 
 tritoncompat.set_cache_dir(sys.argv[1])
 CudaOfflineTarget("cuda", "sm_90").activate()
@@ -131,7 +131,7 @@ def test_device_mode_without_a_gpu_is_a_clear_error(tmp_path):
 
 def test_unknown_mode_is_a_clear_error(tmp_path):
     from prewarm.errors import ManifestError
-    from prewarm.backends import get_target
+    from prewarm.building.backends import get_target
 
     with pytest.raises(ManifestError, match="--mode: 'fast' is not one of offline, device, auto"):
         get_target("cuda", "sm_90", "fast")

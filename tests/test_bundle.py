@@ -10,11 +10,11 @@ import tarfile
 import zstandard
 
 from prewarm import __version__
-from prewarm.bundle import INDEX, OBJECTS, SIGNATURE, parse_index
-from prewarm.cachedir import META, CacheDir
-from prewarm.install import install
-from prewarm.pack import pack
-from prewarm.verify import verify
+from prewarm.shipping.bundle import INDEX, OBJECTS, SIGNATURE, parse_index
+from prewarm.shipping.cachedir import META, CacheDir
+from prewarm.shipping.install import install
+from prewarm.shipping.pack import pack
+from prewarm.node.verify import verify
 
 from prewarm_helpers import build_toy_cache, run_cli
 

@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from prewarm.pack import pack
-from prewarm.cachedir import META, CacheDir, write_atomic
-from prewarm.install import install
+from prewarm.shipping.pack import pack
+from prewarm.shipping.cachedir import META, CacheDir, write_atomic
+from prewarm.shipping.install import install
 
 from prewarm_helpers import synthetic_cache
 
@@ -28,7 +28,7 @@ def test_a_write_the_disk_refuses_midway_leaves_the_old_file_and_no_temp_file(tm
     path.write_bytes(b"old")
     script = textwrap.dedent(f"""
         import resource, signal
-        from prewarm.cachedir import write_atomic
+        from prewarm.shipping.cachedir import write_atomic
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
         try:

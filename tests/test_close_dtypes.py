@@ -12,18 +12,18 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm import backends, tritoncompat  # noqa: E402
-from prewarm.build import build  # noqa: E402
+from prewarm.building import backends, tritoncompat  # noqa: E402
+from prewarm.building.build import build  # noqa: E402
 from prewarm.cli import main  # noqa: E402
 from prewarm.errors import ManifestError  # noqa: E402
-from prewarm.manifest import load  # noqa: E402
-from prewarm.plan import Planned, plan, plan_for  # noqa: E402
-from prewarm.willhit import check  # noqa: E402
+from prewarm.planning.manifest import load  # noqa: E402
+from prewarm.planning.plan import Planned, plan, plan_for  # noqa: E402
+from prewarm.node.willhit import check  # noqa: E402
 
 # The recorded "server": the toy add kernel with every tensor in fp32, and a kernel without a y_ptr parameter.
 APP = """
 import torch
-from prewarm.backends import CudaOfflineTarget
+from prewarm.building.backends import CudaOfflineTarget
 from prewarm_toy.kernels import add_kernel, decode_kernel
 
 CudaOfflineTarget("cuda", "sm_90").activate()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from prewarm import backends, tritoncompat
-from prewarm.manifest import load
-from prewarm.plan import plan_for
+from prewarm.building import backends, tritoncompat
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import plan_for
 
 RECORDING = Path(__file__).resolve().parent / "fixtures" / "sglang-0.5.23-kda-h200-record.jsonl"
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from traffic.closure import failure_report, run_traffic, seeds
 
-from prewarm.autotune import planned_tunings
-from prewarm.manifest import load
-from prewarm.backends import get_target
-from prewarm.plan import plan
-from prewarm.probe import probe_all
+from prewarm.building.autotune import planned_tunings
+from prewarm.planning.manifest import load
+from prewarm.building.backends import get_target
+from prewarm.planning.plan import plan
+from prewarm.building.probe import probe_all
 
 REPO = Path(__file__).resolve().parents[1]
 # the shipped CUDA manifests that serve this package's KDA kernels (the traffic calls their public API)

@@ -317,8 +317,8 @@ def test_prelaunch_script_does_not_start_the_server_when_a_planned_kernel_would_
 def test_prelaunch_requiring_autotune_results_refuses_an_offline_bundle(baked, tmp_path, monkeypatch):
     """A bundle from an offline build has no autotune results: the node starts the server by default, and stays
     down with exit 5 when PREWARM_REQUIRE_AUTOTUNE=1 (meant for bundles from a device build)."""
-    from prewarm.build import build
-    from prewarm.pack import pack
+    from prewarm.building.build import build
+    from prewarm.shipping.pack import pack
 
     image: Image = baked["image"]
     fixtures = REPO / "tests" / "fixtures"
@@ -340,9 +340,9 @@ def test_prelaunch_requiring_launchers_refuses_a_bundle_without_them(baked, tmp_
     first launch keeps the server down with exit 5; with every launcher present it starts."""
     import shutil
 
-    from prewarm.build import build
-    from prewarm.pack import pack
-    from prewarm.willhit import check
+    from prewarm.building.build import build
+    from prewarm.shipping.pack import pack
+    from prewarm.node.willhit import check
 
     image: Image = baked["image"]
     fixtures = REPO / "tests" / "fixtures"

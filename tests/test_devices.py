@@ -10,9 +10,11 @@ from dataclasses import fields
 
 import pytest
 
-from prewarm import devices, plan
+from prewarm import devices
+
+from prewarm.planning import plan
 from prewarm.errors import ManifestError
-from prewarm.manifest import load
+from prewarm.planning.manifest import load
 
 QUERIES = """
 import json, torch, triton
@@ -37,7 +39,7 @@ def run(prelude: str) -> dict:
 def test_a_build_process_answers_every_device_query_as_the_h200():
     """As the real H200 answered on the device machine (bench/results/h200_properties.json, devices.MEASURE_COMMAND)."""
     real = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "h200_properties.json").read_text())
-    seen = run("from prewarm.backends import get_target; get_target('cuda', 'sm_90', 'offline', 'H200').activate()\n")
+    seen = run("from prewarm.building.backends import get_target; get_target('cuda', 'sm_90', 'offline', 'H200').activate()\n")
     t = real["torch"]
     assert seen == {
         "available": True, "count": 1, "current": 0, "name": t["name"], "capability": real["capability"],
@@ -48,7 +50,7 @@ def test_a_build_process_answers_every_device_query_as_the_h200():
 
 def test_other_processes_see_the_real_machine_even_with_every_prewarm_module_imported():
     done = subprocess.run([sys.executable, "-c", (
-        "import torch, prewarm.cli, prewarm.plan, prewarm.build, prewarm.record, prewarm.devices, prewarm.backends\n"
+        "import torch, prewarm.cli, prewarm.planning.plan, prewarm.building.build, prewarm.planning.record, prewarm.devices, prewarm.building.backends\n"
         "print(torch.cuda.is_available(), torch.cuda.get_device_name.__module__)")],
         capture_output=True, text=True)  # fmt: skip
     assert done.stdout.split() == ["False", "torch.cuda"], done.stderr[-2000:]
@@ -58,7 +60,7 @@ def test_deactivate_puts_torch_back():
     import torch
     from triton.runtime.driver import driver
 
-    from prewarm.backends import CudaOfflineTarget
+    from prewarm.building.backends import CudaOfflineTarget
 
     saved, original = driver._active, torch.cuda.get_device_name
     try:
@@ -123,7 +125,7 @@ def test_an_ascend_plan_process_answers_the_a3s_core_counts_through_triton_ascen
     python = REPO / ".venv-ascend" / "bin" / "python"
     if not python.exists():
         pytest.skip("no .venv-ascend here (bash .ci/setup makes it)")
-    code = ("import json, torch\nfrom prewarm.backends.npu import activate_offline\n"
+    code = ("import json, torch\nfrom prewarm.building.backends.npu import activate_offline\n"
             "activate_offline('Ascend910_9391', 'A3')\n"
             "from triton.runtime.driver import driver\n"
             "print(json.dumps([driver.active.utils.get_device_properties(0), torch.cuda.is_available()]))")
@@ -142,8 +144,8 @@ def test_plan_itself_activates_nothing_a_planning_process_activates_the_profile_
     manifest = tmp_path / "m.toml"
     assert '\ndevice = "H200"' in text  # the shipped manifest names its device (its autotune table's rows' key)
     manifest.write_text(text)
-    code = ("import json, sys, torch\nfrom prewarm import backends, tritoncompat\nfrom prewarm.manifest import load\n"
-            "from prewarm.plan import plan\n"
+    code = ("import json, sys, torch\nfrom prewarm.building import backends, tritoncompat\nfrom prewarm.planning.manifest import load\n"
+            "from prewarm.planning.plan import plan\n"
             "def seen(): return [tritoncompat.chosen_driver() is not None, torch.cuda.get_device_name.__module__]\n"
             f"m = load({str(manifest)!r})\nplanned = len(plan(m).requests)\nbefore = seen()\n"
             "backends.activate_for_planning(m)\nprint(json.dumps([planned, before, seen()]))")

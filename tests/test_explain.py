@@ -15,11 +15,11 @@ sys.path.insert(0, str(FIXTURES))
 
 import torch  # noqa: E402
 
-from prewarm import tritoncompat  # noqa: E402
-from prewarm.explain import Difference, explain, explain_key_dir, explain_miss  # noqa: E402
-from prewarm.plan import Compile  # noqa: E402
-from prewarm.backends import CudaOfflineTarget  # noqa: E402
-from prewarm.probe import planned_keys  # noqa: E402
+from prewarm.building import tritoncompat  # noqa: E402
+from prewarm.node.explain import Difference, explain, explain_key_dir, explain_miss  # noqa: E402
+from prewarm.planning.plan import Compile  # noqa: E402
+from prewarm.building.backends import CudaOfflineTarget  # noqa: E402
+from prewarm.building.probe import planned_keys  # noqa: E402
 
 ADD = "prewarm_toy.kernels:add_kernel"
 DECODE = "prewarm_toy.kernels:decode_kernel"
@@ -105,7 +105,7 @@ def test_env_vars_are_compared_when_both_sides_are_known(planned):
 
 def compile_in_fresh_process(cache_dir: Path, code: str, env: dict | None = None) -> None:
     """Real compiles into ``cache_dir`` by a fresh process (the runtime's JIT, a target-only driver)."""
-    script = ("import sys, torch\nfrom prewarm.backends import CudaOfflineTarget\n"
+    script = ("import sys, torch\nfrom prewarm.building.backends import CudaOfflineTarget\n"
               "from prewarm_toy.kernels import add_kernel, decode_kernel\n"
               "CudaOfflineTarget('cuda', 'sm_90').activate()\n" + code)
     env = {**os.environ, **(env or {}), "TRITON_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(FIXTURES)}
@@ -176,7 +176,7 @@ def cli(*args: str, check: int) -> subprocess.CompletedProcess:
 def test_explain_cli_on_a_recorded_run(tmp_path):
     """`prewarm record` of a process making one planned and one unplanned call; `prewarm explain` names the
     unplanned one's differing argument and exits 5 (a compile the plan lacks), with the same in --json."""
-    code = ("import torch\nfrom prewarm.backends import CudaOfflineTarget\n"
+    code = ("import torch\nfrom prewarm.building.backends import CudaOfflineTarget\n"
             "from prewarm_toy.kernels import add_kernel\nCudaOfflineTarget('cuda', 'sm_90').activate()\n"
             "for y in (torch.float32, torch.bfloat16):\n"
             "    add_kernel.warmup(torch.float32, y, torch.float32, 1000, BLOCK=64, num_warps=4, grid=(1,))\n")
@@ -217,7 +217,7 @@ def test_explain_cli_refuses_what_is_not_a_runtime_request(tmp_path):
 def test_verify_explains_each_miss_against_the_cache(tmp_path):
     """The cache holds the bf16-y variant of the manifest's third-party add: verify's MISS row for the planned fp32
     one names that entry and the argument (detail and --json); kernels absent from the cache say so."""
-    from prewarm.willhit import check
+    from prewarm.node.willhit import check
 
     compile_in_fresh_process(tmp_path, "add_kernel.warmup(torch.float32, torch.bfloat16, torch.float32, 1000, "
                                        "BLOCK=64, num_warps=4, grid=(1,))")

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import fingerprint
-from prewarm.bundle import INDEX, OBJECTS, SIGNATURE
-from prewarm.cachedir import META, CacheDir
+from prewarm.node import fingerprint
+from prewarm.shipping.bundle import INDEX, OBJECTS, SIGNATURE
+from prewarm.shipping.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, PrewarmError
-from prewarm.install import install
-from prewarm.pack import pack
-from prewarm.signing import keygen
-from prewarm.verify import verify
+from prewarm.shipping.install import install
+from prewarm.shipping.pack import pack
+from prewarm.shipping.signing import keygen
+from prewarm.node.verify import verify
 
 from prewarm_helpers import run_cli, synthetic_cache
 
@@ -127,7 +127,7 @@ def test_concurrent_installs_of_different_bundles_into_one_dir(bundles, tmp_path
 
 _MEASURE = """
 import re, sys
-from prewarm.install import install
+from prewarm.shipping.install import install
 install(sys.argv[1], sys.argv[2])
 print(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))  # this process's own peak
 """

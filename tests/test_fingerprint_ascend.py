@@ -10,11 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import fingerprint, install, manifest, tritoncompat
-from prewarm.backends import npu
-from prewarm.cachedir import CacheDir
+from prewarm.node import fingerprint
+
+from prewarm.shipping import install
+
+from prewarm.planning import manifest
+
+from prewarm.building import tritoncompat
+from prewarm.building.backends import npu
+from prewarm.shipping.cachedir import CacheDir
 from prewarm.errors import FingerprintMismatch, IntegrityError, ManifestError
-from prewarm.pack import pack
+from prewarm.shipping.pack import pack
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "cann"))
 import standin  # noqa: E402

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from traffic.closure import seeds
-from prewarm import backends, devices, tritoncompat
-from prewarm.manifest import load
-from prewarm.plan import Compile, expand, expand_all, plan, resolve
-from prewarm.probe import planned_keys
+from prewarm.building import backends, tritoncompat
+from prewarm import devices
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import Compile, expand, expand_all, plan, resolve
+from prewarm.building.probe import planned_keys
 from traffic import fla_kda as fla_traffic
 from prewarm_kernels.spec import SpecError, read_kda
 
@@ -312,10 +313,10 @@ def build_record_only(tmp_path: Path, record: str, entry_extra: str = "") -> dic
 
 RECORDED_FLA_APP = """
 import sys
-from prewarm.backends import get_target
+from prewarm.building.backends import get_target
 get_target("cuda", "sm_90", "offline", "H200").activate()  # stands in for the GPU the recording was made on
-from prewarm import tritoncompat
-from prewarm.manifest import load
+from prewarm.building import tritoncompat
+from prewarm.planning.manifest import load
 from traffic import fla_kda as fla_traffic
 from prewarm.providers.fla.kda import intercepted
 

@@ -15,9 +15,9 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm.build import build  # noqa: E402
-from prewarm.pack import pack  # noqa: E402
-from prewarm.install import install  # noqa: E402
+from prewarm.building.build import build  # noqa: E402
+from prewarm.shipping.pack import pack  # noqa: E402
+from prewarm.shipping.install import install  # noqa: E402
 from prewarm_helpers import copy_cache  # noqa: E402
 
 MANIFEST = FIXTURES / "toy-guard.toml"
@@ -69,7 +69,7 @@ def test_error_mode_refuses_an_uncovered_call_before_compiling_and_names_the_arg
     before = entries(cache)
     p = serve(cache, PLANNED, BF16_Y, env={"PREWARM_GUARD": "error", "PREWARM_GUARD_PLAN": str(manifest)})
     assert p.returncode != 0
-    assert "prewarm.guard.UncoveredCompile: prewarm guard: prewarm_toy.kernels:add_kernel is not in the cache" in p.stderr
+    assert "prewarm.node.guard.UncoveredCompile: prewarm guard: prewarm_toy.kernels:add_kernel is not in the cache" in p.stderr
     assert "nearest planned add: argument y_ptr: planned *fp32, runtime *bf16" in p.stderr
     assert "compiles=" not in p.stdout
     assert entries(cache) == before  # refused before the compiler ran: nothing new in the cache

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from prewarm import bundle as bundle_module
-from prewarm import fingerprint
-from prewarm.bundle import INDEX, OBJECTS, SIGNATURE, Entry, FileRecord, Index, _with_checksum, parse_index
-from prewarm.cachedir import META, CacheDir
+from prewarm.shipping import bundle as bundle_module
+from prewarm.node import fingerprint
+from prewarm.shipping.bundle import INDEX, OBJECTS, SIGNATURE, Entry, FileRecord, Index, _with_checksum, parse_index
+from prewarm.shipping.cachedir import META, CacheDir
 from prewarm.errors import IntegrityError, SignatureError, UnsafeBundleError
-from prewarm.install import install
-from prewarm.pack import pack
-from prewarm.verify import verify
+from prewarm.shipping.install import install
+from prewarm.shipping.pack import pack
+from prewarm.node.verify import verify
 
 from prewarm_helpers import run_cli, synthetic_cache
 
@@ -153,7 +153,7 @@ def test_index_referencing_a_missing_object(triton_cache, tmp_path, node):
 
 
 def test_garbage_signature_is_refused(triton_cache, tmp_path, node):
-    from prewarm.signing import keygen
+    from prewarm.shipping.signing import keygen
 
     _, pub, _ = keygen(tmp_path / "k")
     pack(triton_cache, tmp_path / "b")
@@ -341,7 +341,7 @@ def test_no_traceback_for_any_bundle_input(tmp_path, node, case):
 
 
 def test_a_signature_naming_a_non_string_key_id_is_a_signature_error(triton_cache, tmp_path, node):
-    from prewarm.signing import keygen
+    from prewarm.shipping.signing import keygen
 
     _, pub, _ = keygen(tmp_path / "k")
     pack(triton_cache, tmp_path / "b")

@@ -87,9 +87,14 @@ def test_no_import_cycle_in_prewarm():
     assert not cycles(graph), f"import cycles: {[sorted(c) for c in cycles(graph)]}"
 
 
+def test_packing_a_cache_does_not_import_the_node_installer():
+    """pack runs on the build host: this node's factors are nodestamp's, the installer is a node's."""
+    assert "prewarm.shipping.install" not in import_graph()["prewarm.shipping.pack"]
+
+
 def test_the_backends_import_in_a_fresh_interpreter_in_any_order():
     """Each backend module first, as guard (npu) and build's workers (the package) import them."""
-    for first in ("prewarm.backends.npu", "prewarm.backends.cuda", "prewarm.backends", "prewarm.probe"):
-        done = subprocess.run([sys.executable, "-c", f"import {first}, prewarm.cli, prewarm.build, prewarm.willhit"],
+    for first in ("prewarm.building.backends.npu", "prewarm.building.backends.cuda", "prewarm.building.backends", "prewarm.building.probe"):
+        done = subprocess.run([sys.executable, "-c", f"import {first}, prewarm.cli, prewarm.building.build, prewarm.node.willhit"],
                               capture_output=True, text=True)
         assert done.returncode == 0, f"import {first} first: {done.stderr[-2000:]}"

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import fingerprint
-from prewarm.bundle import INDEX, parse_index
-from prewarm.cachedir import META, CacheDir
+from prewarm.node import fingerprint
+from prewarm.shipping.bundle import INDEX, parse_index
+from prewarm.shipping.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError
-from prewarm.install import _tasks, install
-from prewarm.pack import pack
-from prewarm.verify import verify
+from prewarm.shipping.install import _tasks, install
+from prewarm.shipping.pack import pack
+from prewarm.node.verify import verify
 
 from prewarm_helpers import concurrent_installs, run_cli, synthetic_cache
 
@@ -80,7 +80,7 @@ def test_install_merges_and_replaces_only_incomplete_entries(toy_bundle, tmp_pat
 def test_the_c_member_loop_writes_every_plain_object_as_the_python_reader_does(triton_cache, tmp_path, monkeypatch):
     """Install's C member loop (prewarm/_fastunpack.c) writes every object pack wrote, a real Triton cache's included,
     without handing one to the Python reader, and the node gets the same files, modes and group files."""
-    from prewarm import bundle
+    from prewarm.shipping import bundle
 
     assert bundle._fastunpack is not None, "prewarm/_fastunpack.c is not built: run pip install -e ."
     cache = synthetic_cache(tmp_path / "cache", 3, seed=5, scale=0.05)
@@ -125,7 +125,7 @@ def test_without_a_c_compiler_prewarm_builds_and_installs_through_the_python_rea
     site = next(venv.glob("lib/python*/site-packages"))
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     with zipfile.ZipFile(next((tmp_path / "wheel").glob("prewarm-*.whl"))) as wheel:
-        assert "prewarm/bundle.py" in wheel.namelist()
+        assert "prewarm/shipping/bundle.py" in wheel.namelist()
         assert not [n for n in wheel.namelist() if n.endswith(".so")]
         wheel.extractall(site)
 
@@ -133,8 +133,8 @@ def test_without_a_c_compiler_prewarm_builds_and_installs_through_the_python_rea
         return subprocess.run([str(venv / "bin" / "python"), *args], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONSAFEPATH": "1"}).stdout  # not the checkout in cwd
 
-    assert prewarm("-c", "import prewarm.bundle as b; print(b.__file__, b._fastunpack)").split() == [
-        str(site / "prewarm" / "bundle.py"), "None"]
+    assert prewarm("-c", "import prewarm.shipping.bundle as b; print(b.__file__, b._fastunpack)").split() == [
+        str(site / "prewarm" / "shipping" / "bundle.py"), "None"]
     out = json.loads(prewarm("-m", "prewarm.cli", "install", str(toy_bundle), "--cache-dir", str(tmp_path / "node"),
                              "--json"))
     assert out["installed"] == 5
@@ -223,7 +223,7 @@ def test_fingerprint_mismatch_is_refused_naming_each_factor(triton_cache, tmp_pa
 
 
 def test_signatures_trusted_wrong_key_required_and_tampered(triton_cache, tmp_path):
-    from prewarm.signing import keygen
+    from prewarm.shipping.signing import keygen
 
     run_cli("keygen", "-o", tmp_path / "good")
     keygen(tmp_path / "evil")
@@ -244,7 +244,7 @@ def test_signatures_trusted_wrong_key_required_and_tampered(triton_cache, tmp_pa
     # a forged index (valid checksum, other content) under the genuine signature
     shutil.copytree(tmp_path / "signed", tmp_path / "forged")
     index = parse_index((tmp_path / "signed" / INDEX).read_bytes(), "t")
-    from prewarm.bundle import Index
+    from prewarm.shipping.bundle import Index
 
     forged = Index(index.fingerprint, index.manifest, index.entries[1:]).to_bytes()
     (tmp_path / "forged" / INDEX).write_bytes(forged)
@@ -291,7 +291,7 @@ def two_builds(tmp_path_factory):
     import sys
 
     sys.path.insert(0, str(FIXTURES))  # the toy provider, importable by the build's worker processes
-    from prewarm.build import build
+    from prewarm.building.build import build
 
     root = tmp_path_factory.mktemp("two-builds")
     bundles = []
@@ -430,10 +430,10 @@ def hook(event, args):
                                                      path.startswith(cache) and "/.prewarm" not in path):
             opened.append(path)
 sys.addaudithook(hook)
-import prewarm.install
-from prewarm.install import install
+import prewarm.shipping.install
+from prewarm.shipping.install import install
 if os.path.isdir(cache):
-    prewarm.install.parse_index = None  # a repeated install decides from its receipt: the index is never parsed
+    prewarm.shipping.install.parse_index = None  # a repeated install decides from its receipt: the index is never parsed
 r = install(bundle, cache, workers=int(sys.argv[3]))
 print(r.noop, len(opened), "triton" in sys.modules)
 """
@@ -490,7 +490,7 @@ def test_memory_is_bounded_per_entry_not_per_file(many):
     number of files (decoded when an entry's files are read)."""
     import gc
 
-    from prewarm.bundle import Entry, FileRecord
+    from prewarm.shipping.bundle import Entry, FileRecord
 
     def records() -> int:  # counted before and after: an earlier test in this process may keep some alive
         gc.collect()
@@ -539,7 +539,8 @@ def test_a_receipt_from_before_stamps_is_read_and_replaced(toy_bundle, tmp_path)
 _NODE = """
 import sys
 from prewarm.errors import PrewarmError
-from prewarm.install import install, node_fingerprint
+from prewarm.shipping.install import install
+from prewarm.shipping.nodestamp import node_fingerprint
 try:
     if sys.argv[1] == "install":
         install(sys.argv[2], sys.argv[3], durable=False)

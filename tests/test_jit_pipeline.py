@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import metrics
+from prewarm.node import metrics
 from prewarm_helpers import JIT_MODULE as MODULE, TOOLKIT, build_jit_bundles
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_a_node_with_another_host_compiler_is_refused_at_install_and_told_at_ver
 _INSTALL = """
 import sys
 from prewarm.errors import PrewarmError
-from prewarm.install import install
+from prewarm.shipping.install import install
 try:
     install(sys.argv[1], sys.argv[2], durable=False)
     print("installed, sglang imported:", "sglang.kernels.jit.utils" in sys.modules)

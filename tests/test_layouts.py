@@ -1,5 +1,5 @@
 """Bundles past Triton (issue 41): a dir of sglang's JIT cache layout and one of FlashInfer's AOT layout
-(prewarm.layouts) packed, signed, installed, verified and listed through the real CLI, with the guarantees a Triton
+(prewarm.shipping.layouts) packed, signed, installed, verified and listed through the real CLI, with the guarantees a Triton
 cache dir has: hostile keys refused by the reader, an interrupted install leaving no half leaf, a dir of another
 layout refused, a second install a no-op.
 
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import layouts
-from prewarm.bundle import INDEX, OBJECTS, Entry, Index, parse_index
-from prewarm.cachedir import META, CacheDir
+from prewarm.shipping import layouts
+from prewarm.shipping.bundle import INDEX, OBJECTS, Entry, Index, parse_index
+from prewarm.shipping.cachedir import META, CacheDir
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, UnsafeBundleError
-from prewarm.install import jit_node_factors
-from prewarm.signing import keygen
+from prewarm.shipping.nodestamp import jit_node_factors
+from prewarm.shipping.signing import keygen
 
 from prewarm_helpers import run_cli, synthetic_cache
 
@@ -189,7 +189,7 @@ def test_an_unknown_layout_and_a_tampered_object_are_refused(world, tmp_path):
 
 _KILLED = """
 import os, signal, sys
-from prewarm import install
+from prewarm.shipping import install
 point = getattr(install, sys.argv[3])
 def then_killed(*args, **kwargs):
     point(*args, **kwargs)

@@ -10,8 +10,8 @@ import pytest
 
 from prewarm.cli import main
 from prewarm.errors import ManifestError
-from prewarm.manifest import load
-from prewarm.plan import plan
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import plan
 from prewarm_kernels.spec import read_kda
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ import pytest
 
 from prewarm.cli import main
 from prewarm.errors import ManifestError
-from prewarm.manifest import load
-from prewarm.manifestgen import generate
+from prewarm.planning.manifest import load
+from prewarm.planning.manifestgen import generate
 from prewarm.providers.sglang.server import VERSION as SGLANG
 from prewarm.providers.vllm.server import VERSION as VLLM
 from prewarm_kernels.spec import read_kda
@@ -69,8 +69,8 @@ def regenerate_command(manifest: Path) -> list[str]:
 
 def test_the_shipped_k3_manifest_is_regenerated_by_its_stated_command_and_plans_the_same_requests(
         tmp_path, capsys, monkeypatch):
-    from prewarm import backends
-    from prewarm.plan import plan
+    from prewarm.building import backends
+    from prewarm.planning.plan import plan
 
     command = regenerate_command(SHIPPED_K3)
     assert command[:2] == ["prewarm", "manifest"]

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm.install import install  # noqa: E402
-from prewarm.pack import pack  # noqa: E402
-from prewarm.scan import scan  # noqa: E402
+from prewarm.shipping.install import install  # noqa: E402
+from prewarm.shipping.pack import pack  # noqa: E402
+from prewarm.shipping.scan import scan  # noqa: E402
 from prewarm_helpers import copy_cache  # noqa: E402
 
 REPO = FIXTURES.parents[1]
@@ -90,7 +90,7 @@ def test_an_autotune_benchmark_after_ready_is_counted(tmp_path):
 
 def test_a_textfile_node_exporter_would_not_read_is_refused_and_the_process_runs(node, tmp_path):
     cache, _ = node
-    program = "import triton, prewarm.guard as g; g.autotune_benchmarked('m:k'); print('ran')"
+    program = "import triton, prewarm.node.guard as g; g.autotune_benchmarked('m:k'); print('ran')"
     p = serve(cache, tmp_path / "prewarm.txt", command=[sys.executable, "-c", program])
     assert p.returncode == 0 and "ran" in p.stdout, p.stderr
     assert "does not end in .prom" in p.stderr and not (tmp_path / "prewarm.txt").exists()

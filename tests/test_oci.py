@@ -21,15 +21,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from prewarm.bundle import INDEX, OBJECTS
-from prewarm.cachedir import META
+from prewarm.shipping.bundle import INDEX, OBJECTS
+from prewarm.shipping.cachedir import META
 from prewarm.errors import IntegrityError, StoreError
-from prewarm.install import install
-from prewarm.pack import pack
-from prewarm.stores import push
-from prewarm.stores.oci import (ARTIFACT_TYPE, INDEX_MEDIA_TYPE, OBJECT_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE, OciStore,
+from prewarm.shipping.install import install
+from prewarm.shipping.pack import pack
+from prewarm.shipping.stores import push
+from prewarm.shipping.stores.oci import (ARTIFACT_TYPE, INDEX_MEDIA_TYPE, OBJECT_MEDIA_TYPE, SIGNATURE_MEDIA_TYPE, OciStore,
                                  open_oci)
-from prewarm.verify import verify
+from prewarm.node.verify import verify
 
 from prewarm_helpers import concurrent_installs, copy_cache, run_cli
 

@@ -15,10 +15,10 @@ sys.path.insert(0, str(FIXTURES))
 
 from prewarm.cli import main  # noqa: E402
 from prewarm.errors import ManifestError  # noqa: E402
-from prewarm.manifest import load  # noqa: E402
-from prewarm.plan import describe_specialization, expand, plan  # noqa: E402
-from prewarm.tritoncompat import parse_specialization  # noqa: E402
-from prewarm.backends import get_target  # noqa: E402
+from prewarm.planning.manifest import load  # noqa: E402
+from prewarm.planning.plan import describe_specialization, expand, plan  # noqa: E402
+from prewarm.building.tritoncompat import parse_specialization  # noqa: E402
+from prewarm.building.backends import get_target  # noqa: E402
 
 TOY = FIXTURES / "toy-cuda.toml"
 
@@ -42,7 +42,7 @@ def test_requests_follow_the_serving_mix(toy_plan):
 
 
 def test_plan_is_deterministic_across_processes(toy_plan):
-    code = "import json,sys; from prewarm.manifest import load; from prewarm.plan import plan; " \
+    code = "import json,sys; from prewarm.planning.manifest import load; from prewarm.planning.plan import plan; " \
            f"print(json.dumps(plan(load({str(TOY)!r})).to_json(), sort_keys=True))"
     env_path = f"{FIXTURES}"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -144,7 +144,7 @@ def test_kimi_linear_h200_plan_size_follows_from_what_the_manifest_declares():
     Prefill is planned at each of the NB token buckets (no max_prefill_tokens: all of them), whose only effect is
     the prefill kernels' tuning key: the requests differ, the compiles do not. Each autotuned request compiles once
     per config."""
-    from prewarm.plan import expand_all
+    from prewarm.planning.plan import expand_all
     from prewarm_kernels.backend import select
     from prewarm_kernels.kda.common import TOKEN_BUCKETS
 

@@ -14,8 +14,8 @@ import pytest
 
 from prewarm import providers
 from prewarm.errors import ManifestError
-from prewarm.manifest import load
-from prewarm.manifestgen import generate
+from prewarm.planning.manifest import load
+from prewarm.planning.manifestgen import generate
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -67,7 +67,7 @@ def test_a_provider_module_without_launches_is_refused_naming_it(registry, tmp_p
     (tmp_path / "half_provider.py").write_text("def options(spec):\n    return []\n")
     (tmp_path / "m.toml").write_text('[target]\nbackend = "cuda"\narch = "sm_90"\n[[kernels]]\n'
                                      'provider = "half_provider"\n')
-    from prewarm.plan import plan
+    from prewarm.planning.plan import plan
 
     with pytest.raises(ManifestError, match=r"kernels\[0\]: provider 'half_provider' \(half_provider\): no "
                                             r"launches\(spec\) function"):
@@ -97,7 +97,7 @@ def test_a_fourth_server_is_one_module_and_one_registry_row(registry, tmp_path):
     """A server that exists nowhere in prewarm, registered by one row: `prewarm manifest --server` reads its flags
     and defaults through its class alone (the core names no server)."""
     (tmp_path / "toyserve.py").write_text(textwrap.dedent("""
-        from prewarm.manifestgen import Sourced, flag_source, positive_int_arg
+        from prewarm.planning.manifestgen import Sourced, flag_source, positive_int_arg
         from prewarm.providers.contract import Server
 
         class ToyServe(Server):
@@ -123,3 +123,33 @@ def test_a_fourth_server_is_one_module_and_one_registry_row(registry, tmp_path):
     assert "tensor_parallel = 4" in gen.toml() and "# --shards 4" in gen.toml()
     with pytest.raises(ManifestError, match=r"--kernels: required with --server toyserve"):
         generate(KIMI_LINEAR, "toyserve", None, "cuda:sm_90", [])
+
+
+def test_verify_server_refuses_a_jit_dir_of_a_library_the_server_never_builds(registry, tmp_path):
+    """`verify --server S --jit-dir LAYOUT=DIR` checks where S's processes read that library's modules: a server
+    whose processes reach no such library (its Server.jit_libraries) is told so, before any probe runs."""
+    from prewarm.errors import EnvironmentProblem
+    from prewarm.node.serverenv import server_cache_dirs, server_imports
+
+    (tmp_path / "plainserve.py").write_text(textwrap.dedent("""
+        from prewarm.providers.contract import Server
+
+        class PlainServe(Server):
+            name = "plainserve"
+            version = "plainserve 1.0"
+            imports = "json"
+
+            def add_flags(self, parser):
+                pass
+
+            def parallel(self, args, argv):
+                return {}
+
+            def serving(self, args, argv, profile, arch):
+                return {}, None, []
+    """))
+    registry["plainserve"] = "plainserve:PlainServe"
+    assert server_imports()["plainserve"] == "json"
+    with pytest.raises(EnvironmentProblem, match=r"--server plainserve: a plainserve process builds no sglang "
+                                                 r"modules \(it reaches no JIT library\)"):
+        server_cache_dirs("plainserve", tmp_path / "cache", jit_installed={"sglang": str(tmp_path / "jit")})

@@ -12,10 +12,10 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm.build import build  # noqa: E402
+from prewarm.building.build import build  # noqa: E402
 from prewarm.cli import main  # noqa: E402
 from prewarm.errors import ManifestError  # noqa: E402
-from prewarm.willhit import check  # noqa: E402
+from prewarm.node.willhit import check  # noqa: E402
 
 MANIFEST = """
 [target]

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from prewarm import backends, plan, tritoncompat
-from prewarm.build import build
+from prewarm.building import backends, tritoncompat
+
+from prewarm.planning import plan
+from prewarm.building.build import build
 from prewarm.errors import FingerprintMismatch, ManifestError
-from prewarm.manifest import load
-from prewarm.plan import plan_for
-from prewarm.willhit import check
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import plan_for
+from prewarm.node.willhit import check
 
 # A library as fla and sglang are: it asks the device at import (a global the kernels read), and a global set from
 # the environment; two kernels, one with an int that moves with the traffic (n) and one that does not (stride).
@@ -50,7 +52,7 @@ def strided_kernel(x_ptr, out_ptr, n, stride, BLOCK: tl.constexpr):
 APP = '''
 import torch
 
-from prewarm.backends import CudaOfflineTarget
+from prewarm.building.backends import CudaOfflineTarget
 
 CudaOfflineTarget("cuda", "sm_90", "H200").activate()
 from keyed_toy.kernels import scaled_kernel, strided_kernel  # noqa: E402

@@ -11,10 +11,10 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm.build import build  # noqa: E402
+from prewarm.building.build import build  # noqa: E402
 from prewarm.cli import main  # noqa: E402
 from prewarm.errors import ManifestError  # noqa: E402
-from prewarm.plan import load_record  # noqa: E402
+from prewarm.planning.plan import load_record  # noqa: E402
 from test_record import MANIFEST as APP_MANIFEST  # noqa: E402
 from test_record import recorded as recording  # noqa: E402  (the fixture: a real `prewarm record` of the toy app)
 
@@ -99,8 +99,8 @@ def without_key(data: str) -> dict:
 def test_closing_a_recorded_request_gives_what_triton_makes_for_the_other_int_classes(recorded):
     import torch
 
-    from prewarm import tritoncompat
-    from prewarm.plan import other_int_classes, resolve
+    from prewarm.building import tritoncompat
+    from prewarm.planning.plan import other_int_classes, resolve
     from prewarm_toy.kernels import add_kernel
 
     requests = {r.kernel.split(":")[1]: r for r in load_record(str(recorded / "local.jsonl"))}

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import shutil
 
-from prewarm.pack import pack
-from prewarm.install import install
-from prewarm.scan import scan
+from prewarm.shipping.pack import pack
+from prewarm.shipping.install import install
+from prewarm.shipping.scan import scan
 
 from prewarm_helpers import run_cli, synthetic_cache
 

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 sys.path.insert(0, str(FIXTURES))  # the toy kernel the manifest plans
 
-from prewarm.install import install  # noqa: E402
-from prewarm.pack import pack  # noqa: E402
+from prewarm.shipping.install import install  # noqa: E402
+from prewarm.shipping.pack import pack  # noqa: E402
 
 MANIFEST = FIXTURES / "toy-guard.toml"
 SERVER = [sys.executable, "-c", "import sglang, triton; print('serving')"]  # the guard arms at `import triton`

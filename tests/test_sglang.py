@@ -2,7 +2,7 @@
 sglang really compiles: the 80 compile requests a real H200 process made (``prewarm record`` around sglang's
 ``TritonKDAKernel``), and independent traffic (``traffic.sglang_cuda``: written from sglang's backend
 and model, not from the provider) run through sglang's own wrappers on fake tensors. Both compare by the key Triton
-computes for each request (``prewarm.probe.planned_keys``), the key the node's runtime looks up. No build: keys need
+computes for each request (``prewarm.building.probe.planned_keys``), the key the node's runtime looks up. No build: keys need
 none.
 """
 from __future__ import annotations
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from traffic.closure import fresh_seed
-from prewarm import tritoncompat
-from prewarm.backends import get_target
+from prewarm.building import tritoncompat
+from prewarm.building.backends import get_target
 from prewarm.jit import JitRequest
-from prewarm.manifest import load
-from prewarm.plan import Compile, expand_all, load_record, plan_for
-from prewarm.probe import planned_keys
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import Compile, expand_all, load_record, plan_for
+from prewarm.building.probe import planned_keys
 from prewarm.providers import capture
 from prewarm.providers.sglang import common as sglang_env, cuda as sglang_kda
 from traffic import sglang_cuda as sglang_traffic
@@ -61,7 +61,7 @@ def runtime_compiles(spec: dict, calls) -> tuple[dict[str, Compile], list]:
 
 def not_planned(compiles: list[Compile], planned) -> str:
     """The compiles whose key the plan lacks, each with the nearest planned compile and what differs ('' if none)."""
-    from prewarm.explain import explain
+    from prewarm.node.explain import explain
 
     _, p, keys = planned
     missing = [c for key, c in planned_keys(compiles).items() if key not in keys]
@@ -137,7 +137,7 @@ def test_every_batch_size_compiles_nothing_the_standing_sizes_do_not(planned, mo
 
 
 def _expanded(launches) -> list[Compile]:
-    from prewarm.plan import Request, _encode, _ref_for
+    from prewarm.planning.plan import Request, _encode, _ref_for
 
     requests = {}
     for launch in launches:
@@ -227,7 +227,7 @@ def test_the_bench_drives_independent_traffic_and_without_a_gpu_says_why_nothing
     import json
     import os
 
-    from prewarm.pack import pack
+    from prewarm.shipping.pack import pack
 
     script = REPO / "bench" / "sglang_traffic.py"
     imports = {n.module for n in ast.walk(ast.parse(script.read_text())) if isinstance(n, ast.ImportFrom)}

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from prewarm.backends import get_target
-from prewarm.manifest import load
-from prewarm.plan import plan_for
-from prewarm.probe import planned_keys
+from prewarm.building.backends import get_target
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import plan_for
+from prewarm.building.probe import planned_keys
 from test_sglang import MANIFEST, not_planned, runtime_compiles
 from traffic import sglang_layer
 from traffic.closure import fresh_seed

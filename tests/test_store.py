@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from prewarm.bundle import INDEX, OBJECTS
+from prewarm.shipping.bundle import INDEX, OBJECTS
 from prewarm.errors import IntegrityError, StoreError
-from prewarm.install import install
-from prewarm.pack import pack
-from prewarm.stores import open_store, push
-from prewarm.verify import verify
+from prewarm.shipping.install import install
+from prewarm.shipping.pack import pack
+from prewarm.shipping.stores import open_store, push
+from prewarm.node.verify import verify
 
 from prewarm_helpers import run_cli
 

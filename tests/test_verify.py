@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from prewarm.pack import pack
-from prewarm.cachedir import META, CacheDir
+from prewarm.shipping.pack import pack
+from prewarm.shipping.cachedir import META, CacheDir
 from prewarm.errors import FingerprintMismatch, IntegrityError
-from prewarm.install import install
-from prewarm.verify import verify
+from prewarm.shipping.install import install
+from prewarm.node.verify import verify
 
 from prewarm_helpers import run_cli, synthetic_cache
 
@@ -94,7 +94,7 @@ def test_copied_cache_whose_groups_still_read_the_old_dir_is_reported(node, tmp_
 
 
 def test_fingerprint_mismatch_rows_explain_each_factor(triton_cache, tmp_path):
-    from prewarm import fingerprint
+    from prewarm.node import fingerprint
 
     fp = dict(fingerprint.current(), **{"triton.key": "0" * 64, "torch.version": "2.9.0"})
     CacheDir(triton_cache).write_build_info({"fingerprint": fp})
@@ -119,7 +119,7 @@ def test_verify_against_a_bundle_and_without_anything_to_compare(node, tmp_path)
 
 
 def test_plan_renders_will_hit_and_misses_set_the_exit_code(node, capsys):
-    """`verify --plan`: the will-hit check (prewarm.willhit) runs after integrity; a miss is exit 5."""
+    """`verify --plan`: the will-hit check (prewarm.node.willhit) runs after integrity; a miss is exit 5."""
     from prewarm.cli import main
     from prewarm.errors import WillMissError
 
@@ -204,3 +204,25 @@ def test_verify_spread_over_processes_finds_what_one_worker_finds(tmp_path):
         assert r.missing == [ptxs[70].relative_to(node).as_posix()]
         assert r.unexpected == [f"{ptxs[5].parent.name}/stray.so"]
     assert reports[0].bytes_hashed == reports[1].bytes_hashed
+
+
+def test_the_verdict_is_judged_in_the_library_and_the_cli_returns_it(node):
+    """`verify` as a verb is one library call (prewarm.node.verdict.judge): a frozen verdict whose exit code and JSON
+    are what the CLI returns and prints; a modified entry makes it the integrity error's."""
+    import dataclasses
+
+    from prewarm.node.verdict import judge
+
+    clean = judge(node)
+    assert clean.ok and clean.exit_code == 0 and clean.will_hit is None and clean.server_dirs is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        clean.exit_code = 1  # type: ignore[misc]
+    cubin = _entry_files(node, ".cubin")[0]
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    cubin.write_bytes(bytes(data))
+    v = judge(node)
+    assert not v.ok and v.exit_code == IntegrityError.exit_code == v.report.exit_code
+    p = run_cli("verify", "--cache-dir", node, "--json", check=v.exit_code)
+    doc = json.loads(p.stdout)
+    assert doc["exit_code"] == v.exit_code and doc["ok"] is False and doc == json.loads(json.dumps(v.to_json()))

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from prewarm.bundle import INDEX, SIGNATURE
-from prewarm.cachedir import META, CacheDir
+from prewarm.shipping.bundle import INDEX, SIGNATURE
+from prewarm.shipping.cachedir import META, CacheDir
 from prewarm.errors import IntegrityError, SignatureError, StoreError, UnverifiedEntries
-from prewarm.install import install
-from prewarm.pack import pack
-from prewarm.signing import keygen
+from prewarm.shipping.install import install
+from prewarm.shipping.pack import pack
+from prewarm.shipping.signing import keygen
 
 from prewarm_helpers import FIXTURES, REPO, copy_cache, run_cli, synthetic_cache
 

@@ -1,7 +1,7 @@
 """vLLM 0.34.0's own KDA kernels (``prewarm.providers.vllm.kda``) planned for the H200 from the wheel's real kernel
 files (``build/vllm``, assembled by ``.ci/setup``), checked against independent traffic
 (``traffic.vllm_kda``: written from vLLM's Kimi-Linear layer, not from the provider) run through vLLM's
-own wrappers on fake tensors, compared by the key Triton computes for each request (``prewarm.probe.planned_keys``).
+own wrappers on fake tensors, compared by the key Triton computes for each request (``prewarm.building.probe.planned_keys``).
 No build: keys need none. No H200 recording of vLLM exists yet (README, Known limits).
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from traffic.closure import fresh_seed
-from prewarm import tritoncompat
-from prewarm.backends import get_target
-from prewarm.manifest import load
-from prewarm.plan import Compile, plan_for
-from prewarm.probe import planned_keys
+from prewarm.building import tritoncompat
+from prewarm.building.backends import get_target
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import Compile, plan_for
+from prewarm.building.probe import planned_keys
 from prewarm.providers.vllm import kda as vllm_kda
 from traffic import vllm_kda as vllm_traffic
 from prewarm.providers.capture import as_meta, launches_of
@@ -87,7 +87,7 @@ def runtime_compiles(calls) -> dict[str, Compile]:
 
 
 def not_planned(compiles: list[Compile], planned) -> str:
-    from prewarm.explain import explain
+    from prewarm.node.explain import explain
 
     _, p, keys = planned
     missing = [c for key, c in planned_keys(compiles).items() if key not in keys]
@@ -160,7 +160,7 @@ def test_the_bench_drives_independent_traffic_and_without_a_gpu_says_why_nothing
     import subprocess
     import sys
 
-    from prewarm.pack import pack
+    from prewarm.shipping.pack import pack
 
     script = REPO / "bench" / "vllm_traffic.py"
     imports = {n.module for n in ast.walk(ast.parse(script.read_text())) if isinstance(n, ast.ImportFrom)}

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from traffic.closure import fresh_seed
-from prewarm.backends import get_target
-from prewarm.manifest import load
-from prewarm.plan import plan_for
-from prewarm.probe import planned_keys
+from prewarm.building.backends import get_target
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import plan_for
+from prewarm.building.probe import planned_keys
 from test_vllm import not_planned, runtime_compiles
 from traffic import vllm_layer as traffic
 

@@ -13,8 +13,8 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
-from prewarm.build import build  # noqa: E402
-from prewarm.willhit import check  # noqa: E402
+from prewarm.building.build import build  # noqa: E402
+from prewarm.node.willhit import check  # noqa: E402
 
 TOY = FIXTURES / "toy-cuda.toml"
 ENV = {**os.environ, "PYTHONPATH": str(FIXTURES)}
@@ -76,7 +76,7 @@ def test_the_runtime_compiles_exactly_the_planned_keys(cache, tmp_path):
 def test_a_codegen_env_var_changes_every_key(cache):
     """TRITON_DEFAULT_FP_FUSION is in Triton's key even at its default value: a node that sets it misses."""
     path, _ = cache
-    code = f"from prewarm.willhit import check; r = check({str(TOY)!r}, {str(path)!r}); print(r.hits, r.misses)"
+    code = f"from prewarm.node.willhit import check; r = check({str(TOY)!r}, {str(path)!r}); print(r.hits, r.misses)"
     out = subprocess.run([sys.executable, "-c", code], env={**ENV, "TRITON_DEFAULT_FP_FUSION": "1"}, check=True,
                          capture_output=True, text=True).stdout
     assert out.split() == ["0", "11"]
@@ -92,7 +92,7 @@ def test_a_node_must_run_the_kernel_source_the_cache_was_built_from_line_for_lin
     shutil.copytree(FIXTURES / "prewarm_toy", pkg)
     src = (pkg / "kernels.py").read_text()
     (pkg / "kernels.py").write_text(src + "# a comment\n" if where == "end" else "# a comment\n" + src)
-    code = f"from prewarm.willhit import check; r = check({str(TOY)!r}, {str(path)!r}); print(r.hits, r.misses)"
+    code = f"from prewarm.node.willhit import check; r = check({str(TOY)!r}, {str(path)!r}); print(r.hits, r.misses)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=True,
                          capture_output=True, text=True).stdout
     assert out.split() == [str(hits), str(11 - hits)]

@@ -1,7 +1,7 @@
 """JIT modules past Triton: the C++/CUDA modules a serving library builds with nvcc at first use, into a cache dir of
 its own (sglang's ``load_jit`` modules, FlashInfer's JIT modules). prewarm plans them (the planner records each
 ``JitRequest`` a provider's calls reach), builds them without an accelerator through the library's own build code for
-the manifest's arch and this image's toolchain, packs them as bundles of their cache's layout (prewarm.layouts),
+the manifest's arch and this image's toolchain, packs them as bundles of their cache's layout (prewarm.shipping.layouts),
 installs them into the dir the server reads, and asks the library's own lookup whether a node would find each one.
 
 One small interface (:class:`JitLibrary`), one implementation per library, in its integration's folder
@@ -50,10 +50,10 @@ class Lookup:
 
 class JitLibrary(abc.ABC):
     name: str  # the request's library: its integration's name in prewarm.providers' registry
-    cache_layout: Any  # the prewarm.layouts.Layout its cache dir has (not imported: layouts reads this registry)
+    cache_layout: Any  # the prewarm.shipping.layouts.Layout its cache dir has (not imported: layouts reads this registry)
     env_var: str  # the variable that moves the dir the server reads
     hook_module: str  # the library's module whose import lets ``watch_builds`` hook it (the guard waits for it)
-    target_factor: str  # the factor of ``toolchain`` that names the GPU target (a device factor: prewarm.fingerprint)
+    target_factor: str  # the factor of ``toolchain`` that names the GPU target (a device factor: prewarm.node.fingerprint)
     # what prewarm.nodestamp watches to reuse ``toolchain``'s factors without importing the library: its packages
     # whose code computes them (walked, not imported), the variables only it reads (never learnt as ignorable)
     stamp_code: tuple[str, ...] = ()

@@ -60,8 +60,8 @@ class Integration:
 
 class Server(Integration, abc.ABC):
     """An integration that serves: what ``prewarm manifest`` reads from its launch line, and what its processes do
-    to the cache dirs (``verify --server``). Values go back as ``prewarm.manifestgen.Sourced`` (value, source) pairs;
-    ``cfg`` is a ``prewarm.manifestgen.ModelConfig`` (not imported here: manifestgen reads this registry)."""
+    to the cache dirs (``verify --server``). Values go back as ``prewarm.planning.manifestgen.Sourced`` (value, source) pairs;
+    ``cfg`` is a ``prewarm.planning.manifestgen.ModelConfig`` (not imported here: manifestgen reads this registry)."""
 
     version: ClassVar[str]  # the release whose source the defaults below were read from ("sglang 0.5.23")
     imports: ClassVar[str | None] = None  # the module a server process imports first (None: verify cannot ask it)

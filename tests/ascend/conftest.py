@@ -51,9 +51,9 @@ def toy_manifest(tmp_path) -> Path:
 def stand_in_bundle(tmp_path: Path) -> Path:
     """A bundle of one stand-in Ascend entry, built for ARCH under this process's toolchain (its fingerprint as
     `prewarm build` records it): for what install and the guard check against a node, not for its kernels."""
-    from prewarm import fingerprint
-    from prewarm.cachedir import CacheDir
-    from prewarm.pack import pack
+    from prewarm.node import fingerprint
+    from prewarm.shipping.cachedir import CacheDir
+    from prewarm.shipping.pack import pack
 
     build = tmp_path / "build"
     entry = build / "eTKeJ1R_GQfUT3rhySIydw3fON5j3RMY1z1xIQKapUk"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from conftest import ARCH, REPO, run_prewarm, write_manifest
 
-from prewarm import fingerprint, metrics
-from prewarm.cachedir import CacheDir
+from prewarm.node import fingerprint, metrics
+from prewarm.shipping.cachedir import CacheDir
 
 MANIFEST = REPO / "manifests" / "kimi-k3-ascend-a3-sglang.toml"
 PINNED = {  # kernel -> the constexprs and options its pin gives its one compile request
@@ -35,9 +35,9 @@ PINNED = {  # kernel -> the constexprs and options its pin gives its one compile
 APP = """
 import json
 import torch
-from prewarm import tritoncompat
-from prewarm.backends.npu import activate_offline
-from prewarm.guard import UncoveredBenchmark
+from prewarm.building import tritoncompat
+from prewarm.building.backends.npu import activate_offline
+from prewarm.node.guard import UncoveredBenchmark
 
 activate_offline({arch!r}, "A3")
 from sgl_kernel_npu.fla.kda_gate import fused_kda_gate_npu
@@ -134,7 +134,7 @@ def planned_manifest(path: Path, tuned: str | None) -> Path:
 
 WILL_HIT = """
 import json, sys
-from prewarm.willhit import check
+from prewarm.node.willhit import check
 for manifest in sys.argv[2:]:
     r = check(manifest, sys.argv[1], mode="offline")  # what verify --plan computes, for the offline target
     print(json.dumps({"compiles": len(r.results), "autotune": [a.to_json() for a in r.autotune]}), flush=True)

@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from prewarm import tritoncompat
-from prewarm.backends import npu
-from prewarm.plan import other_dtypes, other_int_classes
+from prewarm.building import tritoncompat
+from prewarm.building.backends import npu
+from prewarm.planning.plan import other_dtypes, other_int_classes
 
 
 def test_a_closed_request_is_what_triton_ascend_makes_for_the_other_dtype():

@@ -13,8 +13,8 @@ import pytest
 from traffic.closure import failure_report, planned_compiles, run_traffic, seeds
 from conftest import REPO
 
-from prewarm.backends import npu
-from prewarm.manifest import load
+from prewarm.building.backends import npu
+from prewarm.planning.manifest import load
 
 MANIFEST = REPO / "manifests" / "kimi-k3-ascend-a3.toml"
 CALLS_PER_SEED = 125  # x 4 seeds: 500 calls

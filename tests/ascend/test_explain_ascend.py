@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prewarm import tritoncompat
-from prewarm.explain import explain
-from prewarm.backends.npu import activate_offline
-from prewarm.plan import Compile
+from prewarm.building import tritoncompat
+from prewarm.node.explain import explain
+from prewarm.building.backends.npu import activate_offline
+from prewarm.planning.plan import Compile
 
 from conftest import ARCH
 

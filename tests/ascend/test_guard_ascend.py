@@ -12,7 +12,7 @@ import pytest
 import standin
 from conftest import ARCH, HERE, run_prewarm, write_manifest
 
-from prewarm import fingerprint
+from prewarm.node import fingerprint
 
 KERNELS = """
     [[kernels]]
@@ -21,7 +21,7 @@ KERNELS = """
 """
 APP = """
 import sys, torch
-from prewarm.backends.npu import activate_offline
+from prewarm.building.backends.npu import activate_offline
 import ascend_toy_kernels as k
 activate_offline({arch!r})
 k.add_kernel.warmup(torch.float32, torch.float32, torch.float32, 7, 4096, BS=64, grid=(1,))

@@ -6,7 +6,11 @@ import json
 import pytest
 from conftest import ARCH, REPO, TOY_COMPILES, run_prewarm, write_manifest
 
-from prewarm import fingerprint, lower, manifest, plan, tritoncompat
+from prewarm.node import fingerprint
+
+from prewarm.building import lower, tritoncompat
+
+from prewarm.planning import manifest, plan
 from prewarm.errors import BuildError, EnvironmentProblem
 
 

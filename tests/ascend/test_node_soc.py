@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import ARCH, run_prewarm, stand_in_bundle
 
-from prewarm import fingerprint
+from prewarm.node import fingerprint
 from prewarm.errors import FingerprintMismatch
 
 OTHER = "Ascend910B3"

@@ -14,8 +14,8 @@ import pytest
 import standin
 from conftest import ARCH, REPO, TOY_COMPILES, TOY_KERNELS, run_prewarm, write_manifest
 
-from prewarm import fingerprint
-from prewarm.cachedir import CacheDir
+from prewarm.node import fingerprint
+from prewarm.shipping.cachedir import CacheDir
 from prewarm.errors import EnvironmentProblem, FingerprintMismatch, WillMissError
 
 BOUNDARY = REPO / "tests" / "fixtures" / "cann"

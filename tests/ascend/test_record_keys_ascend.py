@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from conftest import ARCH
 
-from prewarm import tritoncompat
-from prewarm.backends import npu
-from prewarm.keys import compare
+from prewarm.building import tritoncompat
+from prewarm.building.backends import npu
+from prewarm.building.keys import compare
 
 
 def test_the_recorded_key_is_compiles_key_dir_and_names_the_soc():

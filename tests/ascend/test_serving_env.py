@@ -9,7 +9,9 @@ import sys
 import pytest
 from conftest import ARCH, run_prewarm, stand_in_bundle
 
-from prewarm import fingerprint, install
+from prewarm.node import fingerprint
+
+from prewarm.shipping import install
 
 SERVER = "import triton; print('serving')"  # the guard arms when the server imports triton
 

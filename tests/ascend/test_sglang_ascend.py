@@ -15,10 +15,12 @@ import pytest
 from traffic.closure import fresh_seed
 from conftest import REPO
 
-from prewarm import devices, tritoncompat
-from prewarm.backends import get_target
-from prewarm.manifest import load
-from prewarm.plan import expand_all, plan_for
+from prewarm import devices
+
+from prewarm.building import tritoncompat
+from prewarm.building.backends import get_target
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import expand_all, plan_for
 
 MANIFEST = REPO / "manifests" / "kimi-k3-ascend-a3-sglang.toml"
 CALLS_PER_SEED = 90
@@ -65,7 +67,7 @@ def test_independent_traffic_makes_only_planned_requests(planned, verdict, seed)
     """Every launch of the traffic is planned: a keyable kernel's specialization among the plan's compiles (0
     missing), an unkeyable one's among the will-fail verdict's requests; the verdict holds exactly the kernels the
     traffic could not key; both prefill layouts, decode and verify (each width, dense and ragged) ran."""
-    from prewarm.pins import pin_chooser
+    from prewarm.planning.pins import pin_chooser
     from prewarm.providers import capture
     from prewarm.providers.sglang import common
     from traffic import sglang_ascend as ascend_traffic

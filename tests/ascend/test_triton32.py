@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import standin
 
-from prewarm import fingerprint, tritoncompat
-from prewarm.backends import npu
+from prewarm.node import fingerprint
+
+from prewarm.building import tritoncompat
+from prewarm.building.backends import npu
 
 
 def test_triton_key_is_triton_ascends_own():

@@ -10,10 +10,12 @@ import re
 import pytest
 from conftest import REPO, run_prewarm
 
-from prewarm import devices, tritoncompat
-from prewarm.backends import get_target
-from prewarm.manifest import load
-from prewarm.plan import plan, resolve
+from prewarm import devices
+
+from prewarm.building import tritoncompat
+from prewarm.building.backends import get_target
+from prewarm.planning.manifest import load
+from prewarm.planning.plan import plan, resolve
 
 MANIFEST = REPO / "manifests" / "kimi-k3-ascend-a3-sglang.toml"
 RECURRENT = ("sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent:"

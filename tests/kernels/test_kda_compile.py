@@ -50,7 +50,7 @@ H, K, V = 2, 32, 32
 
 def _requests(call) -> set[str]:
     """The specialization data of every compile request ``call()`` makes (every autotune config; none compiled)."""
-    from prewarm import tritoncompat
+    from prewarm.building import tritoncompat
     from prewarm_kernels.launch import capture
 
     with capture() as launches:

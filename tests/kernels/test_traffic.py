@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prewarm.manifest import load
+from prewarm.planning.manifest import load
 from prewarm_kernels.kda.traffic import FLOATS, INDEX_DTYPES, Envelope, calls
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,9 @@ child process that imports a generator gets it on ``PYTHONPATH``.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 
 @dataclass
@@ -25,3 +26,36 @@ class Call:
     label: str
     run: Callable[[], object]
     options: dict = field(default_factory=dict)  # what this call drew (for the bench's JSON and the coverage check)
+
+
+class ServerTraffic:
+    """A server's traffic generator: its envelope ``s`` (the provider's spec reader's), its seeded draws, its device;
+    decode batches of every size up to ``s.max_batch``, each once before any twice. A subclass draws call ``i``."""
+
+    def __init__(self, s, rng: random.Random, device: str):
+        import torch
+
+        self.s, self.rng, self.device, self.torch = s, rng, device, torch
+        self.batches = cycle(rng, range(1, s.max_batch + 1))
+
+    def draw(self, i: int) -> Call:
+        raise NotImplementedError
+
+    def calls(self, n: int) -> Iterator[Call]:
+        for i in range(n):
+            yield self.draw(i)
+
+
+def cycle(rng: random.Random, values) -> Iterator:
+    """Seeded permutations of ``values``, one after the other: every value before any repeats."""
+    values = list(values)
+    while True:
+        rng.shuffle(values)
+        yield from list(values)
+
+
+def short(value) -> str:
+    """A drawn value for a call's label (a long list as its length)."""
+    if isinstance(value, list) and len(value) > 6:
+        return f"[{len(value)} values]"
+    return str(value).replace(" ", "")

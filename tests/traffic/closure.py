@@ -2,10 +2,10 @@
 
 Calls come from ``prewarm_kernels.kda.traffic`` (never from the planner's provider). Each runs through the public
 API on ``meta`` tensors inside a launch capture; each captured launch is then bound and specialized by the real JIT
-entry point (``warmup``, under whatever target is active) with compiles skipped, exactly as ``prewarm.plan.expand``
+entry point (``warmup``, under whatever target is active) with compiles skipped, exactly as ``prewarm.planning.plan.expand``
 does for a planned launch, but on the launch's own arguments: a view's pointer offset (its alignment class) is kept.
 Each autotuned launch's tuning key (and the key dir its kept result is looked up in) is computed as the plan's are
-(``prewarm.autotune.call_tuning``): a key the plan lacks is a benchmark on the node.
+(``prewarm.building.autotune.call_tuning``): a key the plan lacks is a benchmark on the node.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from prewarm import tritoncompat
-from prewarm.autotune import PlannedTuning, call_tuning
-from prewarm.manifest import Manifest
-from prewarm.plan import Compile, expand_all, plan
+from prewarm.building import tritoncompat
+from prewarm.building.autotune import PlannedTuning, call_tuning
+from prewarm.planning.manifest import Manifest
+from prewarm.planning.plan import Compile, expand_all, plan
 
 FIXED_SEEDS = [0, 1, 2]
 
@@ -79,8 +79,8 @@ def planned_compiles(m: Manifest) -> list[Compile]:
 
 def failure_report(m: Manifest, seed: int, t: Traffic, missed: list[Compile]) -> str:
     """What a reader needs to fix it: the calls the API refused (a kernel bug), then the missed requests grouped by
-    what tells them from the nearest planned request (``prewarm.explain``), with a count and an example call."""
-    from prewarm.explain import explain
+    what tells them from the nearest planned request (``prewarm.node.explain``), with a count and an example call."""
+    from prewarm.node.explain import explain
 
     lines = [f"{m.name}, seed {seed} (rerun: PREWARM_CLOSURE_SEED={seed}): {t.calls} calls, {t.launches} launches, "
              f"{len(t.compiles)} distinct compile requests; {len(missed)} would compile (not planned); "

@@ -41,8 +41,7 @@ from typing import Iterator
 from prewarm.providers.capture import index_tensor
 from prewarm.providers.sglang.common import read_spec
 
-from . import Call
-from .sglang_cuda import _cycle, _short
+from . import Call, cycle, short
 
 MAMBA_CHUNK = 64  # hf_text_config.mamba_chunk_size's default: the chunk the prefix cache tracks states at
 RMS_NORM_EPS = 1e-5
@@ -77,7 +76,7 @@ class _Traffic:
     def __init__(self, s, graphs: list[int], rng: random.Random):
         self.s, self.graphs, self.rng = s, graphs, rng
         # decode and verify batches: per path, every size once before any twice
-        self.batches = {kind: _cycle(rng, range(1, s.max_batch + 1)) for kind in ("decode", "target_verify")}
+        self.batches = {kind: cycle(rng, range(1, s.max_batch + 1)) for kind in ("decode", "target_verify")}
         self.kinds = [p for p in s.paths if p != "target_verify" or s.draft_widths]
 
     def draw(self, i: int) -> Call:
@@ -115,7 +114,7 @@ class _Traffic:
                 d["lens"] = [rng.randint(1, width) if ragged else width for _ in range(rows)]
                 d["ragged"] = ragged
                 d["accepted"] = [rng.randint(0, n - 1) for n in d["lens"]]  # last correct step per request
-        label = f"{kind}#{i}[" + ",".join(f"{k}={_short(v)}" for k, v in d.items() if k != "kind") + "]"
+        label = f"{kind}#{i}[" + ",".join(f"{k}={short(v)}" for k, v in d.items() if k != "kind") + "]"
         return Call(label, lambda: getattr(self, kind)(_Server(s, d)), d)
 
     # --- the paths --------------------------------------------------------------------------------------------

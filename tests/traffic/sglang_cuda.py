@@ -26,26 +26,22 @@ from typing import Iterator
 from prewarm.providers.capture import index_tensor
 from prewarm.providers.sglang.common import read_spec
 
-from . import Call
+from . import Call, ServerTraffic, cycle, short
 
 
 def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
     """``n`` seeded server-like calls of TritonKDAKernel within ``spec``'s envelope, tensors on ``device`` (the
     choices are drawn when a call is made, its tensors when it runs)."""
-    traffic = _Traffic(read_spec(spec), random.Random(seed), device)
-    for i in range(n):
-        yield traffic.draw(i)
+    yield from _Traffic(read_spec(spec), random.Random(seed), device).calls(n)
 
 
-class _Traffic:
+class _Traffic(ServerTraffic):
     def __init__(self, s, rng: random.Random, device: str):
-        import torch
         from sglang.srt.layers.attention.linear.kernels.kda_triton import TritonKDAKernel
 
-        self.s, self.rng, self.device, self.torch = s, rng, device, torch
+        super().__init__(s, rng, device)
         self.kernel = TritonKDAKernel()
-        self.batches = _cycle(rng, range(1, s.max_batch + 1))  # every size once before any twice
-        self.widths = _cycle(rng, s.draft_widths) if s.draft_widths else None
+        self.widths = cycle(rng, s.draft_widths) if s.draft_widths else None
         self.kinds = [p for p in s.paths if p != "target_verify" or s.draft_widths]
 
     def draw(self, i: int) -> Call:
@@ -81,7 +77,7 @@ class _Traffic:
             elif kind == "packed_decode":  # TritonKDAKernel.packed_decode: a and b in the shapes it documents
                 d["a"] = rng.choice(["[B, hK]", "[B, h, K]", "[B, 1, hK]"])
                 d["b"] = rng.choice(["[1, B, h]", "[B, 1, h]"])
-        label = f"{kind}#{i}[" + ",".join(f"{k}={_short(v)}" for k, v in d.items() if k != "kind") + "]"
+        label = f"{kind}#{i}[" + ",".join(f"{k}={short(v)}" for k, v in d.items() if k != "kind") + "]"
         return Call(label, lambda: getattr(self, kind)(d, dts), d)
 
     # --- tensors as sglang lays them out ----------------------------------------------------------------------
@@ -212,7 +208,7 @@ def sampling_calls(max_batch: int, seed: int, n: int, device: str) -> Iterator[C
     int32 ``top_ks`` and fp32 ``top_ps`` / ``min_ps`` (``sampling_batch_info.py``). The batch size is drawn from
     1..``max_batch`` like the KDA calls'."""
     rng = random.Random(seed)
-    batches = _cycle(rng, range(1, max_batch + 1))
+    batches = cycle(rng, range(1, max_batch + 1))
     for i in range(n):
         batch, min_p = next(batches), rng.random() < 0.3
         temps = [rng.uniform(0.3, 1.5) for _ in range(batch)]
@@ -234,17 +230,3 @@ def sampling_calls(max_batch: int, seed: int, n: int, device: str) -> Iterator[C
             return top_k_top_p_sampling_from_probs(probs.contiguous(), top_ks, top_ps, filter_apply_order="joint")
 
         yield Call(f"sample#{i}[batch={batch},min_p={min_p}]", run, {"kind": "sample", "batch": batch, "min_p": min_p})
-
-
-def _cycle(rng: random.Random, values) -> Iterator:
-    """Seeded permutations of ``values``, one after the other: every value before any repeats."""
-    values = list(values)
-    while True:
-        rng.shuffle(values)
-        yield from list(values)
-
-
-def _short(value) -> str:
-    if isinstance(value, list) and len(value) > 6:
-        return f"[{len(value)} values]"
-    return str(value).replace(" ", "")

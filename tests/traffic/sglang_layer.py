@@ -35,7 +35,7 @@ from typing import Iterator
 
 from prewarm.providers.capture import index_tensor
 from prewarm.providers.sglang.common import read_spec
-from traffic import Call
+from traffic import Call, cycle, short
 
 CHUNK = 64  # sglang's mamba chunk size (MambaAttnBackendBase.mamba_chunk_size's default): the track grid
 TRACK_INTERVAL = 256  # --mamba-track-interval's default
@@ -54,8 +54,8 @@ class _Traffic:
         import torch
 
         self.s, self.rng, self.device, self.torch = s, rng, device, torch
-        self.batches = {kind: _cycle(rng, range(1, s.max_batch + 1)) for kind in ("decode", "target_verify")}
-        self.widths = _cycle(rng, s.draft_widths) if s.draft_widths else None
+        self.batches = {kind: cycle(rng, range(1, s.max_batch + 1)) for kind in ("decode", "target_verify")}
+        self.widths = cycle(rng, s.draft_widths) if s.draft_widths else None
         self.kinds = [k for k, paths in (("extend", ("extend",)), ("decode", ("packed_decode", "decode")),
                                          ("target_verify", ("target_verify",)))
                       if set(paths) & set(s.paths) and (k != "target_verify" or s.draft_widths)]
@@ -93,7 +93,7 @@ class _Traffic:
                 d["lens"] = [rng.randint(1, width) for _ in range(batch)] if ragged else [width] * batch
                 d["accepted"] = [rng.randint(1, n) for n in d["lens"]]
                 d["seq_lens"] = [rng.randint(1, 100000) for _ in range(batch)]
-        label = f"{kind}#{i}[" + ",".join(f"{k}={_short(v)}" for k, v in d.items() if k != "kind") + "]"
+        label = f"{kind}#{i}[" + ",".join(f"{k}={short(v)}" for k, v in d.items() if k != "kind") + "]"
         return Call(label, lambda: self.run(d), d)
 
     # --- the server: pools, backend, layer ----------------------------------------------------------------------
@@ -312,17 +312,3 @@ class _Server:
             mamba_track_indices=self.index([self.free_slot(d, j) for j in range(bs)], torch.int64) if track else None,
             req_pool_indices=self.index(range(bs), torch.int64))
         return out
-
-
-def _cycle(rng: random.Random, values) -> Iterator:
-    """Seeded permutations of ``values``, one after the other: every value before any repeats."""
-    values = list(values)
-    while True:
-        rng.shuffle(values)
-        yield from list(values)
-
-
-def _short(value) -> str:
-    if isinstance(value, list) and len(value) > 6:
-        return f"[{len(value)} values]"
-    return str(value).replace(" ", "")

@@ -24,27 +24,22 @@ from typing import Iterator
 from prewarm.providers.capture import index_tensor
 from prewarm.providers.vllm.kda import read_spec
 
-from . import Call
+from . import Call, ServerTraffic
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 
 
 def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
     """``n`` seeded server-like forward calls of the layer's KDA part within ``spec``'s envelope."""
-    traffic = _Traffic(read_spec(spec), random.Random(seed), device)
-    for i in range(n):
-        yield traffic.draw(i)
+    yield from _Traffic(read_spec(spec), random.Random(seed), device).calls(n)
 
 
-class _Traffic:
+class _Traffic(ServerTraffic):
     def __init__(self, s, rng: random.Random, device: str):
         import importlib
 
-        import torch
-
-        self.s, self.rng, self.device, self.torch = s, rng, device, torch
+        super().__init__(s, rng, device)
         self.kda = importlib.import_module(KDA)
-        self.batches = _cycle(rng, range(1, s.max_batch + 1))
         kinds = []
         if "prefill" in s.paths:
             kinds += ["prefill"]
@@ -146,12 +141,3 @@ class _Traffic:
             self.kda.fused_recurrent_kda_packed_decode(
                 mixed_qkv=packed_conv_out, raw_g=g1_ns, raw_beta=beta_ns, A_log=A_log, dt_bias=dt_bias,
                 lower_bound=s.lower_bound, initial_state=recurrent_state, state_indices=table[:B])
-
-
-def _cycle(rng: random.Random, values) -> Iterator:
-    """Every value once (in a seeded order) before any twice."""
-    values = list(values)
-    while True:
-        order = values[:]
-        rng.shuffle(order)
-        yield from order

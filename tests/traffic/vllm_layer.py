@@ -33,7 +33,7 @@ import random
 from typing import Iterator
 
 from prewarm.providers.capture import index_tensor
-from traffic import Call
+from traffic import Call, cycle
 
 KINDS = ("prefill", "chunked", "mixed", "decode", "decode_graph", "spec", "spec_ragged", "spec+decode",
          "spec+prefill")
@@ -71,7 +71,7 @@ class _Steps:
                  "spec_ragged": {"spec_verify"}, "spec+decode": {"spec_verify"},
                  "spec+prefill": {"spec_verify", "prefill"}}
         self.kinds = [k for k in KINDS if needs[k] <= paths and (self.num_spec or not k.startswith("spec"))]
-        self.counts = _cycle(rng, range(1, self.max_seqs + 1))
+        self.counts = cycle(rng, range(1, self.max_seqs + 1))
         self.layers = {}
 
     # --- the layer as the model builds it, its state as the runner binds it --------------------------------------
@@ -263,11 +263,3 @@ def _lengths(rng: random.Random, n: int, budget: int) -> list[int]:
         return [budget]
     each = max(1, budget // n)
     return [rng.choice((1, 2, rng.randrange(1, each + 1), rng.randrange(1, each + 1) | 1)) for _ in range(n)]
-
-
-def _cycle(rng: random.Random, values) -> Iterator[int]:
-    """Seeded permutations of ``values`` one after another: every value within each len(values) draws."""
-    values = list(values)
-    while True:
-        rng.shuffle(values)
-        yield from values

@@ -110,7 +110,7 @@ NOT_PLANNED = {f"{fn}.{param}": how.removeprefix(NOT).strip() for fn, table in A
 
 @dataclass
 class Launch:
-    """One kernel launch as fla made it (what ``prewarm.plan`` reads from a provider)."""
+    """One kernel launch as fla made it (what ``prewarm.planning.plan`` reads from a provider)."""
 
     kernel: Any
     args: tuple
@@ -443,6 +443,6 @@ class _Tensors:
 
 
 def _name(kernel) -> str:
-    from prewarm import tritoncompat
+    from prewarm.building import tritoncompat
 
     return tritoncompat.jit_function(kernel).fn.__name__

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ... import layouts
+from ...shipping import layouts
 from ...errors import BuildError, EnvironmentProblem
 from ...jit import JitLibrary, JitRequest, Lookup, parse_arch
 

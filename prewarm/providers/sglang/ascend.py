@@ -36,7 +36,7 @@ The envelope (``[spec]``, :func:`prewarm.providers.sglang.common.read_spec`), an
   ``spec.sglang.mamba_pool_slots``, the window ``conv_kernel - 1 + draft - 1``, channels) as constexprs.
 
 Kernels triton-ascend cannot key (sglang 0.5.23's decode kernel and the o_norm's kernel on 3.2.0) are still launched
-here: the planner sets them apart as will-fail (``prewarm.plan``), it does not drop them.
+here: the planner sets them apart as will-fail (``prewarm.planning.plan``), it does not drop them.
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def prefill_lengths(max_tokens: int, heads: int, vector_cores: int) -> list[list
     count (sglang's kernels), and sgl-kernel-npu's ``l2norm_fwd`` over T x heads rows (``fla/l2norm.py``: the rows,
     ``cdiv(rows, 2048)`` blocks, ``cdiv(rows, vector cores)`` rows per core). One sequence of the fewest tokens
     reaching each combination of those classes, and packs of several sequences (a one-token tail, a ragged one)."""
-    from prewarm.tritoncompat import int_class
+    from prewarm.building.tritoncompat import int_class
 
     def cdiv(a: int, b: int) -> int:
         return -(a // -b)
@@ -474,6 +474,6 @@ def _arguments(launch) -> Iterator[tuple[str, object]]:
 
 
 def _kernel_name(launch) -> str:
-    from prewarm import tritoncompat
+    from prewarm.building import tritoncompat
 
     return tritoncompat.jit_function(launch.kernel).fn.__name__

@@ -26,9 +26,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from prewarm_kernels.spec import FLA_CALL_OPTIONS, SpecError, read_kda
+from prewarm_kernels.spec import SpecError
 
 from ..capture import fake_tensors
+from ..kdaspec import read_server_kda
 
 FLA_PACKAGE = "sglang.kernels.ops.attention.fla"
 # package -> the module whose prepare_chunk_indices its kernels' wrappers import (each reads cu_seqlens on the host)
@@ -101,21 +102,11 @@ def read_spec(spec: dict) -> SglangSpec:
         conv_kernel = 4 (the model's short conv kernel size)
 
     A bad value is a SpecError naming ``spec.<key>``."""
-    extra = spec.get("sglang", {})
-    read = read_kda({k: v for k, v in spec.items() if k != "sglang"})
+    read, extra = read_server_kda(
+        spec, "sglang", "sglang", tuple(PATHS), f"one of {', '.join(PATHS)} ([target] backend): sglang's KDA kernels",
+        {"qk_l2norm": "TritonKDAKernel always L2-normalises q and k in-kernel",
+         "fused_gate": "sglang's KDA backend always hands the raw gate with A_log and dt_bias"})
     backend = read["backend"]
-    if backend not in PATHS:
-        raise SpecError("backend", backend, f"one of {', '.join(PATHS)} ([target] backend): sglang's KDA kernels")
-    fla_only = sorted(set(spec.get("serving", {})) & set(FLA_CALL_OPTIONS))  # read_kda's; not silently ignored
-    if fla_only:
-        raise SpecError(f"serving.{fla_only[0]}", spec["serving"][fla_only[0]], "absent: an option of fla-core's "
-                        "KDA (prewarm.providers.fla.kda); sglang's are under [spec.sglang]")
-    for key, why in (("qk_l2norm", "TritonKDAKernel always L2-normalises q and k in-kernel"),
-                     ("fused_gate", "sglang's KDA backend always hands the raw gate with A_log and dt_bias")):
-        if not read[key]:
-            raise SpecError(f"serving.{key}", False, f"true (or absent): {why}")
-    if not isinstance(extra, dict):
-        raise SpecError("sglang", extra, "a table")
     known = sorted(("paths", "track_state") + BACKEND_KEYS[backend])
     unknown = sorted(set(extra) - set(known))
     if unknown:

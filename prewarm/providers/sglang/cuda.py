@@ -704,7 +704,7 @@ def _arguments(launch) -> Iterator[tuple[str, object]]:
 
 
 def _kernel_name(launch) -> str:
-    from prewarm import tritoncompat
+    from prewarm.building import tritoncompat
 
     return tritoncompat.jit_function(launch.kernel).fn.__name__
 

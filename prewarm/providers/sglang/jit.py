@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from ... import layouts
+from ...shipping import layouts
 from ...errors import BuildError, EnvironmentProblem
 from ...jit import JitLibrary, JitRequest, Lookup, nvcc_path, parse_arch
 

@@ -13,7 +13,7 @@ Cache dirs: ``import sglang`` (its package init calls ``sglang.srt.environ.redir
 anything else) sets ``TRITON_CACHE_DIR`` to ``$SGLANG_CACHE_DIR/triton`` (``~/.cache/sglang/triton``) where the
 variable is unset, and ``TORCHINDUCTOR_CACHE_DIR``, ``CUDA_CACHE_PATH``, ``TILELANG_CACHE_DIR`` and
 ``FLASHINFER_WORKSPACE_BASE`` beside it: a server started without the pre-launch job's environment then reads none of
-the installed cache. :attr:`Sglang.imports` is what ``verify --server sglang`` runs to see it (prewarm.serverenv).
+the installed cache. :attr:`Sglang.imports` is what ``verify --server sglang`` runs to see it (prewarm.node.serverenv).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import math
 from types import SimpleNamespace
 
 from ...errors import ManifestError
-from ...manifestgen import MIB, ModelConfig, Sourced, device_memory, flag_source, json_object_arg, positive_int, \
-    positive_int_arg
+from ...planning.manifestgen import (MIB, ModelConfig, Sourced, device_memory, flag_source, json_object_arg,
+    positive_int, positive_int_arg)
 from ..contract import Server
 
 VERSION = "sglang 0.5.23"

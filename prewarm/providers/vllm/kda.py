@@ -43,9 +43,10 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from prewarm_kernels.spec import FLA_CALL_OPTIONS, INDEX_DTYPES, SpecError, read_kda
+from prewarm_kernels.spec import INDEX_DTYPES, SpecError
 
 from ..capture import TensorCache, batch_sizes, fake_tensors, index_tensor, launches_of, misaligned
+from ..kdaspec import read_server_kda
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
@@ -127,20 +128,11 @@ def read_spec(spec: dict) -> VllmSpec:
     :func:`prewarm.providers.vllm.layer.geometries`. A bad value is a SpecError naming ``spec.<key>``."""
     from .layer import LAYER_KEYS
 
-    if not isinstance(spec.get("vllm", {}), dict):
-        raise SpecError("vllm", spec["vllm"], "a table")
-    extra = {k: v for k, v in spec.get("vllm", {}).items() if k not in LAYER_KEYS}
-    read = read_kda({k: v for k, v in spec.items() if k != "vllm"})
-    if read["backend"] not in (None, "cuda"):
-        raise SpecError("backend", read["backend"], "cuda ([target] backend): vLLM's KDA kernels for NVIDIA GPUs")
-    fla_only = sorted(set(spec.get("serving", {})) & set(FLA_CALL_OPTIONS))
-    if fla_only:
-        raise SpecError(f"serving.{fla_only[0]}", spec["serving"][fla_only[0]], "absent: an option of fla-core's "
-                        "KDA (prewarm.providers.fla.kda); vLLM's are under [spec.vllm]")
-    for key, why in (("qk_l2norm", "vLLM's Kimi-Linear layer always L2-normalises q and k in-kernel"),
-                     ("fused_gate", "vLLM's Kimi-Linear layer always hands the raw gate with A_log and dt_bias")):
-        if not read[key]:
-            raise SpecError(f"serving.{key}", False, f"true (or absent): {why}")
+    read, table = read_server_kda(
+        spec, "vllm", "vLLM", (None, "cuda"), "cuda ([target] backend): vLLM's KDA kernels for NVIDIA GPUs",
+        {"qk_l2norm": "vLLM's Kimi-Linear layer always L2-normalises q and k in-kernel",
+         "fused_gate": "vLLM's Kimi-Linear layer always hands the raw gate with A_log and dt_bias"})
+    extra = {k: v for k, v in table.items() if k not in LAYER_KEYS}
     unknown = sorted(set(extra) - set(VLLM_KEYS))
     if unknown:
         raise SpecError(f"vllm.{unknown[0]}", extra[unknown[0]],
@@ -401,6 +393,6 @@ def _tag(index: dict) -> str:
 
 
 def _kernel_name(launch) -> str:
-    from prewarm import tritoncompat
+    from prewarm.building import tritoncompat
 
     return tritoncompat.jit_function(launch.kernel).fn.__name__

@@ -18,8 +18,8 @@ import math
 import re
 
 from ...errors import ManifestError
-from ...manifestgen import GIB, NUMBER, Sourced, device_memory, flag_source, json_object_arg, positive_int, \
-    positive_int_arg
+from ...planning.manifestgen import (GIB, NUMBER, Sourced, device_memory, flag_source, json_object_arg, positive_int,
+    positive_int_arg)
 from ..contract import Server
 
 VERSION = "vLLM 0.34.0"
@@ -186,18 +186,16 @@ def _serving(args, argv, profile, arch: str):
     serving: dict[str, Sourced] = {}
     mode = args.performance_mode or "balanced"
     defaults = _defaults(profile, mode)
-    if args.max_num_seqs:
-        seqs = Sourced(args.max_num_seqs, flag_source(argv, "--max-num-seqs"))
-    elif defaults:
-        seqs = Sourced(defaults[0], f"{VERSION}'s default max_num_seqs {defaults[2]}")
-    else:
-        seqs = None
-    if args.max_num_batched_tokens:
-        tokens = Sourced(args.max_num_batched_tokens, flag_source(argv, "--max-num-batched-tokens"))
-    elif defaults:
-        tokens = Sourced(defaults[1], f"{VERSION}'s default max_num_batched_tokens {defaults[2]}")
-    else:
-        tokens = None
+
+    def given_or_default(value: int | None, flag: str, field: str, default: int) -> Sourced | None:
+        """The flag's value, else vLLM's default for the device (None: no device named)."""
+        if value:
+            return Sourced(value, flag_source(argv, flag))
+        return Sourced(defaults[default], f"{VERSION}'s default {field} {defaults[2]}") if defaults else None
+
+    seqs = given_or_default(args.max_num_seqs, "--max-num-seqs", "max_num_seqs", 0)
+    tokens = given_or_default(args.max_num_batched_tokens, "--max-num-batched-tokens", "max_num_batched_tokens", 1)
+    if tokens is None:
         notes.append("prefill token budget: not written (vLLM's --max-num-batched-tokens default depends on the "
                      "device: add it or name the device in --target); the provider's default applies")
 
@@ -263,7 +261,7 @@ def _layer_spec(args, argv, cfg, tp: int) -> dict:
     padded to the MLA attention page, the recurrent slot stride, the conv kernel and state dtype, custom_ops as vLLM
     completes them, the cache mode) and the layer's own dtypes (``[spec.dtypes]``: the gate and beta in the model
     dtype, fp32 A_log / dt_bias, the recurrent state per --mamba-ssm-cache-dtype)."""
-    from ...manifestgen import _activation
+    from ...planning.manifestgen import _activation
     from .layer import custom_ops_setting, padded_page, page_bytes
 
     heads = cfg.linear("num_heads", positive_int, "a positive integer (KDA heads, all ranks)")
