@@ -67,3 +67,11 @@ def test_every_relative_link_resolves(page):
 def test_the_readme_stays_a_page():
     """Reference goes under docs/: the README is what and why, the two commands, the pipeline and the servers."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def test_the_manifest_example_is_the_shipped_manifest():
+    """docs/manifest.md shows kimi-linear-h200.toml without its comments: the same values, so it cannot drift."""
+    import tomllib
+
+    example = re.search(r"```toml\n(.*?)```", (ROOT / "docs" / "manifest.md").read_text(), re.S).group(1)
+    assert tomllib.loads(example) == tomllib.loads((ROOT / "manifests" / "kimi-linear-h200.toml").read_text())
