@@ -3,6 +3,7 @@ example, every option, the exit codes), every relative link must lead somewhere,
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,5 @@ def test_the_readme_stays_a_page():
 
 def test_the_manifest_example_is_the_shipped_manifest():
     """docs/manifest.md shows kimi-linear-h200.toml without its comments: the same values, so it cannot drift."""
-    import tomllib
-
     example = re.search(r"```toml\n(.*?)```", (ROOT / "docs" / "manifest.md").read_text(), re.S).group(1)
     assert tomllib.loads(example) == tomllib.loads((ROOT / "manifests" / "kimi-linear-h200.toml").read_text())
