@@ -98,7 +98,8 @@ def test_h200_proof_script_usage():
         p = subprocess.run(["bash", str(BENCH / "h200_proof.sh"), *args], cwd=REPO, capture_output=True, text=True,
                            env={**os.environ, "OUT": "/nonexistent-never-written"})
         assert p.returncode == 2, args
-        assert "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | dp-stall [BUNDLE]" in p.stderr
+        assert ("usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | sglang-layer DIR | dp-stall [BUNDLE] | "
+                "fla-tune | fla-offline | vllm-layer") in p.stderr
 
 
 def test_offline_autotune_without_a_gpu_installs_verifies_then_reports_why_nothing_ran(triton_cache, tmp_path):
