@@ -130,22 +130,6 @@ def add_seed_options(p: argparse.ArgumentParser, seeds: str, calls: int) -> None
     p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
 
 
-def add_server_path(p: argparse.ArgumentParser, package: str) -> None:
-    """``--PACKAGE-path DIR``: the server's package without installing it (e.g. the carried ``build/PACKAGE``)."""
-    p.add_argument(f"--{package}-path", help=f"dir holding the {package} package (e.g. the carried build/{package}), "
-                                             "put first on the measuring processes' PYTHONPATH")
-
-
-def server_path(p: argparse.ArgumentParser, given: str | None, package: str) -> str | None:
-    """``--PACKAGE-path`` resolved; a dir without the package is refused (exit 2, naming it)."""
-    if not given:
-        return None
-    path = Path(given).resolve()
-    if not (path / package).is_dir():
-        p.error(f"--{package}-path {path}: no {package} package there (expected DIR/{package}/, e.g. build/{package})")
-    return str(path)
-
-
 def parse_seed_options(p: argparse.ArgumentParser) -> argparse.Namespace:
     """Parse; outside the child, ``--seeds`` becomes a list and the options of :func:`add_seed_options` are checked
     (exit 2 naming the option)."""
@@ -316,6 +300,58 @@ def traffic_runs(script: Path, args: argparse.Namespace, bundle: Path, work: Pat
     log(f"coverage: {out['coverage']}")
 
 
+def traffic_start(args: argparse.Namespace, name: str) -> tuple[Path, Path, dict]:
+    """A traffic bench's start: its work dir ``WORK_DIR/name`` (made), the manifest's resolved path, and the head
+    of its JSON (``out``: manifest as given, bundles, calls per step, steps, runs)."""
+    work = Path(args.work_dir).resolve() / name
+    work.mkdir(parents=True, exist_ok=True)
+    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
+    return work, Path(args.manifest).resolve(), out
+
+
+def server_traffic_parser(doc: str, name: str, manifest: Path, package: str, calls: int,
+                          steps: int = 4) -> argparse.ArgumentParser:
+    """A server traffic bench's command line: :func:`bench_parser`'s, :func:`add_seed_options`' (seeds 1..5, ``calls``
+    per step, ``steps`` per process), and ``--PACKAGE-path DIR``: the server's package without installing it."""
+    p = bench_parser(doc, name, manifest=manifest)
+    add_seed_options(p, seeds="1,2,3,4,5", calls=calls)
+    p.set_defaults(steps=steps)
+    p.add_argument(f"--{package}-path", help=f"dir holding the {package} package (e.g. the carried build/{package}), "
+                                             "put first on the measuring processes' PYTHONPATH")
+    return p
+
+
+def server_traffic_start(p: argparse.ArgumentParser, args: argparse.Namespace, name: str,
+                         package: str) -> tuple[Path, Path, dict, Path, str | None]:
+    """A server traffic bench's start: ``--PACKAGE-path`` resolved (a dir without the package is refused: exit 2,
+    naming it), then :func:`traffic_start`'s work dir, manifest and JSON head, and the ``--bundle`` it installs
+    (:func:`bundle_for`, described in ``out["bundles"]["offline"]``)."""
+    server_dir = None
+    if given := getattr(args, f"{package}_path"):
+        server_dir = Path(given).resolve()
+        if not (server_dir / package).is_dir():
+            p.error(f"--{package}-path {server_dir}: no {package} package there (expected DIR/{package}/, "
+                    f"e.g. build/{package})")
+        server_dir = str(server_dir)
+    work, manifest, out = traffic_start(args, name)
+    bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
+    return work, manifest, out, bundle, server_dir
+
+
+def guard_env(node: Path, env: dict[str, str]) -> dict[str, str]:
+    """What a measuring process on ``node`` adds to ``env`` to run under ``prewarm guard`` as ``prewarm guard --``
+    starts it (its sitecustomize first on PYTHONPATH, warn, armed at import) with a fresh metrics file beside the
+    node dir, whose JIT build count the process reads back."""
+    from prewarm.node.guard import MODE
+    from prewarm.node.metrics import TEXTFILE
+    from prewarm.planning.record import hooked_pythonpath
+
+    site = hooked_pythonpath().split(os.pathsep)[0]
+    added = {MODE: "warn", TEXTFILE: str(node) + ".prom", "PYTHONPATH": os.pathsep.join((site, env["PYTHONPATH"]))}
+    Path(added[TEXTFILE]).unlink(missing_ok=True)
+    return added
+
+
 def result_header(manifest: Path) -> dict:
     """The first keys of a bench's JSON: which manifest (relative to the repo where it is in it), when."""
     return {"manifest": str(manifest.relative_to(REPO) if manifest.is_relative_to(REPO) else manifest),
@@ -466,6 +502,20 @@ def open_traffic(spec: dict, seed: int, n: int, device: str):
     from prewarm_kernels.kda.traffic import Envelope, calls
 
     return calls(Envelope.from_spec(spec), seed, n, device)
+
+
+def timed_steps(open_traffic, step, steps: int, probes: Probes) -> tuple[dict, object]:
+    """A measuring process's steps: ``traffic = open_traffic()`` (what it imports is part of the first step), then
+    ``steps`` times ``step(traffic)``. Returns the first step's wall seconds and the probes after it
+    (``first_step_s``, ``first_step``), and what the first ``step`` returned."""
+    t0 = time.perf_counter()
+    traffic = open_traffic()
+    first = step(traffic)
+    first_step_s = time.perf_counter() - t0
+    after_first = probes.snapshot()
+    for _ in range(steps - 1):
+        step(traffic)
+    return {"first_step_s": round(first_step_s, 3), "first_step": after_first}, first
 
 
 def run_calls(traffic, n: int, probes: Probes | None, sync) -> list[str]:

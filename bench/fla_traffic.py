@@ -20,7 +20,6 @@ process or the device build failed, and with ``--expect-zero`` if any process co
 from __future__ import annotations
 
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     REPO, Probes, add_seed_options, bench_parser, bundle_for, child_env, child_main, init_device, load_spec, log,
-    parse_seed_options, run_calls, run_child, seed_runs, write_json,
+    parse_seed_options, run_calls, run_child, seed_runs, timed_steps, traffic_start, write_json,
 )
 from traffic.fla_kda import calls  # noqa: E402
 
@@ -50,15 +49,10 @@ def child(args) -> dict:
                 drawn[option][str(value)] += 1
             yield call
 
-    t0 = time.perf_counter()
-    traffic = tallied(calls(spec, args.seed, args.calls * args.steps, "cuda"))  # imports fla: part of the first step
-    first = run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
-    first_step_s = time.perf_counter() - t0
-    after_first = probes.snapshot()
-    for _ in range(args.steps - 1):
-        run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
-    return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
-            "first_step_calls": first, **probes.snapshot(), **probes.details(),
+    first_step, first = timed_steps(lambda: tallied(calls(spec, args.seed, args.calls * args.steps, "cuda")),
+                                    lambda traffic: run_calls(traffic, args.calls, probes, torch.cuda.synchronize),
+                                    args.steps, probes)  # imports fla: part of the first step
+    return {"seed": args.seed, **first_step, "first_step_calls": first, **probes.snapshot(), **probes.details(),
             "options_drawn": {option: dict(sorted(values.items())) for option, values in sorted(drawn.items())}}
 
 
@@ -89,11 +83,8 @@ def main() -> int:
         return child_main(child, args)
     if not args.bundle and not args.device_runs:
         p.error("give --bundle (runs every seed on it), --device-runs N, or both")
-    work = Path(args.work_dir).resolve() / "fla"
-    work.mkdir(parents=True, exist_ok=True)
+    work, manifest, out = traffic_start(args, "fla")
     seeds = args.seeds
-    manifest = Path(args.manifest).resolve()
-    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
     if args.bundle:
         bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
         drive("offline", bundle, seeds, args, work, out)

@@ -25,17 +25,16 @@ benchmarked, ran unguarded, or the runs missed a batch size, a draft width or a 
 from __future__ import annotations
 
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO, Probes, add_seed_options, add_server_path, bench_parser, bundle_for, child_main, describe_bundle, init_device,
-    load_spec, parse_seed_options, server_path, traffic_env, traffic_runs,
+    REPO, Probes, child_main, init_device, load_spec, parse_seed_options, server_traffic_parser,
+    server_traffic_start, timed_steps, traffic_env, traffic_runs,
 )
-from sglang_traffic import _counting_jit, _install_jit, _jit_builds  # noqa: E402
+from sglang_traffic import _counting_jit, _install_jit, _jit_builds, _jit_bundles  # noqa: E402
 
 DEFAULT_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
 KINDS = ("extend", "decode", "target_verify")
@@ -61,15 +60,10 @@ def child(args) -> dict:
                 raise RuntimeError(f"the call {call.label!r} raised {type(e).__name__}: {e}") from e
         torch.cuda.synchronize()
 
-    t0 = time.perf_counter()
-    traffic = calls(spec, args.seed, args.calls * args.steps, "cuda")
-    step(traffic, args.calls)
-    first_step_s = time.perf_counter() - t0
-    after_first = probes.snapshot()
-    for _ in range(args.steps - 1):
-        step(traffic, args.calls)
-    return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
-            "calls": len(drawn), "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
+    first_step, _ = timed_steps(lambda: calls(spec, args.seed, args.calls * args.steps, "cuda"),
+                                lambda traffic: step(traffic, args.calls), args.steps, probes)
+    return {"seed": args.seed, **first_step, "calls": len(drawn),
+            "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
             "batch_sizes": {kind: sorted({d["batch"] for d in drawn if d["kind"] == kind}) for kind in KINDS[1:]},
             "draft_widths": sorted({d["width"] for d in drawn if "width" in d}),
             "extend": {"with_prefix": sum(any(d["prefix"]) for d in drawn if d["kind"] == "extend"),
@@ -96,9 +90,7 @@ def coverage(runs: list[dict], spec: dict) -> dict:
 
 
 def main() -> int:
-    p = bench_parser(__doc__, "sglang_layer_traffic", manifest=DEFAULT_MANIFEST)
-    add_seed_options(p, seeds="1,2,3,4,5", calls=48)
-    add_server_path(p, "sglang")
+    p = server_traffic_parser(__doc__, "sglang_layer_traffic", DEFAULT_MANIFEST, "sglang", calls=48)
     p.add_argument("--jit-bundle", action="append", default=[], metavar="LAYOUT=BUNDLE",
                    help="a bundle of modules past Triton (sglang-jit), installed per seed; the process runs under "
                         "the guard, which counts their builds")
@@ -108,14 +100,8 @@ def main() -> int:
     if not args.bundle or not args.jit_bundle:
         p.error("give --bundle (the manifest's Triton bundle, built and packed without a GPU) and --jit-bundle "
                 "sglang-jit=BUNDLE (sglang's modules, built in the node's image)")
-    work = Path(args.work_dir).resolve() / "sglang-layer"
-    work.mkdir(parents=True, exist_ok=True)
-    manifest = Path(args.manifest).resolve()
-    sglang_path = server_path(p, args.sglang_path, "sglang")
-    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
-    bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
-    jit_bundles = dict(pair.split("=", 1) for pair in args.jit_bundle)
-    out["jit_bundles"] = {layout: describe_bundle(Path(b)) for layout, b in jit_bundles.items()}
+    work, manifest, out, bundle, sglang_path = server_traffic_start(p, args, "sglang-layer", "sglang")
+    jit_bundles = _jit_bundles(args.jit_bundle, out)
 
     def said(run: dict) -> str:
         return (f"{run['compiles']} compiles, {run['autotune_benchmarks']} autotune benchmarks, JIT builds "

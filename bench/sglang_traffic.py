@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO, Probes, add_seed_options, add_server_path, bench_parser, bundle_for, child_main, describe_bundle, init_device,
-    load_spec, parse_seed_options, run_cli, server_path, traffic_env, traffic_runs,
+    REPO, Probes, child_main, describe_bundle, guard_env, init_device, load_spec, parse_seed_options, run_cli,
+    server_traffic_parser, server_traffic_start, timed_steps, traffic_env, traffic_runs,
 )
 
 DEFAULT_SGLANG_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
@@ -82,15 +81,10 @@ def child(args) -> dict:
                 raise RuntimeError(f"the call {call.label!r} raised {type(e).__name__}: {e}") from e
         torch.cuda.synchronize()
 
-    t0 = time.perf_counter()
-    traffic = calls(spec, args.seed, args.calls * args.steps, "cuda")  # imports sglang: part of the first step
-    step(traffic, args.calls)
-    first_step_s = time.perf_counter() - t0
-    after_first = probes.snapshot()
-    for _ in range(args.steps - 1):
-        step(traffic, args.calls)
-    return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
-            "calls": len(drawn), "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
+    first_step, _ = timed_steps(lambda: calls(spec, args.seed, args.calls * args.steps, "cuda"),  # imports sglang
+                                lambda traffic: step(traffic, args.calls), args.steps, probes)
+    return {"seed": args.seed, **first_step, "calls": len(drawn),
+            "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
             "batch_sizes": sorted({d["batch"] for d in drawn if "batch" in d}),
             "draft_widths": sorted({d["width"] for d in drawn if "width" in d}),
             "jit_calls": len(reached_jit), "jit_unavailable": dict(jit_unavailable),
@@ -157,9 +151,7 @@ def coverage(runs: list[dict], spec: dict) -> dict:
 
 
 def main() -> int:
-    p = bench_parser(__doc__, "sglang_traffic", manifest=DEFAULT_SGLANG_MANIFEST)
-    add_seed_options(p, seeds="1,2,3,4,5", calls=64)
-    add_server_path(p, "sglang")
+    p = server_traffic_parser(__doc__, "sglang_traffic", DEFAULT_SGLANG_MANIFEST, "sglang", calls=64)
     p.add_argument("--skip-jit", action="store_true", help="skip sglang's CUDA JIT packed decode instead of calling "
                                                            "it (what the planner does)")
     p.add_argument("--jit-bundle", action="append", default=[], metavar="LAYOUT=BUNDLE",
@@ -175,15 +167,8 @@ def main() -> int:
         return child_main(child, args)
     if not args.bundle:
         p.error("give --bundle: a bundle of the manifest, built and packed (on a CPU box, say)")
-    work = Path(args.work_dir).resolve() / "sglang"
-    work.mkdir(parents=True, exist_ok=True)
-    manifest = Path(args.manifest).resolve()
-    sglang_path = server_path(p, args.sglang_path, "sglang")
-    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
-    bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
-
-    jit_bundles = dict(pair.split("=", 1) for pair in args.jit_bundle)
-    out["jit_bundles"] = {layout: describe_bundle(Path(b)) for layout, b in jit_bundles.items()}
+    work, manifest, out, bundle, sglang_path = server_traffic_start(p, args, "sglang", "sglang")
+    jit_bundles = _jit_bundles(args.jit_bundle, out)
 
     def said(run: dict) -> str:
         return (f"{run['compiles']} compiles, {run['cache_hits']} disk hits, {run['calls']} calls "
@@ -209,6 +194,13 @@ def main() -> int:
     return 1 if failed or (args.expect_zero and (missed or built)) else 0
 
 
+def _jit_bundles(given: list[str], out: dict) -> dict[str, str]:
+    """The ``--jit-bundle LAYOUT=BUNDLE`` options as {layout: bundle}, each described in ``out["jit_bundles"]``."""
+    jit_bundles = dict(pair.split("=", 1) for pair in given)
+    out["jit_bundles"] = {layout: describe_bundle(Path(b)) for layout, b in jit_bundles.items()}
+    return jit_bundles
+
+
 def _install_jit(bundles: dict[str, str], node: Path, work: Path, env: dict, install: bool = True) -> dict:
     """Each JIT bundle installed for the process on ``node`` (sglang-jit: a fresh dir beside it; flashinfer-aot: the
     AOT dir of the FlashInfer that process imports, emptied first; ``install=False``: left empty); the process's added
@@ -217,13 +209,8 @@ def _install_jit(bundles: dict[str, str], node: Path, work: Path, env: dict, ins
     import shutil
 
     from prewarm import jit
-    from prewarm.node.guard import MODE
-    from prewarm.node.metrics import TEXTFILE
-    from prewarm.planning.record import hooked_pythonpath
 
-    site = hooked_pythonpath().split(os.pathsep)[0]  # prewarm guard's sitecustomize, as `prewarm guard --` puts it
-    added = {MODE: "warn", TEXTFILE: str(node) + ".prom", "PYTHONPATH": os.pathsep.join((site, env["PYTHONPATH"]))}
-    Path(added[TEXTFILE]).unlink(missing_ok=True)
+    added = guard_env(node, env)
     for layout, bundle in bundles.items():
         lib = jit.for_layout(layout)
         if lib.env_var:  # a dir the process is pointed at: a fresh one beside the node's

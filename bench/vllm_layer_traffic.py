@@ -23,42 +23,19 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (  # noqa: E402
-    REPO, Probes, add_seed_options, add_server_path, bench_parser, bundle_for, child_main, init_device, load_spec,
-    parse_seed_options, run_calls, server_path, traffic_env, traffic_runs,
-)
-
-DEFAULT_VLLM_MANIFEST = REPO / "manifests" / "kimi-linear-h200-vllm.toml"
+from vllm_traffic import drawn_steps, vllm_bench  # noqa: E402
 
 
 def child(args) -> dict:
     from traffic.vllm_layer import calls
 
-    torch = init_device()
-    probes = Probes()
-    spec = load_spec(Path(args.manifest))
-    drawn: list[dict] = []
-
-    def tallied(traffic):
-        for call in traffic:
-            drawn.append(call.options)
-            yield call
-
-    t0 = time.perf_counter()
-    traffic = tallied(calls(spec, args.seed, args.calls * args.steps, "cuda"))
-    run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
-    first_step_s = time.perf_counter() - t0
-    after_first = probes.snapshot()
-    for _ in range(args.steps - 1):
-        run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
-    return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
-            "calls": len(drawn), "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
+    head, drawn, probes = drawn_steps(args, calls)
+    return {**head, "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
             "request_counts": sorted({d["requests"] for d in drawn}), "pages": sorted({str(d["page"]) for d in drawn}),
             "graph_padded": sum(d["graph"] for d in drawn), "with_prefix": sum(bool(d["prefix"]) for d in drawn),
             **_jit_builds(), **probes.snapshot(), **probes.details()}
@@ -91,49 +68,13 @@ def coverage(runs: list[dict], spec: dict) -> dict:
                                          "request_counts": sorted(set(range(1, top + 1)) - counts)}.items() if v}}
 
 
-def main() -> int:
-    p = bench_parser(__doc__, "vllm_layer_traffic", manifest=DEFAULT_VLLM_MANIFEST)
-    add_seed_options(p, seeds="1,2,3,4,5", calls=64)
-    p.set_defaults(steps=5)
-    add_server_path(p, "vllm")
-    args = parse_seed_options(p)
-    if args.child:
-        return child_main(child, args)
-    if not args.bundle or args.device_runs:
-        p.error("give --bundle (a bundle of the manifest, built and packed without a GPU), no --device-runs")
-    vllm_path = server_path(p, args.vllm_path, "vllm")
-    work = Path(args.work_dir).resolve() / "vllm-layer"
-    work.mkdir(parents=True, exist_ok=True)
-    manifest = Path(args.manifest).resolve()
-    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
-    bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
-
-    def node_env(node: Path) -> dict:
-        from prewarm.node.guard import MODE
-        from prewarm.node.metrics import TEXTFILE
-        from prewarm.planning.record import hooked_pythonpath
-
-        env = traffic_env(work, node, vllm_path)
-        env.pop("VLLM_TRITON_FORCE_FIRST_CONFIG", None)  # vLLM's default: its autotuners benchmark
-        site = hooked_pythonpath().split(os.pathsep)[0]  # prewarm guard's sitecustomize, as `prewarm guard --` does
-        env |= {MODE: "warn", TEXTFILE: str(node) + ".prom",
-                "PYTHONPATH": os.pathsep.join((site, env["PYTHONPATH"]))}
-        Path(env[TEXTFILE]).unlink(missing_ok=True)
-        return env
-
-    def said(run: dict) -> str:
-        return (f"{run['compiles']} compiles, {run['autotune_benchmarks']} autotune benchmarks, JIT builds "
-                f"{run.get('jit_builds', '-')}, guarded {run.get('guarded')}, {run['cache_hits']} disk hits, "
-                f"{run['calls']} steps ({run['calls_by_kind']}), {len(run['request_counts'])} request counts, "
-                f"first step {run['first_step_s']} s")
-
-    traffic_runs(Path(__file__), args, bundle, work, out, node_env, lambda runs: coverage(runs, load_spec(manifest)),
-                 said)
-    failed = any("error" in r for r in out["runs"])
-    counted = any(r.get("compiles") or r.get("autotune_benchmarks") or r.get("jit_builds") or not r.get("guarded")
-                  for r in out["runs"])
-    return 1 if failed or (args.expect_zero and (out["coverage"]["missed"] or counted)) else 0
+def said(run: dict) -> str:
+    return (f"{run['compiles']} compiles, {run['autotune_benchmarks']} autotune benchmarks, JIT builds "
+            f"{run.get('jit_builds', '-')}, guarded {run.get('guarded')}, {run['cache_hits']} disk hits, "
+            f"{run['calls']} steps ({run['calls_by_kind']}), {len(run['request_counts'])} request counts, "
+            f"first step {run['first_step_s']} s")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(vllm_bench(Path(__file__), __doc__, "vllm_layer_traffic", "vllm-layer", 5, child, coverage, said,
+                        guarded=True))

@@ -27,15 +27,14 @@ process failed, and with ``--expect-zero`` if any process compiled or benchmarke
 from __future__ import annotations
 
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    REPO, Probes, add_seed_options, add_server_path, bench_parser, bundle_for, child_main, import_kernels,
-    init_device, load_spec, parse_seed_options, run_calls, server_path, traffic_env, traffic_runs,
+    REPO, Probes, child_main, guard_env, import_kernels, init_device, load_spec, parse_seed_options, run_calls,
+    server_traffic_parser, server_traffic_start, timed_steps, traffic_env, traffic_runs,
 )
 
 DEFAULT_VLLM_MANIFEST = REPO / "manifests" / "kimi-linear-h200-vllm.toml"
@@ -55,6 +54,14 @@ def paths_of(kind: str) -> list[str]:
 def child(args) -> dict:
     from traffic.vllm_kda import calls
 
+    head, drawn, probes = drawn_steps(args, calls)  # vLLM's import: in the first step
+    return {**head, **what_was_drawn(drawn), **probes.snapshot(), **probes.details()}
+
+
+def drawn_steps(args, calls) -> tuple[dict, list[dict], Probes]:
+    """A measuring process's steps of ``calls(spec, seed, n, device)`` (vLLM's import, where the calls make it: in
+    the first step): the seed, the first step's figures and the number of calls; each call's options as drawn; the
+    probes that counted them."""
     torch = init_device()
     probes = Probes()
     spec = load_spec(Path(args.manifest))
@@ -65,15 +72,10 @@ def child(args) -> dict:
             drawn.append(call.options)
             yield call
 
-    t0 = time.perf_counter()
-    traffic = tallied(calls(spec, args.seed, args.calls * args.steps, "cuda"))  # vLLM's import: in the first step
-    run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
-    first_step_s = time.perf_counter() - t0
-    after_first = probes.snapshot()
-    for _ in range(args.steps - 1):
-        run_calls(traffic, args.calls, probes, torch.cuda.synchronize)
-    return {"seed": args.seed, "first_step_s": round(first_step_s, 3), "first_step": after_first,
-            "calls": len(drawn), **what_was_drawn(drawn), **probes.snapshot(), **probes.details()}
+    first_step, _ = timed_steps(lambda: tallied(calls(spec, args.seed, args.calls * args.steps, "cuda")),
+                                lambda traffic: run_calls(traffic, args.calls, probes, torch.cuda.synchronize),
+                                args.steps, probes)
+    return {"seed": args.seed, **first_step, "calls": len(drawn)}, drawn, probes
 
 
 def what_was_drawn(drawn: list[dict]) -> dict:
@@ -114,39 +116,38 @@ def coverage(runs: list[dict], spec: dict) -> dict:
             "odd_prefill_lengths": len(odd), "missed": {k: v for k, v in missed.items() if v}}
 
 
-def main() -> int:
-    p = bench_parser(__doc__, "vllm_traffic", manifest=DEFAULT_VLLM_MANIFEST)
-    add_seed_options(p, seeds="1,2,3,4,5", calls=64)
-    p.set_defaults(steps=10)
-    add_server_path(p, "vllm")
+def said(run: dict) -> str:
+    return (f"{run['compiles']} compiles, {run['autotune_benchmarks']} autotune benchmarks, {run['cache_hits']} "
+            f"disk hits, {run['calls']} calls ({run['calls_by_kind']}), {len(run['decode_batch_sizes'])} decode "
+            f"batch sizes, index dtypes {run['index_dtypes']}, first step {run['first_step_s']} s")
+
+
+def vllm_bench(script: Path, doc: str, name: str, work_name: str, steps: int, child, coverage, said,
+               guarded: bool = False) -> int:
+    """A vLLM traffic bench's main (this one's and vllm_layer_traffic's): in a measuring process, ``child``; else,
+    on ``--bundle`` alone, per seed a fresh install and ``script --child`` with vLLM's default autotuning (and, where
+    ``guarded``, under prewarm guard, counting JIT builds), ``coverage(runs, spec)`` in the JSON, ``said(run)`` in the
+    log. Exits 1 where a process failed, and with ``--expect-zero`` where one compiled or benchmarked (``guarded``:
+    or built, or ran unguarded) or the runs missed coverage."""
+    p = server_traffic_parser(doc, name, DEFAULT_VLLM_MANIFEST, "vllm", calls=64, steps=steps)
     args = parse_seed_options(p)
     if args.child:
         return child_main(child, args)
     if not args.bundle or args.device_runs:
-        p.error("give --bundle (a bundle of the manifest, built and packed on a CPU box, say), no --device-runs")
-    vllm_path = server_path(p, args.vllm_path, "vllm")
-    work = Path(args.work_dir).resolve() / "vllm"
-    work.mkdir(parents=True, exist_ok=True)
-    manifest = Path(args.manifest).resolve()
-    out = {"manifest": args.manifest, "bundles": {}, "calls_per_step": args.calls, "steps": args.steps, "runs": []}
-    bundle, out["bundles"]["offline"] = bundle_for(args.bundle, manifest, work, args.timeout)
+        p.error("give --bundle (a bundle of the manifest, built and packed without a GPU), no --device-runs")
+    work, manifest, out, bundle, vllm_path = server_traffic_start(p, args, work_name, "vllm")
 
     def node_env(node: Path) -> dict:
         env = traffic_env(work, node, vllm_path)
         env.pop("VLLM_TRITON_FORCE_FIRST_CONFIG", None)  # vLLM's default: its autotuners benchmark
-        return env
+        return env | guard_env(node, env) if guarded else env
 
-    def said(run: dict) -> str:
-        return (f"{run['compiles']} compiles, {run['autotune_benchmarks']} autotune benchmarks, {run['cache_hits']} "
-                f"disk hits, {run['calls']} calls ({run['calls_by_kind']}), {len(run['decode_batch_sizes'])} decode "
-                f"batch sizes, index dtypes {run['index_dtypes']}, first step {run['first_step_s']} s")
-
-    traffic_runs(Path(__file__), args, bundle, work, out, node_env, lambda runs: coverage(runs, load_spec(manifest)),
-                 said)
+    traffic_runs(script, args, bundle, work, out, node_env, lambda runs: coverage(runs, load_spec(manifest)), said)
     failed = any("error" in r for r in out["runs"])
-    counted = any(r.get("compiles") or r.get("autotune_benchmarks") for r in out["runs"])
+    counted = any(r.get("compiles") or r.get("autotune_benchmarks") or
+                  guarded and (r.get("jit_builds") or not r.get("guarded")) for r in out["runs"])
     return 1 if failed or (args.expect_zero and (out["coverage"]["missed"] or counted)) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(vllm_bench(Path(__file__), __doc__, "vllm_traffic", "vllm", 10, child, coverage, said))

@@ -11,7 +11,7 @@ through ``forward_extend``), the hybrid backend's ``update_mamba_state_after_mtp
 ``o_norm``, on fake npu tensors (``prewarm.providers.sglang.common``), with every ``kernel[grid](...)`` captured,
 so each Triton launch is planned with the arguments the server passes. What cannot run off the node is stood in:
 the CANN ops (:func:`cann_ops`: outputs of the right shape and dtype), and the server objects the backend reads
-(:class:`_Pool`: the mamba pool as sglang's ``MambaPool`` lays it out on NPU; :class:`_Batch`: the fields of a
+(:class:`_Pool`: the mamba pool as sglang's ``MambaPool`` lays it out on NPU; ``common.Batch``: the fields of a
 ``ForwardBatch`` the forward paths read). The backend object is made without its constructor (which reads the
 server's published configuration) and given the attributes the constructors of ``MambaAttnBackendBase``,
 ``KDAAttnBackend`` and ``AscendKDAAttnBackend`` set (:func:`_backend`).
@@ -48,7 +48,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 from ..capture import batch_sizes, index_tensor, launches_of, misaligned
-from .common import SglangSpec, fake_device, read_spec
+from .common import Batch, MambaPoolView, SglangSpec, fake_device, hybrid_backend, read_spec
 
 CHUNK = 64  # the KDA chunk (tokens) of both prefill layouts
 LOG2_E = 1.4426950408889634  # the report-era cumsum's scale (exp2 gates)
@@ -184,20 +184,7 @@ class ReportEraExtendKernel:
 
 
 @dataclass
-class _Batch:
-    """The fields of sglang's ``ForwardBatch`` that the KDA backends' forward paths read (the scheduler fills them
-    on a node)."""
-
-    forward_mode: Any
-    batch_size: int
-    extend_prefix_lens: Any = None
-    extend_seq_lens_cpu: list | None = None
-    spec_info: Any = None
-    mamba_track_mask: Any = None
-
-
-@dataclass
-class _Pool:
+class _Pool(MambaPoolView):
     """sglang's hybrid request pool as the KDA backends read it, laid out as 0.5.23's ``MambaPool`` allocates it on
     NPU (``mem_cache/memory_pool.py``, ``hardware_backend/npu/memory_pool_npu.py``): conv ``[layers, slots, window,
     channels]`` (the window widened by draft - 1 under speculation), temporal ``[layers, slots, H, V, K]``, the
@@ -208,22 +195,6 @@ class _Pool:
     temporal: Any
     intermediate_ssm: Any
     mamba_map: dict = field(default_factory=dict)
-
-    @property
-    def mamba_pool(self):
-        return SimpleNamespace(mamba_cache=self._cache())
-
-    def _cache(self, layer: int | None = None):
-        pick = (lambda t: t) if layer is None else (lambda t: None if t is None else t[layer])
-        return SimpleNamespace(conv=[pick(self.conv)], temporal=pick(self.temporal),
-                               intermediate_ssm=pick(self.intermediate_ssm), replayssm_d=None, replayssm_k=None,
-                               replayssm_g=None)
-
-    def mamba2_layer_cache(self, layer_id: int):
-        return self._cache(self.mamba_map[layer_id])
-
-    def get_speculative_mamba2_params_all_layers(self):
-        return self._cache()
 
 
 def _import_backend():
@@ -351,8 +322,8 @@ class _Node:
                     def call(backend=backend, lengths=lengths, prefix=prefix):
                         T = sum(lengths)
                         for _, mixed, a, b in self.inputs(T, per_head_gate=True):
-                            batch = _Batch(ForwardMode.EXTEND, len(lengths), extend_seq_lens_cpu=list(lengths),
-                                           extend_prefix_lens=self.index([int(prefix)] * len(lengths)))
+                            batch = Batch(ForwardMode.EXTEND, len(lengths), extend_seq_lens_cpu=list(lengths),
+                                          extend_prefix_lens=self.index([int(prefix)] * len(lengths)))
                             backend.forward_metadata = self.metadata(lengths, tracked=False)
                             self.output(backend.forward_extend(self.layer, batch, mixed, a, b), T)
 
@@ -367,8 +338,8 @@ class _Node:
             for tracked in (False, True) if s.track_state else (False,):
                 def call(batch_size=batch_size, tracked=tracked):
                     for row, mixed, a, b in self.inputs(batch_size, per_head_gate=False):
-                        batch = _Batch(ForwardMode.DECODE, batch_size,
-                                       mamba_track_mask=self._track_mask(batch_size) if tracked else None)
+                        batch = Batch(ForwardMode.DECODE, batch_size,
+                                      mamba_track_mask=self._track_mask(batch_size) if tracked else None)
                         backend.forward_metadata = self.metadata([1] * batch_size, tracked)
                         core = backend.forward_decode(self.layer, batch, mixed, a, b)
                         self.output(core, batch_size)
@@ -391,7 +362,7 @@ class _Node:
                             spec = SimpleNamespace(draft_token_num=width,
                                                    ragged_verify_layout=object() if ragged else None)
                             for row, mixed, a, b in self.inputs(tokens, per_head_gate=True):
-                                batch = _Batch(ForwardMode.TARGET_VERIFY, batch_size, spec_info=spec)
+                                batch = Batch(ForwardMode.TARGET_VERIFY, batch_size, spec_info=spec)
                                 backend.forward_metadata = self.metadata(lengths, False, is_target_verify=True,
                                                                          draft_token_num=width)
                                 core = backend.forward_extend(self.layer, batch, mixed, a, b)
@@ -458,10 +429,7 @@ def _hybrid(linear_backend):
     """``AscendKDAHybridLinearAttnBackend`` around ``linear_backend`` (its full-attention half is not KDA's)."""
     from sglang.srt.hardware_backend.npu.attention.ascend_kda_backend import AscendKDAHybridLinearAttnBackend
 
-    full = SimpleNamespace(token_to_kv_pool=None, req_to_token_pool=linear_backend.req_to_token_pool,
-                           kv_index_translator=None, needs_cpu_seq_lens=False,
-                           use_captured_forward_metadata_for_breakable_cuda_graph=False)
-    return AscendKDAHybridLinearAttnBackend(full, linear_backend, [])
+    return hybrid_backend(AscendKDAHybridLinearAttnBackend, linear_backend)
 
 
 def _short(lengths: list[int]) -> str:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterator
+from types import SimpleNamespace
+from typing import Any, Iterator
 
 from prewarm_kernels.spec import SpecError
 
@@ -164,6 +165,54 @@ def read_spec(spec: dict) -> SglangSpec:
                       draft_widths=tuple(sorted(d for d in read["draft_widths"] if d > 1)),
                       max_prefill_tokens=read["max_prefill_tokens"] or MAX_PREFILL_TOKENS,
                       beta_row_strides=tuple(rows), **switches, **own)
+
+
+@dataclass
+class Batch:
+    """The fields of sglang's ``ForwardBatch`` that the KDA backends' forward paths read (the scheduler fills them
+    on a node)."""
+
+    forward_mode: Any
+    batch_size: int
+    extend_prefix_lens: Any = None
+    extend_seq_lens_cpu: list | None = None
+    spec_info: Any = None
+    mamba_track_mask: Any = None
+
+
+class MambaPoolView:
+    """What the KDA backends read of sglang's hybrid request pool, over a provider's ``conv``, ``temporal``,
+    ``intermediate_ssm`` tensors (all layers) and ``mamba_map`` (layer id -> layer index): the whole cache, one
+    layer's (views of each), the speculative parameters; no ReplaySSM buffers."""
+
+    @property
+    def mamba_pool(self):
+        return SimpleNamespace(mamba_cache=self._cache())
+
+    def _cache(self, layer: int | None = None):
+        pick = (lambda t: t) if layer is None else (lambda t: None if t is None else t[layer])
+        return SimpleNamespace(conv=[pick(self.conv)], temporal=pick(self.temporal),
+                               intermediate_ssm=pick(self.intermediate_ssm), replayssm_d=None, replayssm_k=None,
+                               replayssm_g=None, **self._cache_extras(pick))
+
+    def _cache_extras(self, pick) -> dict:
+        """A backend's further cache fields, each through ``pick`` (the whole tensor or one layer's)."""
+        return {}
+
+    def mamba2_layer_cache(self, layer_id: int):
+        return self._cache(self.mamba_map[layer_id])
+
+    def get_speculative_mamba2_params_all_layers(self):
+        return self._cache()
+
+
+def hybrid_backend(hybrid_class, linear_backend):
+    """``hybrid_class`` (the backend's ``HybridLinearAttnBackend``) around ``linear_backend``; its full-attention
+    half is not KDA's: a stand-in sharing the request pool."""
+    full = SimpleNamespace(token_to_kv_pool=None, req_to_token_pool=linear_backend.req_to_token_pool,
+                           kv_index_translator=None, needs_cpu_seq_lens=False,
+                           use_captured_forward_metadata_for_breakable_cuda_graph=False)
+    return hybrid_class(full, linear_backend, [])
 
 
 @dataclass

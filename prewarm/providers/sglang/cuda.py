@@ -51,7 +51,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 from ..capture import TensorCache, batch_sizes, index_tensor, launches_of, misaligned
-from .common import SglangSpec, fake_device, read_spec
+from .common import Batch, MambaPoolView, SglangSpec, fake_device, hybrid_backend, read_spec
 
 CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
 SMALL_GRID_CTAS = 256  # chunk_kda_fwd fuses diagonal + recompute when batch * chunks * heads <= this
@@ -576,21 +576,14 @@ class _Layer(TensorCache):
 
 
 @dataclass
-class _Batch:
-    """The fields of sglang's ``ForwardBatch`` that the KDA backend's forward paths read (the scheduler fills them
-    in a server)."""
+class _Batch(Batch):
+    """:class:`~.common.Batch` and the request pool indices (read on CUDA)."""
 
-    forward_mode: Any
-    batch_size: int
-    extend_prefix_lens: Any = None
-    extend_seq_lens_cpu: list | None = None
-    spec_info: Any = None
-    mamba_track_mask: Any = None
     req_pool_indices: Any = None
 
 
 @dataclass
-class _Pool:
+class _Pool(MambaPoolView):
     """sglang's hybrid request pool as the KDA backend reads it, laid out as 0.5.23's ``MambaPool`` allocates it on
     CUDA (``mem_cache/memory_pool.py``): conv ``[layers, slots, kernel - 1, channels]`` (KDA keeps the window first)
     in the activation dtype, temporal ``[layers, slots, H, V, K]`` in the state dtype (``slots`` =
@@ -632,22 +625,8 @@ class _Pool:
                     (phys.stride(0), phys.stride(1), layer.channels, layer.channels, 1))
         return pool
 
-    @property
-    def mamba_pool(self):
-        return SimpleNamespace(mamba_cache=self._cache())
-
-    def _cache(self, layer: int | None = None):
-        pick = (lambda t: t) if layer is None else (lambda t: None if t is None else t[layer])
-        return SimpleNamespace(conv=[pick(self.conv)], temporal=pick(self.temporal),
-                               intermediate_ssm=pick(self.intermediate_ssm),
-                               intermediate_conv_window=[pick(self.intermediate_conv_window)], replayssm_d=None,
-                               replayssm_k=None, replayssm_g=None)
-
-    def mamba2_layer_cache(self, layer_id: int):
-        return self._cache(self.mamba_map[layer_id])
-
-    def get_speculative_mamba2_params_all_layers(self):
-        return self._cache()
+    def _cache_extras(self, pick) -> dict:
+        return {"intermediate_conv_window": [pick(self.intermediate_conv_window)]}
 
     def translate_mamba_indices(self, mamba_indices):
         """Virtual to physical slots: the identity, as for sglang's pool outside unified memory."""
@@ -680,10 +659,7 @@ def _hybrid(linear_backend):
     """``HybridLinearAttnBackend`` around ``linear_backend`` (its full-attention half is not KDA's)."""
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 
-    full = SimpleNamespace(token_to_kv_pool=None, req_to_token_pool=linear_backend.req_to_token_pool,
-                           kv_index_translator=None, needs_cpu_seq_lens=False,
-                           use_captured_forward_metadata_for_breakable_cuda_graph=False)
-    return HybridLinearAttnBackend(full, linear_backend, [])
+    return hybrid_backend(HybridLinearAttnBackend, linear_backend)
 
 
 def _kernel():
