@@ -42,6 +42,7 @@ max_running_requests = 8
 [spec.sglang]
 paths = ["packed_decode"]
 beta_row_strides = [32]
+mamba_pool_slots = 9  # max_running_requests + sglang's padding slot
 sampling_backend = "pytorch"
 [[kernels]]
 provider = "prewarm.providers.sglang.cuda"
