@@ -36,7 +36,18 @@ The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda`
 The layer around those calls (:class:`_Layer`): ``KDAAttnBackend`` itself, driven as the server drives it, with the
 causal conv (prefill and decode/verify, its pool's slot count ``spec.sglang.mamba_pool_slots`` a constexpr), the
 radix cache's state tracking, the commit after a verify and the model's o_norm; :func:`geometry` says which pool
-dimensions reach the kernels and where a live server shows them.
+dimensions reach the kernels and where a live server shows them. The layer's inputs are Kimi-Linear's (q/k/v and beta
+as column views of its fused projection, row pitch ``spec.sglang.beta_row_strides``, or separate projections) in
+every path, verify included. CUDA graphs (``spec.serving.decode_batch_buckets``: ``--cuda-graph-bs``): the decode and
+the target-verify graph runners (chain and tree, each draft width) through the hybrid backend's
+``init_cuda_graph_state`` and ``init_forward_metadata_out_graph``, the layer captured at each bucket, then every
+replay's metadata, padded as the runner pads a smaller batch (:func:`replay_sizes`;
+``sglang.kernels.ops.mamba.mamba_state_indices_triton``). Around the layer, the server's own kernels for the same
+batches, each through the sglang function that launches it (the plan's labels name it): the model runner's extend
+positions (``runner.extend_positions``: ``sglang.kernels.ops.attention.position``), the mamba pool's fused slot
+clear / copy-on-write and its init warmup (``runner.mamba_slot_*``: ``sglang.srt.mem_cache.mamba_slot_fused``, as
+``MambaPool.clear_slots`` / ``copy_from`` call it) and the EAGLE worker's commit outputs (``eagle.verify_commit``:
+``sglang.kernels.ops.speculative.eagle.prepare_verify_commit_outputs``).
 
 Not planned (:data:`NOT_PLANNED`: sglang options that need a deployment's value or another kernel library, each
 refused by ``prewarm manifest`` where the launch line asks for it): ReplaySSM, the prefill CUDA graph, the
