@@ -72,3 +72,31 @@ def test_the_derived_pool_geometry_is_the_pools_sglang_lays_out(planned):
     assert derived["spec.sglang.mamba_pool_slots"] == cache.conv[0].shape[0]
     assert derived["conv pool slot stride"] == cache.conv[0].stride(0)
     assert derived["state pool slot stride"] == cache.temporal.stride(0)
+
+
+def test_the_plan_holds_the_servers_kernels_around_the_layer_and_every_graph_replay(planned):
+    """What the server launches for the same batches outside the KDA layer's own path is planned: the runner's extend
+    positions, the mamba pool's slot clear / copy-on-write, the EAGLE commit (chain at each draft width, with and
+    without the radix track interval; tree at each depth), and the CUDA-graph replay's slot-table refresh at every
+    --cuda-graph-bs bucket, for each padding class of the requests it serves (valid_bs 1, a multiple of 16, other)."""
+    from prewarm.building import tritoncompat
+    from prewarm.providers.sglang import common as sglang_env
+
+    m, p, _ = planned
+    s = sglang_env.read_spec(m.spec())
+    by_kernel: dict[str, list] = {}
+    for c in p.compiles:
+        by_kernel.setdefault(c.kernel.split(":")[1], []).append(tritoncompat.parse_specialization(c.specialization))
+    assert {"compute_position_kernel", "_fused_slot_clear_kernel", "_fused_slot_copy_kernel"} <= set(by_kernel)
+    commits = {(a.args["DRAFT_WIDTH"].value, a.args["INDEX_STRIDE_0"].value, a.args["TRACK_INTERVAL"].value)
+               for a in by_kernel["_verify_commit_outputs_kernel"]}
+    widths = s.draft_widths
+    assert {(w, w, t) for w in widths for t in (0, 256)} | {(0, d, 0) for d in range(2, max(widths) + 1)} <= commits
+    planned_replays = {(a.args["BS_UPPER"].value, a.int_classes["total_bs"][1], a.int_classes["valid_bs"][1])
+                       for a in by_kernel["_fused_replay_state_indices_kernel"]}
+    previous = 0
+    for bucket in s.graph_buckets:  # a batch of n requests replays the smallest bucket >= n, padded
+        for requests in range(previous + 1, bucket + 1):
+            want = (1 << (bucket - 1).bit_length(), tritoncompat.int_class(bucket), tritoncompat.int_class(requests))
+            assert want in planned_replays, (bucket, requests)
+        previous = bucket

@@ -66,6 +66,7 @@ class SglangSpec:
     dtypes: dict  # role (ROLES) -> dtype names
     paths: tuple  # TritonKDAKernel paths the deployment reaches (PATHS)
     max_batch: int  # the largest decode batch: max(largest graph bucket, max_running_requests)
+    graph_buckets: tuple  # --cuda-graph-bs: the decode / verify batch sizes the graph runner captures (sorted)
     draft_widths: tuple  # speculative draft token counts > 1
     max_prefill_tokens: int
     beta_row_strides: tuple  # per-token strides of raw beta as the model hands it over
@@ -162,6 +163,7 @@ def read_spec(spec: dict) -> SglangSpec:
     return SglangSpec(backend=backend, heads=h, head_k_dim=K, head_v_dim=read["head_v_dim"], layers=read["layers"],
                       lower_bound=read["gate_lower_bound"], dtypes={r: read["dtypes"][r] for r in ROLES},
                       paths=tuple(paths), max_batch=max(max_batch, 1),
+                      graph_buckets=tuple(sorted(set(read["decode_batch_buckets"]))),
                       draft_widths=tuple(sorted(d for d in read["draft_widths"] if d > 1)),
                       max_prefill_tokens=read["max_prefill_tokens"] or MAX_PREFILL_TOKENS,
                       beta_row_strides=tuple(rows), **switches, **own)
@@ -187,7 +189,7 @@ class MambaPoolView:
 
     @property
     def mamba_pool(self):
-        return SimpleNamespace(mamba_cache=self._cache())
+        return SimpleNamespace(mamba_cache=self._cache(), enable_linear_replayssm=False)
 
     def _cache(self, layer: int | None = None):
         pick = (lambda t: t) if layer is None else (lambda t: None if t is None else t[layer])
@@ -208,10 +210,12 @@ class MambaPoolView:
 
 def hybrid_backend(hybrid_class, linear_backend):
     """``hybrid_class`` (the backend's ``HybridLinearAttnBackend``) around ``linear_backend``; its full-attention
-    half is not KDA's: a stand-in sharing the request pool."""
+    half is not KDA's: a stand-in sharing the request pool, whose CUDA-graph state and metadata hooks do nothing."""
     full = SimpleNamespace(token_to_kv_pool=None, req_to_token_pool=linear_backend.req_to_token_pool,
                            kv_index_translator=None, needs_cpu_seq_lens=False,
-                           use_captured_forward_metadata_for_breakable_cuda_graph=False)
+                           use_captured_forward_metadata_for_breakable_cuda_graph=False,
+                           init_cuda_graph_state=lambda max_bs, max_num_tokens: None,
+                           init_forward_metadata_out_graph=lambda forward_batch, in_capture=False: None)
     return hybrid_class(full, linear_backend, [])
 
 

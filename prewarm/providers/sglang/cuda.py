@@ -36,7 +36,18 @@ The envelope (``[spec]``: the KDA serving spec, ``prewarm_kernels.spec.read_kda`
 The layer around those calls (:class:`_Layer`): ``KDAAttnBackend`` itself, driven as the server drives it, with the
 causal conv (prefill and decode/verify, its pool's slot count ``spec.sglang.mamba_pool_slots`` a constexpr), the
 radix cache's state tracking, the commit after a verify and the model's o_norm; :func:`geometry` says which pool
-dimensions reach the kernels and where a live server shows them.
+dimensions reach the kernels and where a live server shows them. The layer's inputs are Kimi-Linear's (q/k/v and beta
+as column views of its fused projection, row pitch ``spec.sglang.beta_row_strides``, or separate projections) in
+every path, verify included. CUDA graphs (``spec.serving.decode_batch_buckets``: ``--cuda-graph-bs``): the decode and
+the target-verify graph runners (chain and tree, each draft width) through the hybrid backend's
+``init_cuda_graph_state`` and ``init_forward_metadata_out_graph``, the layer captured at each bucket, then every
+replay's metadata, padded as the runner pads a smaller batch (:func:`replay_sizes`;
+``sglang.kernels.ops.mamba.mamba_state_indices_triton``). Around the layer, the server's own kernels for the same
+batches, each through the sglang function that launches it (the plan's labels name it): the model runner's extend
+positions (``runner.extend_positions``: ``sglang.kernels.ops.attention.position``), the mamba pool's fused slot
+clear / copy-on-write and its init warmup (``runner.mamba_slot_*``: ``sglang.srt.mem_cache.mamba_slot_fused``, as
+``MambaPool.clear_slots`` / ``copy_from`` call it) and the EAGLE worker's commit outputs (``eagle.verify_commit``:
+``sglang.kernels.ops.speculative.eagle.prepare_verify_commit_outputs``).
 
 Not planned (:data:`NOT_PLANNED`: sglang options that need a deployment's value or another kernel library, each
 refused by ``prewarm manifest`` where the launch line asks for it): ReplaySSM, the prefill CUDA graph, the
@@ -57,7 +68,9 @@ CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
 SMALL_GRID_CTAS = 256  # chunk_kda_fwd fuses diagonal + recompute when batch * chunks * heads <= this
 NT_BUCKETS = (32, 128)  # chunk_gated_delta_rule_fwd_h: NT_BUCKET 0 up to 32 chunks, 1 up to 128, 2 above
 # the backend's forward paths (:class:`_Layer`), each planned where spec.sglang.paths names a kernel path it reaches
-LAYER_PATHS = {"extend": ("extend",), "decode": ("packed_decode", "decode"), "target_verify": ("target_verify",)}
+LAYER_PATHS = {"extend": ("extend",), "decode": ("packed_decode", "decode"), "target_verify": ("target_verify",),
+               "decode_graph": ("packed_decode", "decode"), "verify_graph": ("target_verify",),
+               "runner": ("extend",), "verify_commit": ("target_verify",)}
 TRACK_INTERVAL = 256  # --mamba-track-interval's default: the verify commit's track grid (an int, not a constexpr)
 
 
@@ -124,6 +137,19 @@ def _spread(chunks: int, seqs: int) -> list[int]:
     """``seqs`` sequences of ``chunks`` chunks in all, each one token past a multiple of 64 (the fewest tokens)."""
     each, extra = divmod(chunks, seqs)
     return [CHUNK * (each + (i < extra) - 1) + 1 for i in range(seqs)]
+
+
+def replay_sizes(buckets: tuple) -> Iterator[tuple[int, list[int]]]:
+    """(bucket, request counts) of the CUDA-graph replays that stand for all: a batch of n requests replays the
+    smallest bucket >= n, padded; of the counts each bucket serves, one of each class Triton specializes the replay
+    kernel's ``valid_bs`` on (1, a multiple of 16, other)."""
+    previous = 0
+    for bucket in buckets:
+        classes: dict[int, int] = {}
+        for n in range(previous + 1, bucket + 1):
+            classes.setdefault(1 if n == 1 else 16 if n % 16 == 0 else 0, n)
+        yield bucket, sorted(classes.values())
+        previous = bucket
 
 
 def verify_token_counts(max_batch: int, width: int) -> Iterator[tuple[int, int]]:
@@ -569,6 +595,126 @@ class _Layer(TensorCache):
 
                 yield f"layer.target_verify[{self.tag},B={batch_size},ragged={ragged}]", call
 
+    def decode_graph(self):
+        """The decode CUDA graph runner (``DecodeCudaGraphRunner``) at each ``--cuda-graph-bs`` bucket
+        (:meth:`_graph`): forward_decode captured on the bucket's static metadata, then every replay's."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        if self.first:
+            yield from self._graph(ForwardMode.DECODE, 1, None)
+
+    def verify_graph(self):
+        """The target-verify CUDA graph runner (EAGLE's, ``--cuda-graph-bs`` buckets of ``draft`` tokens per request,
+        chain or tree; :meth:`_graph`): the verify captured on the bucket's static metadata (the tree's retrieve
+        tables are the backend's int32 per-bucket buffers), then every replay's."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        if self.draft:
+            spec = SimpleNamespace(draft_token_num=self.draft, ragged_verify_layout=None, retrieve_next_token=None)
+            yield from self._graph(ForwardMode.TARGET_VERIFY, self.draft, spec)
+
+    def _graph(self, mode, width: int, spec):
+        """One graph runner over a backend of its own: the hybrid backend's ``init_cuda_graph_state(max_bs, max_bs *
+        width)``, the runner's static int64 ``req_pool_indices`` / ``mamba_track_indices`` buffers, and per bucket
+        (with and without the radix cache's tracking) the capture, ``init_forward_metadata_out_graph(in_capture=True)``
+        and the layer's forward at the bucket's size, then ``init_forward_metadata_out_graph`` as each replay calls it
+        (``build_replay_fb_view``: ``num_padding`` = bucket - requests, for :func:`replay_sizes`); the replay's
+        ``_replay_metadata`` refreshes the captured slot table with ``fused_replay_state_indices``."""
+        import torch
+
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        s = self.s
+        if not s.graph_buckets:
+            return
+        backend = _backend(self.pool, self.device, topk=2 if self.tree else 1)
+        hybrid, max_bs, state = _hybrid(backend), s.graph_buckets[-1], {}
+        for bucket, requests in replay_sizes(s.graph_buckets):
+            def call(bucket=bucket, requests=requests):
+                if not state:  # the runner's buffers, made once
+                    hybrid.init_cuda_graph_state(max_bs, max_bs * width)
+                    state.update(rows=self.zeros(max_bs, dtype=torch.int64), track=self.zeros(max_bs,
+                                                                                              dtype=torch.int64))
+                for tracked in (False, True) if s.track_state else (False,):
+                    view = SimpleNamespace(batch_size=bucket, forward_mode=mode, spec_info=spec, seq_lens_cpu=None,
+                                           req_pool_indices=state["rows"][:bucket], num_padding=0,
+                                           mamba_track_indices=state["track"][:bucket] if tracked else None)
+                    hybrid.init_forward_metadata_out_graph(view, in_capture=True)
+                    tokens = bucket * width
+                    for _, mixed, a, b in self.inputs(tokens, per_head_gate=False):
+                        if mode == ForwardMode.DECODE:
+                            batch = _Batch(mode, bucket, mamba_track_mask=self._mask(bucket) if tracked else None)
+                            core = backend.forward_decode(self.layer, batch, mixed, a, b)
+                        else:
+                            batch = _Batch(mode, bucket, spec_info=spec, req_pool_indices=view.req_pool_indices)
+                            core = backend.forward_extend(self.layer, batch, mixed, a, b)
+                        self.output(core, tokens)
+                    for padded in sorted({bucket - r for r in requests}):
+                        view.num_padding = padded
+                        hybrid.init_forward_metadata_out_graph(view)
+
+            yield f"layer.{mode.name.lower()}_graph[{self.tag},bucket={bucket}]", call
+
+    def runner(self):
+        """The model runner's own kernels for an extend batch around the layer: ``ForwardBatch.init_new``'s extend
+        positions (``compute_position`` -> ``sglang.kernels.ops.attention.position.compute_position_triton``, int32
+        prefix and extend lengths) and, before the layers read the pool, ``ModelRunner._maybe_execute_deferred_mamba_
+        cow_and_clear``: ``MambaPool.clear_slots`` (fresh requests) and ``copy_from`` (a radix hit's copy-on-write)
+        through ``sglang.srt.mem_cache.mamba_slot_fused`` on the pool's conv tensors (where sglang fuses them: a
+        contiguous bf16 conv pool), with the copy ``MambaPool.__init__`` warms."""
+        import torch
+
+        from sglang.kernels.ops.attention.position import compute_position_triton
+        from sglang.srt.mem_cache import mamba_slot_fused
+
+        if not self.first:
+            return
+        lengths = [1, CHUNK + 3]
+
+        def positions():
+            compute_position_triton(self.index([0, CHUNK], torch.int32), self.index(lengths, torch.int32),
+                                    sum(lengths))
+
+        yield f"runner.extend_positions[{self.tag}]", positions
+        conv = self.pool.mamba_pool.mamba_cache.conv
+        if conv[0].dtype != torch.bfloat16:  # MambaPool._conv_fuse_ok: other conv dtypes take index_fill_ / copies
+            return
+        slots = lambda n, first: self.index(range(first, first + n), torch.int64)  # noqa: E731
+        desc = lambda: mamba_slot_fused.build_conv_slot_descriptor(conv)  # noqa: E731
+        yield (f"runner.mamba_slot_warmup[{self.tag}]",
+               lambda: mamba_slot_fused.warmup_fused_copy_conv_slots(desc()))
+        yield (f"runner.mamba_slot_clear[{self.tag}]",
+               lambda: mamba_slot_fused.fused_clear_conv_slots(desc(), slots(2, 1)))
+        yield (f"runner.mamba_slot_copy[{self.tag}]",
+               lambda: mamba_slot_fused.fused_copy_conv_slots(desc(), slots(2, 1), slots(2, 3)))
+
+    def verify_commit(self):
+        """The EAGLE worker's commit outputs after a verify (``eagle_worker_common``: ``prepare_verify_commit_outputs``
+        of ``sglang.kernels.ops.speculative.eagle`` over ``eagle_sample``'s int32 predict / accept index / accept
+        lengths and the batch's int64 seq_lens): a chain (topk 1) at its draft width, with and without the radix
+        cache's track interval; a tree (topk > 1) at each accept-index depth (``--speculative-num-steps`` + 1) up to
+        the draft width."""
+        import torch
+
+        from sglang.kernels.ops.speculative.eagle import prepare_verify_commit_outputs
+
+        if not self.draft:
+            return
+        width, batch = self.draft, self.s.max_batch
+        seq_lens = lambda: self.zeros(batch, dtype=torch.int64)  # noqa: E731
+        outputs = lambda depth: (self.zeros(batch * width, dtype=torch.int32),  # noqa: E731
+                                 self.zeros(batch, depth, dtype=torch.int32), self.zeros(batch, dtype=torch.int32))
+        if self.tree:
+            for depth in range(2, width + 1):
+                yield (f"eagle.verify_commit[{self.tag},depth={depth}]",
+                       lambda depth=depth: prepare_verify_commit_outputs(*outputs(depth), seq_lens()))
+            return
+        for tracked in (False, True) if self.s.track_state else (False,):
+            yield (f"eagle.verify_commit[{self.tag},track={tracked}]",
+                   lambda tracked=tracked: prepare_verify_commit_outputs(
+                       *outputs(width), seq_lens(), num_draft_tokens=width,
+                       mamba_track_interval=TRACK_INTERVAL if tracked else 0))
+
     def _mask(self, batch_size: int):
         import torch
 
@@ -606,11 +752,14 @@ class _Pool(MambaPoolView):
 
     @classmethod
     def allocate(cls, layer: "_Layer", draft: int, tree: bool) -> "_Pool":
+        import torch
+
         s, dt = layer.s, layer.dt
         h, K, V, L = s.heads, s.head_k_dim, s.head_v_dim, s.layers
         window = s.conv_kernel - 1
         requests = s.max_batch
         pool = cls(size=requests, mamba_map={i: i for i in range(L)},
+                   mapping=layer.zeros(requests + 1, dtype=torch.int32),
                    conv=layer.zeros(L, s.mamba_pool_slots, window, layer.channels, dtype=dt["activation"]),
                    temporal=layer.zeros(L, s.mamba_pool_slots, h, V, K, dtype=dt["state"]))
         if draft:
@@ -632,6 +781,18 @@ class _Pool(MambaPoolView):
         """Virtual to physical slots: the identity, as for sglang's pool outside unified memory."""
         return mamba_indices
 
+    # HybridReqToTokenPool's request -> mamba slot table (int32, one row per request slot) and its virtual ->
+    # physical table (None: the static pool's slots are physical); the graph replay gathers through them
+    mapping: Any = None
+    mamba_v2p_table: Any = None
+
+    @property
+    def req_index_to_mamba_index_mapping(self):
+        return self.mapping
+
+    def get_mamba_indices(self, req_indices):
+        return self.mapping[req_indices]
+
 
 def _backend(pool: _Pool, device: str, topk: int):
     """``KDAAttnBackend`` with the attributes its constructors set for ``--linear-attn-backend triton`` (every
@@ -650,7 +811,14 @@ def _backend(pool: _Pool, device: str, topk: int):
         token_to_kv_pool=None, enable_unified_memory=False, forward_metadata=None, _mamba_chunk_size=None,
         kernel_dispatcher=KDAKernelDispatcher(triton_backend, triton_backend, triton_backend),
         verify_intermediate_state_indices=build_verify_intermediate_state_indices(pool.size, device),
-        _fused_chain_verify_fn=None, accept_lens_pool=None, prefill_graph_metadata=None)
+        _fused_chain_verify_fn=None, accept_lens_pool=None, prefill_graph_metadata=None,
+        # the CUDA-graph state MambaAttnBackendBase.__init__ starts empty (init_cuda_graph_state fills it); on CUDA
+        # with the static HybridReqToTokenPool (identity translate) the replay takes fused_replay_state_indices
+        state_indices_list=[], query_start_loc_list=[], retrieve_next_token_list=[], retrieve_next_sibling_list=[],
+        retrieve_parent_token_list=[], mamba_track_indices_buf=None, replayssm_write_pos_list=None,
+        replayssm_force_flush_list=None, cached_cuda_graph_decode_query_start_loc=None,
+        cached_cuda_graph_verify_query_start_loc=None, _graph_seq_len_fill_value=1,
+        _fused_state_indices_ok=device == "cuda")
     backend.conv_states_shape = pool.conv[0].transpose(-1, -2).shape  # KDAAttnBackend.__init__: [.., dim, window]
     return backend
 
