@@ -2,7 +2,7 @@
 processes on installed bundles (H200).
 
     python3 bench/sglang_layer_traffic.py --bundle BUNDLE --jit-bundle sglang-jit=BUNDLE [--sglang-path DIR]
-        [--seeds 1,2,3,4,5] [--calls 48] [--steps 4] [--expect-zero] [--out JSON]
+        [--graph] [--seeds 1,2,3,4,5] [--calls 48] [--steps 4] [--expect-zero] [--out JSON]
 
 The traffic is ``tests/traffic/sglang_layer.py``: forwards of sglang 0.5.23's ``KDAAttnBackend`` (prefill with and
 without prefix state and with the radix cache's tracking, decode with its tracking, target verify dense, ragged,
@@ -11,6 +11,16 @@ provider (``prewarm.providers.sglang.cuda``); ``tests/test_sglang_layer.py`` run
 tensors against the plan. Every process draws decode and verify batch sizes as seeded permutations of 1..the
 manifest's largest batch; the JSON's ``coverage`` says which batch sizes (per forward mode) and draft widths the runs
 together saw, and what they missed.
+
+With ``--graph`` the traffic is ``tests/traffic/sglang_graph.py`` instead (``tests/test_sglang_graph.py`` runs it on
+fake tensors): the serving path around the same layer, written from sglang's CUDA graph runner, model runner and
+EAGLE worker: decode and target verify (chain and tree, draft widths 2-4) captured into real CUDA graphs per
+``--cuda-graph-bs`` bucket (``init_cuda_graph_state``, the capture-time metadata, a warm-up run, ``torch.cuda.graph``)
+and replayed padded to the bucket (the replay metadata's ``fused_replay_state_indices`` before each replay), eager
+verify, the projections as views of Kimi-Linear's fused projection, the mamba pool's slot clear / copy and extend
+positions before a prefill, the EAGLE verify commit (``prepare_verify_commit_outputs``) after a verify. Graph batch
+sizes are seeded permutations of 1..the largest bucket; ``coverage`` then says which sizes (per graph kind) were
+missed.
 
 Per seed (as ``bench/sglang_traffic.py`` does, whose installers this reuses): ``prewarm install BUNDLE`` into a fresh
 node dir, each ``--jit-bundle`` into a fresh dir beside it (sglang's JIT dir: ``SGLANG_JIT_CACHE_DIR``), then a fresh
@@ -38,10 +48,11 @@ from sglang_traffic import _counting_jit, _install_jit, _jit_builds, _jit_bundle
 
 DEFAULT_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
 KINDS = ("extend", "decode", "target_verify")
+GRAPH_KINDS = ("extend", "graph_decode", "graph_verify", "target_verify")  # --graph
 
 
 def child(args) -> dict:
-    from traffic.sglang_layer import calls
+    from traffic import sglang_graph, sglang_layer
 
     torch = init_device()
     probes = Probes()
@@ -60,11 +71,18 @@ def child(args) -> dict:
                 raise RuntimeError(f"the call {call.label!r} raised {type(e).__name__}: {e}") from e
         torch.cuda.synchronize()
 
-    first_step, _ = timed_steps(lambda: calls(spec, args.seed, args.calls * args.steps, "cuda"),
+    def traffic():
+        n = args.calls * args.steps
+        if args.graph:
+            return sglang_graph.calls(spec, args.seed, n, "cuda", graphs=True)
+        return sglang_layer.calls(spec, args.seed, n, "cuda")
+
+    first_step, _ = timed_steps(traffic,
                                 lambda traffic: step(traffic, args.calls), args.steps, probes)
     return {"seed": args.seed, **first_step, "calls": len(drawn),
             "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
-            "batch_sizes": {kind: sorted({d["batch"] for d in drawn if d["kind"] == kind}) for kind in KINDS[1:]},
+            "batch_sizes": {kind: sorted({d["batch"] for d in drawn if d["kind"] == kind})
+                            for kind in (GRAPH_KINDS if args.graph else KINDS)[1:]},
             "draft_widths": sorted({d["width"] for d in drawn if "width" in d}),
             "extend": {"with_prefix": sum(any(d["prefix"]) for d in drawn if d["kind"] == "extend"),
                        "tracked": sum(any(d["track_at"]) for d in drawn if d["kind"] == "extend"),
@@ -75,17 +93,22 @@ def child(args) -> dict:
             "jit_calls": len(reached_jit), **_jit_builds(), **probes.snapshot(), **probes.details()}
 
 
-def coverage(runs: list[dict], spec: dict) -> dict:
+def coverage(runs: list[dict], spec: dict, graph: bool = False) -> dict:
     """What the runs saw together, against the manifest's envelope."""
     from prewarm.providers.sglang.common import read_spec
 
+    from traffic.sglang_graph import capture_buckets
+
     s = read_spec(spec)
-    seen = {kind: set().union(*(r.get("batch_sizes", {}).get(kind, []) for r in runs)) for kind in KINDS[1:]}
+    kinds_run = GRAPH_KINDS if graph else KINDS
+    seen = {kind: set().union(*(r.get("batch_sizes", {}).get(kind, []) for r in runs)) for kind in kinds_run[1:]}
+    # an eager batch may hold up to the largest batch; a graph replay up to the largest bucket
+    most = {kind: capture_buckets(spec)[-1] if kind.startswith("graph_") else s.max_batch for kind in seen}
     widths = set().union(*(r.get("draft_widths", []) for r in runs))
     kinds = set().union(*(r.get("calls_by_kind", {}) for r in runs))
     return {"max_batch": s.max_batch, "draft_widths": list(s.draft_widths),
-            "kinds_missed": sorted(set(KINDS) - kinds),
-            "batch_sizes_missed": {kind: sorted(set(range(1, s.max_batch + 1)) - seen[kind]) for kind in seen},
+            "kinds_missed": sorted(set(kinds_run) - kinds),
+            "batch_sizes_missed": {kind: sorted(set(range(1, most[kind] + 1)) - seen[kind]) for kind in seen},
             "draft_widths_missed": sorted(set(s.draft_widths) - widths)}
 
 
@@ -94,6 +117,9 @@ def main() -> int:
     p.add_argument("--jit-bundle", action="append", default=[], metavar="LAYOUT=BUNDLE",
                    help="a bundle of modules past Triton (sglang-jit), installed per seed; the process runs under "
                         "the guard, which counts their builds")
+    p.add_argument("--graph", action="store_true",
+                   help="drive the serving path around the layer (tests/traffic/sglang_graph.py): real CUDA graphs "
+                        "captured and replayed, the runner's and the EAGLE worker's kernels")
     args = parse_seed_options(p)
     if args.child:
         return child_main(child, args)
@@ -112,8 +138,9 @@ def main() -> int:
         e = traffic_env(work, node, sglang_path)
         return e | _install_jit(jit_bundles, node, work, e)
 
-    traffic_runs(Path(__file__), args, bundle, work, out, env, lambda runs: coverage(runs, load_spec(manifest)),
-                 said, tuple(x for pair in args.jit_bundle for x in ("--jit-bundle", pair)))
+    traffic_runs(Path(__file__), args, bundle, work, out, env,
+                 lambda runs: coverage(runs, load_spec(manifest), args.graph), said,
+                 tuple(x for pair in args.jit_bundle for x in ("--jit-bundle", pair)) + ("--graph",) * args.graph)
     cov = out["coverage"]
     failed = any("error" in r for r in out["runs"])
     missed = bool(cov["kinds_missed"] or any(cov["batch_sizes_missed"].values()) or cov["draft_widths_missed"])

@@ -62,10 +62,22 @@ class _Traffic:
         self.server = None  # (key, _Server): the pools of the last server shape drawn
 
     def draw(self, i: int) -> Call:
+        return self.call(i, self.choose(self.rng.choice(self.kinds)))
+
+    def call(self, i: int, d: dict) -> Call:
+        label = f"{d['kind']}#{i}[" + ",".join(f"{k}={short(v)}" for k, v in d.items() if k != "kind") + "]"
+        return Call(label, lambda: self.run(d), d)
+
+    def roles(self, kind: str) -> dict:
+        """A call's forward mode, each role's dtype and beta's layout."""
         s, rng = self.s, self.rng
-        kind = rng.choice(self.kinds)
-        d = {"kind": kind, **{role: rng.choice(names) for role, names in s.dtypes.items()},
-             "beta_row": rng.choice(s.beta_row_strides)}
+        return {"kind": kind, **{role: rng.choice(names) for role, names in s.dtypes.items()},
+                "beta_row": rng.choice(s.beta_row_strides)}
+
+    def choose(self, kind: str) -> dict:
+        """What one call of ``kind`` draws (extend, decode, target_verify)."""
+        s, rng = self.s, self.rng
+        d = self.roles(kind)
         slots = s.mamba_pool_slots - 1  # slot 0 is the pool's padding slot
         if kind == "extend":
             seqs = rng.randint(1, min(s.max_batch, slots, s.max_prefill_tokens))
@@ -93,8 +105,7 @@ class _Traffic:
                 d["lens"] = [rng.randint(1, width) for _ in range(batch)] if ragged else [width] * batch
                 d["accepted"] = [rng.randint(1, n) for n in d["lens"]]
                 d["seq_lens"] = [rng.randint(1, 100000) for _ in range(batch)]
-        label = f"{kind}#{i}[" + ",".join(f"{k}={short(v)}" for k, v in d.items() if k != "kind") + "]"
-        return Call(label, lambda: self.run(d), d)
+        return d
 
     # --- the server: pools, backend, layer ----------------------------------------------------------------------
 
@@ -102,8 +113,11 @@ class _Traffic:
         key = (d["activation"], d["state"], d["gate_params"], d.get("width", 0), d.get("tree", False))
         if self.server is None or self.server[0] != key:
             self.server = None  # the previous pools go before the next are made (a GPU holds one set)
-            self.server = (key, _Server(self, d))
+            self.server = (key, self.make_server(d))
         return self.server[1]
+
+    def make_server(self, d: dict) -> "_Server":
+        return _Server(self, d)
 
     def run(self, d: dict):
         server = self.server_for(d)
@@ -279,7 +293,6 @@ class _Server:
         return self.finish(core, g)
 
     def target_verify(self, d: dict):
-        from sglang.kernels.ops.mamba.mamba_state_scatter_triton import fused_commit_track_indices
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         torch = self.torch
@@ -300,6 +313,15 @@ class _Server:
         batch = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, spec_info=spec,
                                 req_pool_indices=self.index(range(bs), torch.int64), mamba_track_mask=None)
         out = self.finish(self.backend.forward_extend(self.layer, batch, mixed, f, beta.unsqueeze(0)), g)
+        self.commit(d)
+        return out
+
+    def commit(self, d: dict):
+        """The state commit after a verify (spec_utils): the accepted steps, then the backend's scatter."""
+        from sglang.kernels.ops.mamba.mamba_state_scatter_triton import fused_commit_track_indices
+
+        torch = self.torch
+        width, bs = d["width"], len(d["slots"])
         # eagle_utils: accept_index [bs, width] int32 (flat draft rows, -1 past the accepted), accept_lens int32
         accept_index = self.index([[i * width + j if j < n else -1 for j in range(width)]
                                    for i, n in enumerate(d["accepted"])])
@@ -311,4 +333,3 @@ class _Server:
             last_correct_step_indices=last, mamba_steps_to_track=to_track, model=None,
             mamba_track_indices=self.index([self.free_slot(d, j) for j in range(bs)], torch.int64) if track else None,
             req_pool_indices=self.index(range(bs), torch.int64))
-        return out
