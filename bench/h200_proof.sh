@@ -8,6 +8,15 @@
 #   bash bench/h200_proof.sh jit DIR            # nvidia-h200: ~4 min
 #   bash bench/h200_proof.sh vllm-layer         # nvidia-h200: ~6 min
 #   bash bench/h200_proof.sh sglang-layer DIR   # nvidia-h200: ~5 min
+#   bash bench/h200_proof.sh keys               # nvidia-h200: ~1 min
+#   bash bench/h200_proof.sh tune MANIFEST...   # nvidia-h200: ~1-3 min a manifest
+#
+# PREWARM_TRITON_SITE=DIR runs any mode under a Triton the image lacks, unpacked into DIR by bench/carry_triton.sh
+# (put first on PYTHONPATH; the image's torch stays: Triton's key does not include torch).
+#
+# keys: bench/triton_keys.py on this GPU, launched and compiled target-only (compare with the CPU box's JSON).
+# tune: `prewarm tune` of each MANIFEST on this GPU into its own [target] tuned table (other devices' rows kept), with
+#   the server trees of build/ on the path; each table comes back in $OUT.
 #
 # traffic: bench/serving_traffic.py installs BUNDLE (a `prewarm pack` dir built on the CPU box) into a fresh node dir
 #   per process and runs 5 fresh processes of independent traffic (seeds from the clock, recorded in the JSON), then
@@ -58,9 +67,10 @@ work=${PREWARM_BENCH_WORK:-/tmp/prewarm-proof}
 py=${PYTHON:-python3}
 export PREWARM_BENCH_WORK=$work PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || ($mode == sglang-layer && -n $bundle) ||
-        $mode == dp-stall || $mode == fla-tune || $mode == fla-offline || $mode == vllm-layer ]]; then
+        $mode == dp-stall || $mode == fla-tune || $mode == fla-offline || $mode == vllm-layer || $mode == keys ||
+        ($mode == tune && -n $bundle) ]]; then
   echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | sglang-layer DIR | dp-stall [BUNDLE] | fla-tune |" \
-    "fla-offline | vllm-layer" >&2
+    "fla-offline | vllm-layer | keys | tune MANIFEST..." >&2
   exit 2
 fi
 mkdir -p "$out" "$work"
@@ -69,6 +79,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 11
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+
+if [ -n "${PREWARM_TRITON_SITE:-}" ]; then
+  export PYTHONPATH=$PREWARM_TRITON_SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+$py -c 'import torch, triton; print("h200_proof: torch", torch.__version__, "triton", triton.__version__, triton.__file__)'
 
 if [[ $bundle == *.tar ]]; then  # a bundle that came back from an earlier run as one file
   rm -rf "$work/carried" && mkdir -p "$work/carried" && tar -xf "$bundle" -C "$work/carried" || exit 1
@@ -198,6 +213,28 @@ case $mode in
       --calls 96 --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/sglang_layer_traffic.json" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     echo "h200_proof: layer traffic exit $rc, $SECONDS s" | tee -a "$log"
+    exit $rc
+    ;;
+  keys)
+    $py bench/triton_keys.py launch --out "$out/triton_keys_gpu.json" >/dev/null &&
+      $py bench/triton_keys.py compile --out "$out/triton_keys_gpu_compile.json" >/dev/null
+    rc=$?
+    $py -c 'import json, sys; a, b = (json.load(open(p)) for p in sys.argv[1:]); print("h200_proof: launch keys == compile keys:", a["kernel_keys"] == b["kernel_keys"], a["kernel_keys"], "modules", list(a["modules"]))' \
+      "$out/triton_keys_gpu.json" "$out/triton_keys_gpu_compile.json"
+    exit $rc
+    ;;
+  tune)
+    mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
+    export PYTHONPATH=$PYTHONPATH:$PWD/build/sglang:$PWD/build/vllm:$work/shim:$PWD
+    rc=0
+    for manifest in "${@:2}"; do
+      table=$($py -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["target"]["tuned"])' "$manifest")
+      table=$(dirname "$manifest")/$table
+      name=$(basename "$manifest" .toml)
+      $py -m prewarm.cli tune "$manifest" -o "$table" --workers 16 --cache-dir "$work/tune-$name" 2>&1 | tee "$out/tune-$name.log"
+      [ "${PIPESTATUS[0]}" = 0 ] && cp "$table" "$out/" || rc=1
+      echo "h200_proof: tune $manifest, $SECONDS s"
+    done
     exit $rc
     ;;
   dp-stall)
