@@ -2,12 +2,12 @@
 
 Run it on two machines and compare the JSON: the same key dirs mean one's cache serves the other. Used to check that
 the device image's torch beside a carried Triton computes the keys of a node that runs that Triton with the server's
-own torch (Triton's key does not include torch), and that a target-only compile on the CPU box gives the keys of a
-real launch. The kernel is toy-sized; its variants cover the specialization classes (an int equal to 1, divisible by
+own torch (Triton's key does not include torch), and that prewarm's target-only compile (its offline driver, Triton's
+own binder through ``warmup``) on the CPU box gives the keys of a real launch. The kernel is toy-sized; its variants cover the specialization classes (an int equal to 1, divisible by
 16, other; two constexpr values; fp32 and bf16 pointers).
 
     python bench/triton_keys.py launch  --out keys-gpu.json     # needs a GPU
-    python bench/triton_keys.py compile --out keys-cpu.json     # no GPU: GPUTarget("cuda", 90, 32)
+    python bench/triton_keys.py compile --out keys-cpu.json     # no GPU: prewarm's offline driver for sm_90
 """
 from __future__ import annotations
 
@@ -43,20 +43,13 @@ def main() -> int:
             x = torch.ones(n, dtype=getattr(torch, dtype), device="cuda")
             scale[(triton.cdiv(n, block),)](x, n, BLOCK=block)
             torch.cuda.synchronize()
-        else:
-            from triton.backends.compiler import GPUTarget
-            from triton.compiler import ASTSource
+        else:  # prewarm's offline path: a target-only driver, Triton's own binder through warmup
+            from prewarm.building import tritoncompat
+            from prewarm.building.backends.cuda import activate_offline
 
-            ptr = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype]
-            attrs = {(0,): [["tt.divisibility", 16]]}
-            constexprs = {(2,): block}
-            if n == 1:
-                constexprs[(1,)] = 1
-            elif n % 16 == 0:
-                attrs[(1,)] = [["tt.divisibility", 16]]
-            src = ASTSource(scale, {"x_ptr": ptr, "n": "constexpr" if n == 1 else "i32", "BLOCK": "constexpr"},
-                            constexprs, attrs)
-            triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            activate_offline("sm_90")
+            x = tritoncompat.mock_tensor(getattr(torch, dtype), [n])
+            tritoncompat.warmup(scale, (x, n), {"BLOCK": block}, grid=(1,))
     entries = {d: sorted(os.listdir(os.path.join(cache, d))) for d in sorted(os.listdir(cache))}
     report = {
         "mode": args.mode, "python": platform.python_version(), "triton": triton.__version__,
