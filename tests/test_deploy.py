@@ -157,8 +157,10 @@ def baked(tmp_path_factory) -> dict:
 
 def test_dockerfile_cuda_build_step_builds_packs_signs_and_verifies(baked):
     image: Image = baked["image"]
-    assert baked["found"] == ["build", "pack", "verify"]
-    assert baked["ran"] == baked["found"]
+    # the file verifies each dir past Triton against its bundle, then the Triton cache with the plan: this manifest
+    # reaches no module past Triton, so only the last ran
+    assert baked["found"] == ["build", "pack", "verify", "verify"]
+    assert baked["ran"] == ["build", "pack", "verify"]
     bundle = Path(image.path(baked["env"]["PREWARM_BUNDLE"]))
     index = json.loads((bundle / "index.json").read_text())
     assert index["entries"], "the baked bundle is empty"
