@@ -159,14 +159,14 @@ def assert_clean(p: subprocess.CompletedProcess, what: str) -> None:
 
 
 def small_manifest(shipped: Path, dest: Path, buckets: Sequence[int] = (1,)) -> Path:
-    """The shipped manifest with only ``buckets`` as decode batches (no prefill, no drafts): same target, model and
-    kernels (its own text, with `[spec.serving]` replaced)."""
+    """The shipped manifest with only ``buckets`` as decode batches (no prefill, no drafts): same target, model, server
+    settings and kernels (its own text, with `[spec.serving]`'s table replaced)."""
     text = shipped.read_text()
     name = tomllib.loads(text).get("name", shipped.stem)
     head, tail = text.split("[spec.serving]", 1)
     head = re.sub(r"^name = .*$", f'name = "{name}-deploy-test"', head, count=1, flags=re.M)
     serving = f"[spec.serving]\nprefill = false\ndecode_batch_buckets = {list(buckets)}\ndraft_widths = []\n\n"
-    dest.write_text(head + serving + tail[tail.index("[[kernels]]"):])
+    dest.write_text(head + serving + tail[re.search(r"^\[", tail, re.M).start():])  # from the next table on
     return dest
 
 
