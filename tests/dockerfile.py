@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import stat
 import subprocess
 import tomllib
@@ -160,22 +161,26 @@ def assert_clean(p: subprocess.CompletedProcess, what: str) -> None:
 
 def small_manifest(shipped: Path, dest: Path, buckets: Sequence[int] = (1,)) -> Path:
     """The shipped manifest with only ``buckets`` as decode batches (no prefill, no drafts): same target, model, server
-    settings and kernels (its own text, with `[spec.serving]`'s table replaced)."""
+    settings, kernels and autotune table (its own text, with `[spec.serving]`'s table replaced; the table copied
+    beside it)."""
     text = shipped.read_text()
     name = tomllib.loads(text).get("name", shipped.stem)
     head, tail = text.split("[spec.serving]", 1)
     head = re.sub(r"^name = .*$", f'name = "{name}-deploy-test"', head, count=1, flags=re.M)
     serving = f"[spec.serving]\nprefill = false\ndecode_batch_buckets = {list(buckets)}\ndraft_widths = []\n\n"
     dest.write_text(head + serving + tail[re.search(r"^\[", tail, re.M).start():])  # from the next table on
+    tuned = tomllib.loads(text).get("target", {}).get("tuned")
+    if tuned:  # its autotune table, which the manifest names relative to itself
+        shutil.copy2(shipped.parent / tuned, dest.parent / tuned)
     return dest
 
 
 def bake(image: Image, build_args: dict[str, str], manifest_override: Path | None = None,
-         base_path: str | None = None, **env: str) -> tuple[dict, list[str]]:
+         base_path: str | None = None, env: dict[str, str] | None = None) -> tuple[dict, list[str]]:
     """Run the Dockerfile's `prewarm` RUN lines of the stages ``build_args`` select, each with ``/bin/sh -c`` (as
     Docker) in the ARG/ENV values it sees (image paths mapped; ``base_path``: the base image's PATH, default this
-    process's; ``env``: more variables, as the base image's own), PREWARM_MANIFEST replaced by ``manifest_override``
-    where given; returns the final ENV and the verbs found in those lines."""
+    process's) over ``env`` (the base image's environment; default :func:`clean_env`), PREWARM_MANIFEST replaced by
+    ``manifest_override`` where given; returns the final ENV and the verbs found in those lines."""
     global_args, stages = read_dockerfile(DOCKERFILE)
     chain = stage_chain(global_args, stages, build_args)
     steps, final_env = walk(global_args, chain, build_args, base_path or os.environ["PATH"])
@@ -188,7 +193,7 @@ def bake(image: Image, build_args: dict[str, str], manifest_override: Path | Non
         while text.startswith("--"):  # RUN flags (--mount=type=secret,...)
             text = text.split(None, 1)[1]
         found += prewarm_verbs_in_shell(text)
-        run_env = clean_env(**env, **{k: image.path(v) for k, v in scope.items()})
+        run_env = {**(clean_env() if env is None else env), **{k: image.path(v) for k, v in scope.items()}}
         if manifest_override is not None:
             run_env["PREWARM_MANIFEST"] = str(manifest_override)
         run(["/bin/sh", "-c", image.path(text)], run_env, f"Dockerfile RUN {text[:80]}", cwd=image.root)

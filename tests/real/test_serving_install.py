@@ -89,7 +89,7 @@ def test_the_dockerfile_serving_stage_bakes_here_and_its_bundles_verify_clean_at
                 if server == "sglang" else None)  # vLLM: the shipped manifest, whole
     env = server_env(tmp_path / "home")
     final, found = bake(image, {"TARGET": "serving", "SERVING_MANIFEST": SERVERS[server]}, manifest,
-                        base_path=f"{logged}:{BIN}:{os.environ['PATH']}", **env)
+                        base_path=f"{logged}:{BIN}:{os.environ['PATH']}", env=env)
     layouts = {"sglang": ["flashinfer-aot", "sglang-jit"], "vllm": []}[server]  # the dirs past Triton its plan reaches
     assert found == ["build", "pack", "verify", "verify"]
     assert image.verbs_run() == ["build"] + ["pack"] * (1 + len(layouts)) + ["verify"] * (len(layouts) + 1)
