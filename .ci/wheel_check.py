@@ -18,9 +18,15 @@ The tests run against the source tree (an editable install); this checks what a 
    of every CUDA manifest in manifests/ (exit 0, or 12: will-fail, each such kernel named).
 5. Ascend: the sdist pip-installed into a fresh Python 3.11 venv sharing .venv-ascend's libraries the same way (the
    npu extra's torch_npu needs CANN, so no extra), then `prewarm plan` of every npu manifest.
+6. The serving images: into each server as pip installs it (.ci/setup's .venv-sglang, .venv-vllm, standing in for
+   the server's image, its python3 the image's), the Dockerfile's serving-image install line (TARGET=serving) with
+   the wheel of 1. as the one the image builds: prewarm's files are the wheel's and import from there, and every
+   distribution the server had keeps its version (prewarm adds, never changes, the server's environment). The tests
+   that run there (tests/real, from .ci/run) use this install.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -41,6 +47,7 @@ from prewarm.errors import WillFailError  # noqa: E402  (the checkout's, for its
 
 # where each package dir of the checkout installs
 PACKAGE_ROOTS = {"prewarm": "prewarm", "kernels": "prewarm_kernels"}
+SERVING_VENVS = [REPO / ".venv-sglang", REPO / ".venv-vllm"]  # the servers as pip installs them (.ci/setup)
 T0 = time.monotonic()
 
 
@@ -155,6 +162,37 @@ def plan_all(manifests: list[Path], cwd: Path, env: dict[str, str]) -> list[str]
     return done
 
 
+def distributions(python: Path) -> dict[str, str]:
+    """Every distribution installed for ``python``: {name: version}."""
+    code = ("import importlib.metadata as md, json\n"
+            "print(json.dumps({d.metadata['Name'].lower(): d.version for d in md.distributions()}))")
+    return json.loads(sh([str(python), "-c", code]).stdout)
+
+
+def serving_install(wheel: Path, in_wheel: set[str], venv: Path, work: Path, cwd: Path) -> str:
+    """The Dockerfile's serving-image install line run in ``venv`` (the server's image: its python3), ``wheel`` in
+    /opt/prewarm/dist (mapped to ``work``); prewarm's files must be the wheel's and no distribution of the server's
+    may change version. Returns what pip added."""
+    assert (venv / "bin" / "python3").exists(), f"{venv} missing: .ci/setup makes it (the server as pip installs it)"
+    python = venv / "bin" / "python3"
+    (work / "dist").mkdir(parents=True)
+    shutil.copy2(wheel, work / "dist")
+    sh([str(python), "-m", "pip", "uninstall", "-q", "-y", "prewarm"])  # a previous run's (same version: pip keeps it)
+    before = distributions(python)
+    env = user_env(venv, work / "home")
+    sh(dockerfile_install("serving").replace("/opt/prewarm", str(work)), cwd=cwd, env=env)
+    after = distributions(python)
+    changed = {n: f"{v} -> {after.get(n, 'removed')}" for n, v in before.items() if after.get(n) != v}
+    assert not changed, f"{venv.name}: the serving-image install changed the server's packages: {changed}"
+    site = Path(sh([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    record = next(site.glob("prewarm-*.dist-info")) / "RECORD"
+    installed = {n for n in (line.split(",")[0] for line in record.read_text().splitlines())
+                 if ".dist-info/" not in n and "__pycache__" not in n and not n.startswith("..")}
+    assert installed == in_wheel, f"{venv.name}: the serving-image install differs from the wheel: {installed ^ in_wheel}"
+    check_imports(venv, site, ["prewarm.cli"], cwd, env)
+    return " ".join(sorted(set(after) - set(before)))
+
+
 def say(what: str) -> None:
     print(f"wheel check [{time.monotonic() - T0:4.0f} s]: {what}", flush=True)
 
@@ -211,6 +249,11 @@ def main() -> None:
         say(f"the README's main job ends clean ({job[:60]}...)")
         manifests = shipped_manifests(user / "manifests")
         say(f"plan {' '.join(plan_all(manifests['cuda'], user, env))}")
+
+        for venv in SERVING_VENVS:
+            added = serving_install(wheel, in_wheel, venv, tmp / f"serving-{venv.name}", user)
+            say(f"{venv.name}: the Dockerfile's serving-image install = the wheel's files, the server's packages "
+                f"unchanged, added: {added}")
 
         # Ascend: the sdist into a fresh Python 3.11 venv, .venv-ascend's libraries shared
         ascend_python = Path(sh([str(REPO / ".venv-ascend" / "bin" / "python"), "-c",

@@ -1,5 +1,9 @@
-"""Errors that reach the user, each with its own exit code (the README's table is generated from EXIT_CODES)."""
+"""Errors that reach the user, each with its own exit code (the README's table is generated from EXIT_CODES), and how
+another library's exception reads inside one (:func:`describe`)."""
 from __future__ import annotations
+
+import os
+import sys
 
 
 class PrewarmError(Exception):
@@ -92,3 +96,24 @@ EXIT_CODES = {
     2: "bad command line (argparse)",
     **{cls.exit_code: " ".join(cls.__doc__.split()) for cls in PrewarmError.__subclasses__()},
 }
+
+
+def describe(e: BaseException) -> str:
+    """``Type: message`` of an exception caught from another library's code (a server's, Triton's). One whose message
+    is empty (vLLM's ``NotImplementedError()`` of a platform it could not detect) also says where it was raised: the
+    innermost frame of its traceback, as file:line (relative to its sys.path entry: the server's own path) and
+    function, since the type alone names no cause."""
+    text = str(e).strip()
+    if text:
+        return f"{type(e).__name__}: {text}"
+    tb = e.__traceback__
+    if tb is None:
+        return f"{type(e).__name__} (no message)"
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    path = os.path.abspath(code.co_filename)
+    roots = [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)]
+    root = max((r for r in roots if path.startswith(r + os.sep)), key=len, default=None)
+    where = os.path.relpath(path, root) if root else path
+    return f"{type(e).__name__} (no message), raised at {where}:{tb.tb_lineno} in {code.co_name}"

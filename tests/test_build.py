@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ sys.path.insert(0, str(FIXTURES))
 from prewarm.building.build import build  # noqa: E402
 from prewarm.shipping.cachedir import META, CacheDir  # noqa: E402
 from prewarm.cli import main  # noqa: E402
-from prewarm.errors import BuildError, EnvironmentProblem  # noqa: E402
+from prewarm.errors import BuildError, EnvironmentProblem, ManifestError  # noqa: E402
 
 TOY = FIXTURES / "toy-cuda.toml"
 
@@ -123,6 +124,65 @@ def test_failures_carry_the_compiler_message(tmp_path, capsys):
     assert bad["label"] == "broken_kernel BLOCK=48" and "power of 2" in bad["message"]
 
 
+# A provider standing in for a server whose import path raises an exception with no message (vLLM 0.34.0's
+# UnspecifiedPlatform.get_device_name on a box without NVML: `raise NotImplementedError`)
+SILENT_SERVER = """\
+def get_device_name():
+    raise NotImplementedError
+
+
+def launches(spec):
+    get_device_name()
+    yield from ()
+"""
+
+
+def test_an_exception_without_a_message_is_named_where_the_server_raised_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "silent_server.py").write_text(SILENT_SERVER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(TOY.read_text().replace("prewarm_toy.provider", "silent_server"))
+    for verb in (["plan", str(manifest)], ["build", str(manifest), "--cache-dir", str(tmp_path / "cache")]):
+        assert main(verb) == ManifestError.exit_code, verb
+        err = " ".join(capsys.readouterr().err.split())
+        assert ("launches(spec) failed: NotImplementedError (no message), raised at silent_server.py:2 in "
+                "get_device_name") in err, err
+    # the build failed inside its lock: the lock file is gone with it
+    assert not CacheDir(tmp_path / "cache").build_lock.exists()
+
+
+def test_a_build_leaves_no_lock_file_whether_it_ends_or_fails(built, tmp_path):
+    assert not CacheDir(built[0]).build_lock.exists()
+    assert main(["build", str(FIXTURES / "toy-broken.toml"), "--cache-dir", str(tmp_path)]) == BuildError.exit_code
+    assert not CacheDir(tmp_path).build_lock.exists()
+    assert (tmp_path / META).is_dir()  # what the build wrote stays
+
+
+def _hold_build_lock(root: str, inside: str) -> None:
+    """In a child process: take the dir's build lock and, while holding it, claim ``inside`` exclusively."""
+    with CacheDir(root).building():
+        fd = os.open(inside, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # FileExistsError: two holders at once
+        time.sleep(0.05)
+        os.close(fd)
+        os.unlink(inside)
+
+
+def test_the_build_lock_removed_at_each_release_still_admits_one_build_at_a_time(tmp_path):
+    """Eight processes contend for one dir's build lock: each removes the lock file before releasing it, and no two
+    hold it at once (a waiter that gets the removed file's lock takes the new file's instead)."""
+    import multiprocessing
+
+    (tmp_path / META).mkdir()
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_hold_build_lock, args=(str(tmp_path), str(tmp_path / "inside"))) for _ in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 8
+    assert not CacheDir(tmp_path).build_lock.exists()
+
+
 def test_device_mode_without_a_gpu_is_a_clear_error(tmp_path):
     with pytest.raises(EnvironmentProblem, match="no CUDA device visible"):
         build(TOY, tmp_path, mode="device")
@@ -130,7 +190,6 @@ def test_device_mode_without_a_gpu_is_a_clear_error(tmp_path):
 
 
 def test_unknown_mode_is_a_clear_error(tmp_path):
-    from prewarm.errors import ManifestError
     from prewarm.building.backends import get_target
 
     with pytest.raises(ManifestError, match="--mode: 'fast' is not one of offline, device, auto"):

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from filelock import FileLock
 from triton.runtime.cache import FileCacheManager
 
 from .. import __version__, jit
@@ -28,7 +27,7 @@ from ..shipping import layouts
 from .autotune import TableReport
 from .backends import Target, npu
 from ..shipping.cachedir import CacheDir
-from ..errors import EnvironmentProblem, FingerprintMismatch, ManifestError
+from ..errors import EnvironmentProblem, FingerprintMismatch, ManifestError, describe
 from ..jit import JitRequest, Lookup
 from ..planning.manifest import Manifest, load
 from ..planning.plan import Compile, WillFail, manifest_device, manifest_device_name, plan_for, resolve
@@ -146,12 +145,12 @@ def _compile(target: Target, kernel: str, specialization: str) -> tuple[str, str
         fn = resolve(kernel)
     except Exception as e:  # its module failed to import: fla, sglang ask the device at import
         hint = "" if target.device_profile else NO_DEVICE_HINT
-        return "failed", None, time.perf_counter() - start, f"{type(e).__name__}: {e}"[-4000:] + hint
+        return "failed", None, time.perf_counter() - start, describe(e)[-4000:] + hint
     try:
         target.compile(fn, specialization)
     except Exception as e:
         key = CountingCacheManager.lookups[0][0] if CountingCacheManager.lookups else None
-        return "failed", key, time.perf_counter() - start, f"{type(e).__name__}: {e}"[-4000:]
+        return "failed", key, time.perf_counter() - start, describe(e)[-4000:]
     seconds = time.perf_counter() - start
     if not CountingCacheManager.lookups:
         return "failed", None, seconds, "Triton did not look the kernel up (nothing was compiled)"
@@ -200,7 +199,7 @@ def build(
         raise EnvironmentProblem(f"--cache-dir {cache}: cannot create it: {e.strerror}") from e
     workers = max(1, workers or os.cpu_count() or 1)
     target = backends.get_target(m.backend, m.arch, mode, manifest_device(m))
-    with FileLock(str(layout.build_lock)):
+    with layout.building():
         target.prepare_build()
         start_workers()
         planned = plan_for(m, target)
@@ -268,7 +267,7 @@ def build_jit(m: Manifest, requests: list[JitRequest], target: Target, cache_dir
         out = CacheDir(root)
         out.meta.mkdir(parents=True, exist_ok=True)
         layouts.mark(root, lib.layout)
-        with FileLock(str(out.build_lock)):
+        with out.building():
             lookups = lib.build(group, root, target.arch)
             report.jit += lookups
             report.jit_dirs[lib.layout] = str(root)

@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import devices
 from ..building import tritoncompat
-from ..errors import ManifestError
+from ..errors import ManifestError, describe
 from ..jit import JitRequest
 from .manifest import KernelSource, Manifest
 from .record import RecordedKey, read
@@ -181,14 +181,14 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
     except ManifestError as e:
         raise ManifestError(f"{manifest.path}: {src.where}: {e}") from e
     except Exception as e:
-        raise ManifestError(f"{where}: cannot import it ({type(e).__name__}: {e}): expected an installed provider "
+        raise ManifestError(f"{where}: cannot import it ({describe(e)}): expected an installed provider "
                             f"module") from e
     try:
         launches = list(module.launches(manifest.spec()))
     except Exception as e:
         if hasattr(e, "key") and hasattr(e, "expected"):  # the provider's own check of [spec] named the key
             raise ManifestError(f"{manifest.path}: {e} (checked by {src.where}.provider = {src.ref!r})") from e
-        raise ManifestError(f"{where}: launches(spec) failed: {type(e).__name__}: {e}") from e
+        raise ManifestError(f"{where}: launches(spec) failed: {describe(e)}") from e
     out = []
     for n, launch in enumerate(launches):
         if isinstance(launch, JitRequest):

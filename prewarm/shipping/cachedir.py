@@ -4,7 +4,7 @@ Triton's key dirs below, sglang's JIT leaves, FlashInfer's AOT modules); everyth
 
     <cache>/<KEY>/                                  Triton's entries (key dirs); other top-level names are skipped
     <cache>/.prewarm/build-info.json                what `prewarm build` built here, and under which toolchain
-    <cache>/.prewarm/build.lock                     one build into the dir at a time
+    <cache>/.prewarm/build.lock                     one build into the dir at a time (there only while one runs)
     <cache>/.prewarm/install.lock                   one install at a time (every rank of a node may start one)
     <cache>/.prewarm/staging-<pid>-<rand>/<KEY>/    an install's staged entries: same filesystem, one rename into place
     <cache>/.prewarm/receipts/<index sha256>.json   what each install put here (verify and `prewarm ls` read them):
@@ -29,9 +29,10 @@ import json
 import os
 import stat
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from . import layouts
 from .bundle import (CHUNK, DIR_FLAGS, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index, is_group,
@@ -356,6 +357,21 @@ class CacheDir:
         self._loaded: dict[Path, tuple[tuple, Receipt]] = {}
         if layout is not None:
             self.__dict__["layout"] = layout
+
+    @contextmanager
+    def building(self) -> Iterator[None]:
+        """One build into the dir at a time: ``build.lock`` held for the body and removed before it is released,
+        whether the build ends or fails, so that no lock file is left for a reader to take as a stale lock (the
+        kernel drops a lock whose process died, so even a killed build never blocks the next one). Removing it is
+        race-free with filelock >= 4 (pyproject.toml): a build that waited on the removed file finds it unlinked once
+        it gets the lock, and takes a new one."""
+        from filelock import FileLock
+
+        with FileLock(str(self.build_lock)):
+            try:
+                yield
+            finally:
+                self.build_lock.unlink(missing_ok=True)
 
     @functools.cached_property
     def layout(self) -> layouts.Layout:
