@@ -12,9 +12,13 @@ Every figure names its source: ``measured`` (on the device, with :data:`MEASURE_
 """
 from __future__ import annotations
 
+import functools
+import os
+import re
 import sys
 import types
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import ManifestError
@@ -363,6 +367,7 @@ def activate(profile: DeviceProfile) -> None:
         _answer_npu(profile)
     if profile.backend != "cuda":
         return
+    provide_driver_library()
     import torch
 
     props = profile.torch_properties()
@@ -452,3 +457,114 @@ def _answer_npu(profile: DeviceProfile) -> None:
         setattr(module, name, fn)
     torch._register_device_module("npu", module)
     _NPU_MODULE[:] = [module]
+
+
+# --- the NVIDIA driver library and NVML, where no driver is installed ---------------------------------------------
+# A server's compiled extensions (sgl_kernel's common_ops, vllm._C) list libcuda.so.1 as needed and reference driver
+# entry points (``nm -D --undefined-only``: cuGetProcAddress_v2, cuPointerGetAttribute, ...); Python loads
+# extensions with RTLD_NOW, so on a box without the driver ``import sglang...`` / ``import vllm._C`` fails before a
+# kernel is planned. A CUDA profile (plan and build processes only) loads a stand-in libcuda.so.1 into its own process
+# first (RTLD_GLOBAL): the dynamic loader then satisfies any later need of libcuda.so.1 with it (by its soname), every
+# entry point answering CUDA_ERROR_NO_DEVICE (or CUDA_ERROR_STUB_LIBRARY: CUDA's own stub). Nothing else on the
+# machine sees it; torch.cuda's queries are answered above, not through it.
+
+DRIVER_LIBRARY = "libcuda.so.1"
+CUDA_ERROR_NO_DEVICE = 100
+# CUDA's own stub in a toolkit (a CUDA devel image has it), under $CUDA_HOME / $CUDA_PATH / /usr/local/cuda
+CUDA_STUBS = ("lib64/stubs/libcuda.so", "targets/x86_64-linux/lib/stubs/libcuda.so",
+              "targets/sbsa-linux/lib/stubs/libcuda.so")
+_DRIVER: dict[str, str] = {}  # "source": the driver library this process got (installed / the stub's path) or
+# "missing": why none could be provided
+
+
+def provide_driver_library() -> str:
+    """Make ``libcuda.so.1`` loadable in this process: the installed driver's where there is one, else CUDA's own
+    stub (:data:`CUDA_STUBS`), else :func:`driver_stub` built with the C compiler, loaded RTLD_GLOBAL. Returns what
+    this process has; where nothing could be provided, the empty string (:func:`unprovided` says why)."""
+    import ctypes
+
+    if "source" in _DRIVER:
+        return _DRIVER["source"]
+    try:
+        ctypes.CDLL(DRIVER_LIBRARY)
+        _DRIVER["source"] = "installed"
+        return "installed"
+    except OSError:
+        pass
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    found = [Path(r, s) for r in roots if r for s in CUDA_STUBS if Path(r, s).is_file()]
+    path = str(found[0]) if found else ""
+    if not path:
+        import shutil
+
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or shutil.which("cc")
+        if cc is None:
+            _DRIVER["missing"] = (f"no NVIDIA driver, no CUDA stub ({', '.join(CUDA_STUBS)} under $CUDA_HOME, "
+                                  f"$CUDA_PATH or /usr/local/cuda) and no C compiler (gcc, clang or $CC) to build one")
+            return ""
+        try:
+            path = os.path.join(driver_stub(cc), DRIVER_LIBRARY)
+        except Exception as e:
+            _DRIVER["missing"] = f"no NVIDIA driver and no CUDA stub; building one with {cc} failed: {e}"
+            return ""
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    _DRIVER["source"] = path
+    return path
+
+
+def driver_entry_points(header: Path) -> list[str]:
+    """Every driver API function ``header`` (a ``cuda.h``) declares, under each name the driver library exports for
+    it: as declared, and the versioned / per-thread-stream names its macros select (``cuMemAlloc_v2``,
+    ``cuMemcpyHtoD_v2_ptds``)."""
+    text = header.read_text()
+    names = set(re.findall(r"CUDAAPI\s+(cu[A-Z]\w*)\s*\(", text))
+    for wrap, target in re.findall(r"#define\s+cu[A-Z]\w*\s+(?:__CUDA_API_(PTDS|PTSZ)\(\s*)?(cu[A-Z]\w*)", text):
+        names.update({target, target + (f"_{wrap.lower()}" if wrap else "")})
+    return sorted(names)
+
+
+@functools.lru_cache()
+def driver_stub(cc: str) -> str:
+    """A dir (one per process and compiler, removed at exit) holding a stand-in ``libcuda.so.1`` built with ``cc``:
+    every entry point of Triton's copy of ``cuda.h`` (:func:`driver_entry_points`), each returning
+    CUDA_ERROR_NO_DEVICE. A library linked against the driver loads against it and finds no device."""
+    import atexit
+    import shutil
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia
+
+    header = Path(triton.backends.nvidia.__file__).parent / "include" / "cuda.h"
+    stub = tempfile.mkdtemp(prefix="prewarm-libcuda-")
+    atexit.register(shutil.rmtree, stub, ignore_errors=True)
+    source = "".join(f"int {name}(void) {{ return {CUDA_ERROR_NO_DEVICE}; }}\n"
+                     for name in driver_entry_points(header))
+    subprocess.run([cc, "-shared", "-fPIC", f"-Wl,-soname,{DRIVER_LIBRARY}", "-o", os.path.join(stub, DRIVER_LIBRARY),
+                    "-x", "c", "-"], input=source.encode(), check=True, capture_output=True)
+    return stub
+
+
+def unprovided(error: BaseException) -> str | None:
+    """Where ``error`` (or an exception it was raised from) is a shared library that could not be loaded (not found,
+    or a symbol it needs missing): the library and what this process's device view did or did not provide for it;
+    None for any other error."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found = re.search(r"([\w.+-]+\.so[\w.]*): cannot open shared object file|undefined symbol: (\w+)", str(error))
+        if found:
+            if found.group(1):
+                library = found.group(1)
+                what = f"{library} could not be loaded"
+            else:
+                library = ""
+                what = f"a library needs the symbol {found.group(2)}, which no loaded library defines"
+            if library.startswith("libcuda.so") or (not library and found.group(2).startswith("cu")):
+                have = _DRIVER.get("source") or _DRIVER.get("missing") or "no CUDA device profile was active"
+                return (f"{what}: the NVIDIA driver library, which prewarm's device profile provides on a build box "
+                        f"without the driver ({have}); fix: install the CUDA toolkit's stubs (CUDA_HOME) or a C "
+                        f"compiler, or plan where the driver is installed")
+            return f"{what}: prewarm's device profile does not provide it; install the package that ships it"
+        error = error.__cause__ or error.__context__
+    return None

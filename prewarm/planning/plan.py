@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import devices
 from ..building import tritoncompat
-from ..errors import ManifestError
+from ..errors import EnvironmentProblem, ManifestError
 from ..jit import JitRequest
 from .manifest import KernelSource, Manifest
 from .record import RecordedKey, read
@@ -188,6 +188,9 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
     except Exception as e:
         if hasattr(e, "key") and hasattr(e, "expected"):  # the provider's own check of [spec] named the key
             raise ManifestError(f"{manifest.path}: {e} (checked by {src.where}.provider = {src.ref!r})") from e
+        missing = devices.unprovided(e)
+        if missing:  # the server's own import needs what this machine lacks: not the manifest's fault
+            raise EnvironmentProblem(f"{where}: launches(spec) failed importing {_failed_import(e)}: {missing}") from e
         raise ManifestError(f"{where}: launches(spec) failed: {type(e).__name__}: {e}") from e
     out = []
     for n, launch in enumerate(launches):
@@ -200,6 +203,17 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
         kwargs = {k: _encode(v, f"{where}, launch {label!r}, argument {k}") for k, v in launch.kwargs.items()}
         out.append(Request(ref, label, f"{src.where} {src.ref}", args, kwargs))
     return out
+
+
+def _failed_import(error: BaseException) -> str:
+    """The chain of modules whose import was running where ``error`` was raised, outermost first ("import a -> b":
+    a's import imported b, which failed), from its traceback's module-level frames; "a module" where none was."""
+    import traceback
+
+    modules = [frame.f_globals.get("__name__", "?") for frame, _ in traceback.walk_tb(error.__traceback__)
+               if frame.f_code.co_name == "<module>"]
+    modules = list(dict.fromkeys(m for m in modules if not m.startswith(("importlib", "<frozen"))))
+    return "import " + " -> ".join(modules) if modules else "a module"
 
 
 def _from_function(manifest: Manifest, src: KernelSource) -> list[Request]:
