@@ -395,6 +395,9 @@ def deactivate() -> None:
     for name, fn in _SAVED.items():
         setattr(torch.cuda, name, fn)
     _SAVED.clear()
+    for module, name, fn in reversed(_NVML_SAVED):
+        setattr(module, name, fn)
+    _NVML_SAVED.clear()
     _ACTIVE.clear()
     if _NPU_MODULE:
         delattr(torch, "npu")
@@ -568,3 +571,44 @@ def unprovided(error: BaseException) -> str | None:
             return f"{what}: prewarm's device profile does not provide it; install the package that ships it"
         error = error.__cause__ or error.__context__
     return None
+
+
+# NVML (libnvidia-ml, the driver's management library): a server may choose its platform by it (vLLM asks
+# ``nvmlInit`` and ``nvmlDeviceGetCount`` which platform it runs on, then NVML for the capability and name)
+_NVML_SAVED: list[tuple[types.ModuleType, str, Any]] = []  # (module, function, the original answer_nvml replaced)
+
+
+def answer_nvml(module: types.ModuleType) -> None:
+    """From now on, in this process, ``module`` (the nvidia-ml-py API: ``pynvml`` or a server's copy of it) answers
+    NVML's device queries as the active CUDA profile's one device: init and shutdown, the device count, its handle,
+    index, name, UUID, compute capability and memory. Any other NVML call is the module's own (without the driver:
+    an ``NVMLError``). Nothing where no CUDA profile is active (a real device answers). :func:`deactivate` undoes."""
+    profile = active()
+    if profile is None or profile.backend != "cuda" or any(m is module for m, _, _ in _NVML_SAVED):
+        return
+    handle = types.SimpleNamespace(index=0)  # an opaque handle, as nvmlDeviceGetHandleByIndex's
+    props = profile.torch_properties()
+    memory = types.SimpleNamespace(total=profile.total_memory, free=profile.total_memory, used=0)
+
+    def one(index):
+        if index != 0:
+            raise module.NVMLError(module.NVML_ERROR_INVALID_ARGUMENT)
+        return handle
+
+    answers = {
+        "nvmlInit": lambda *a, **k: None,
+        "nvmlInitWithFlags": lambda *a, **k: None,
+        "nvmlShutdown": lambda: None,
+        "nvmlDeviceGetCount": lambda: 1,
+        "nvmlDeviceGetHandleByIndex": one,
+        "nvmlDeviceGetHandleByUUID": lambda uuid: handle,
+        "nvmlDeviceGetIndex": lambda h: 0,
+        "nvmlDeviceGetName": lambda h: profile.name,
+        "nvmlDeviceGetUUID": lambda h: f"GPU-{props.uuid}",
+        "nvmlDeviceGetCudaComputeCapability": lambda h: profile.capability,
+        "nvmlDeviceGetMemoryInfo": lambda h, *a: memory,
+    }
+    for name, fn in answers.items():
+        if hasattr(module, name):
+            _NVML_SAVED.append((module, name, getattr(module, name)))
+            setattr(module, name, fn)
