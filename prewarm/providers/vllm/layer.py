@@ -114,6 +114,7 @@ def build_layer(g: LayerGeometry, device: str):
     """The wheel's ``KimiGatedDeltaNetAttention`` for ``g`` as one attention rank builds it: (layer, vllm_config).
     Parameters are made on ``device``."""
     import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from vllm.config import set_current_vllm_config
     from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
@@ -131,10 +132,13 @@ def build_layer(g: LayerGeometry, device: str):
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with set_current_vllm_config(config_):
+        # built on the meta device, outside a planner's fake tensors: vLLM's weight parameters are Parameter
+        # subclasses carrying their loaders, which a fake tensor cannot be; then given storage on ``device``
+        with set_current_vllm_config(config_), unset_fake_temporarily():
             one_rank()
-            with torch.device(device):
+            with torch.device("meta"):
                 layer = module.KimiGatedDeltaNetAttention(config, config_, prefix=PREFIX)
+        layer.to_empty(device=device)
     finally:
         torch.set_default_dtype(before)
     return layer, config_
@@ -170,21 +174,19 @@ def vllm_config(config, dtype: str, num_spec: int, conv_state_dtype: str | None,
 
 def one_rank() -> None:
     """vLLM's distributed state as one rank of tensor-parallel width 1 has it (``init_distributed_environment``,
-    ``initialize_model_parallel``: gloo over a file store, no device), once per process, on real CPU tensors (fake
-    ones are a planner's); under the current vLLM config (the groups read it)."""
+    ``initialize_model_parallel``: gloo over a file store, no device), once per process; under the current vLLM
+    config (the groups read it)."""
     import os
     import tempfile
 
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from vllm.distributed import init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized
 
     if model_parallel_is_initialized():
         return
     store = os.path.join(tempfile.mkdtemp(prefix="prewarm-dist-"), "store")
-    with unset_fake_temporarily():
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{store}", local_rank=0,
-                                     backend="gloo")
-        initialize_model_parallel(1, backend="gloo")
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{store}", local_rank=0,
+                                 backend="gloo")
+    initialize_model_parallel(1, backend="gloo")
 
 
 def bind_state(layer, g: LayerGeometry, slots: int, device: str) -> None:
