@@ -367,7 +367,7 @@ def activate(profile: DeviceProfile) -> None:
         _answer_npu(profile)
     if profile.backend != "cuda":
         return
-    provide_driver_library()
+    provide_driver_library(profile)
     import torch
 
     props = profile.torch_properties()
@@ -395,9 +395,6 @@ def deactivate() -> None:
     for name, fn in _SAVED.items():
         setattr(torch.cuda, name, fn)
     _SAVED.clear()
-    for module, name, fn in reversed(_NVML_SAVED):
-        setattr(module, name, fn)
-    _NVML_SAVED.clear()
     _ACTIVE.clear()
     if _NPU_MODULE:
         delattr(torch, "npu")
@@ -466,53 +463,54 @@ def _answer_npu(profile: DeviceProfile) -> None:
 # A server's compiled extensions (sgl_kernel's common_ops, vllm._C) list libcuda.so.1 as needed and reference driver
 # entry points (``nm -D --undefined-only``: cuGetProcAddress_v2, cuPointerGetAttribute, ...); Python loads
 # extensions with RTLD_NOW, so on a box without the driver ``import sglang...`` / ``import vllm._C`` fails before a
-# kernel is planned. A CUDA profile (plan and build processes only) loads a stand-in libcuda.so.1 into its own process
-# first (RTLD_GLOBAL): the dynamic loader then satisfies any later need of libcuda.so.1 with it (by its soname), every
-# entry point answering CUDA_ERROR_NO_DEVICE (or CUDA_ERROR_STUB_LIBRARY: CUDA's own stub). Nothing else on the
-# machine sees it; torch.cuda's queries are answered above, not through it.
+# kernel is planned. A server may also choose its platform by NVML (vLLM asks nvmlInit and the device count, then the
+# capability and name). A CUDA profile (plan and build processes only) loads stand-ins for both driver libraries
+# into its own process first (RTLD_GLOBAL): the dynamic loader then satisfies any later need of libcuda.so.1 or
+# libnvidia-ml.so.1 with them (by soname). Every CUDA entry point answers CUDA_ERROR_NO_DEVICE (or
+# CUDA_ERROR_STUB_LIBRARY: CUDA's own stub); NVML answers as the profile's one device. Nothing else on the machine
+# sees them; torch.cuda's queries are answered above, not through them.
 
 DRIVER_LIBRARY = "libcuda.so.1"
+NVML_LIBRARY = "libnvidia-ml.so.1"
 CUDA_ERROR_NO_DEVICE = 100
 # CUDA's own stub in a toolkit (a CUDA devel image has it), under $CUDA_HOME / $CUDA_PATH / /usr/local/cuda
 CUDA_STUBS = ("lib64/stubs/libcuda.so", "targets/x86_64-linux/lib/stubs/libcuda.so",
               "targets/sbsa-linux/lib/stubs/libcuda.so")
-_DRIVER: dict[str, str] = {}  # "source": the driver library this process got (installed / the stub's path) or
-# "missing": why none could be provided
+_DRIVER: dict[str, str] = {}  # library -> what this process got (installed / the stand-in's path) or "missing: why"
 
 
-def provide_driver_library() -> str:
-    """Make ``libcuda.so.1`` loadable in this process: the installed driver's where there is one, else CUDA's own
-    stub (:data:`CUDA_STUBS`), else :func:`driver_stub` built with the C compiler, loaded RTLD_GLOBAL. Returns what
-    this process has; where nothing could be provided, the empty string (:func:`unprovided` says why)."""
+def provide_driver_library(profile: DeviceProfile) -> None:
+    """Make ``libcuda.so.1`` and ``libnvidia-ml.so.1`` loadable in this process: the installed driver's where there
+    is one; else for libcuda CUDA's own stub (:data:`CUDA_STUBS`) or :func:`driver_stub`, for NVML
+    :func:`nvml_stub` answering as ``profile``, each loaded RTLD_GLOBAL. What could not be provided is recorded
+    (:func:`unprovided` names it)."""
     import ctypes
+    import shutil
 
-    if "source" in _DRIVER:
-        return _DRIVER["source"]
-    try:
-        ctypes.CDLL(DRIVER_LIBRARY)
-        _DRIVER["source"] = "installed"
-        return "installed"
-    except OSError:
-        pass
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or shutil.which("cc")
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    found = [Path(r, s) for r in roots if r for s in CUDA_STUBS if Path(r, s).is_file()]
-    path = str(found[0]) if found else ""
-    if not path:
-        import shutil
-
-        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or shutil.which("cc")
-        if cc is None:
-            _DRIVER["missing"] = (f"no NVIDIA driver, no CUDA stub ({', '.join(CUDA_STUBS)} under $CUDA_HOME, "
-                                  f"$CUDA_PATH or /usr/local/cuda) and no C compiler (gcc, clang or $CC) to build one")
-            return ""
+    toolkit = [str(Path(r, s)) for r in roots if r for s in CUDA_STUBS if Path(r, s).is_file()]
+    builds = {DRIVER_LIBRARY: (toolkit[0] if toolkit else None, lambda: driver_stub(cc)),
+              NVML_LIBRARY: (None, lambda: nvml_stub(profile, cc))}
+    for library, (found, build) in builds.items():
+        if library in _DRIVER:
+            continue
         try:
-            path = os.path.join(driver_stub(cc), DRIVER_LIBRARY)
+            ctypes.CDLL(library)
+            _DRIVER[library] = "installed"
+            continue
+        except OSError:
+            pass
+        try:
+            if found is None and cc is None:
+                raise RuntimeError(f"no C compiler (gcc, clang or $CC) to build one"
+                                   + ("" if library == NVML_LIBRARY else f" and no CUDA stub ({', '.join(CUDA_STUBS)} "
+                                                                          f"under $CUDA_HOME, $CUDA_PATH or /usr/local/cuda)"))
+            path = found or os.path.join(build(), library)
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            _DRIVER[library] = path
         except Exception as e:
-            _DRIVER["missing"] = f"no NVIDIA driver and no CUDA stub; building one with {cc} failed: {e}"
-            return ""
-    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    _DRIVER["source"] = path
-    return path
+            _DRIVER[library] = f"missing: {e}"
 
 
 def driver_entry_points(header: Path) -> list[str]:
@@ -531,21 +529,60 @@ def driver_stub(cc: str) -> str:
     """A dir (one per process and compiler, removed at exit) holding a stand-in ``libcuda.so.1`` built with ``cc``:
     every entry point of Triton's copy of ``cuda.h`` (:func:`driver_entry_points`), each returning
     CUDA_ERROR_NO_DEVICE. A library linked against the driver loads against it and finds no device."""
+    import triton.backends.nvidia
+
+    header = Path(triton.backends.nvidia.__file__).parent / "include" / "cuda.h"
+    source = "".join(f"int {name}(void) {{ return {CUDA_ERROR_NO_DEVICE}; }}\n"
+                     for name in driver_entry_points(header))
+    return _shared_library(cc, DRIVER_LIBRARY, source)
+
+
+def nvml_stub(profile: DeviceProfile, cc: str) -> str:
+    """A dir (removed at exit) holding a stand-in ``libnvidia-ml.so.1`` built with ``cc`` that answers NVML's device
+    queries as ``profile``'s one device: init and shutdown, the device count, its handle and index, name, UUID,
+    compute capability and memory. Any other NVML function is absent (pynvml: NVMLError_FunctionNotFound)."""
+    import json
+
+    props = profile.torch_properties()
+    name, uuid = json.dumps(profile.name), json.dumps(f"GPU-{props.uuid}")
+    source = f"""#include <string.h>
+typedef struct {{ unsigned long long total, free, used; }} memory_t;
+static int copy(char *out, unsigned size, const char *s) {{
+    if (strlen(s) + 1 > size) return 7; /* NVML_ERROR_INSUFFICIENT_SIZE */
+    strcpy(out, s); return 0; }}
+int nvmlInit_v2(void) {{ return 0; }}
+int nvmlInit(void) {{ return 0; }}
+int nvmlInitWithFlags(unsigned flags) {{ return 0; }}
+int nvmlShutdown(void) {{ return 0; }}
+int nvmlDeviceGetCount_v2(unsigned *n) {{ *n = 1; return 0; }}
+int nvmlDeviceGetCount(unsigned *n) {{ *n = 1; return 0; }}
+int nvmlDeviceGetHandleByIndex_v2(unsigned i, void **h) {{ if (i) return 2; *h = (void *)copy; return 0; }}
+int nvmlDeviceGetHandleByIndex(unsigned i, void **h) {{ return nvmlDeviceGetHandleByIndex_v2(i, h); }}
+int nvmlDeviceGetHandleByUUID(const char *u, void **h) {{ *h = (void *)copy; return 0; }}
+int nvmlDeviceGetIndex(void *h, unsigned *i) {{ *i = 0; return 0; }}
+int nvmlDeviceGetName(void *h, char *out, unsigned size) {{ return copy(out, size, {name}); }}
+int nvmlDeviceGetUUID(void *h, char *out, unsigned size) {{ return copy(out, size, {uuid}); }}
+int nvmlDeviceGetCudaComputeCapability(void *h, int *major, int *minor) {{
+    *major = {profile.capability[0]}; *minor = {profile.capability[1]}; return 0; }}
+int nvmlDeviceGetMemoryInfo(void *h, memory_t *m) {{
+    m->total = {profile.total_memory}ULL; m->free = m->total; m->used = 0; return 0; }}
+const char *nvmlErrorString(int r) {{ return "not answered by prewarm's device profile (no NVIDIA driver here)"; }}
+"""
+    return _shared_library(cc, NVML_LIBRARY, source)
+
+
+def _shared_library(cc: str, soname: str, source: str) -> str:
+    """A fresh dir (removed at exit) holding ``soname`` compiled from the C ``source`` with ``cc``."""
     import atexit
     import shutil
     import subprocess
     import tempfile
 
-    import triton.backends.nvidia
-
-    header = Path(triton.backends.nvidia.__file__).parent / "include" / "cuda.h"
-    stub = tempfile.mkdtemp(prefix="prewarm-libcuda-")
-    atexit.register(shutil.rmtree, stub, ignore_errors=True)
-    source = "".join(f"int {name}(void) {{ return {CUDA_ERROR_NO_DEVICE}; }}\n"
-                     for name in driver_entry_points(header))
-    subprocess.run([cc, "-shared", "-fPIC", f"-Wl,-soname,{DRIVER_LIBRARY}", "-o", os.path.join(stub, DRIVER_LIBRARY),
-                    "-x", "c", "-"], input=source.encode(), check=True, capture_output=True)
-    return stub
+    out = tempfile.mkdtemp(prefix="prewarm-driver-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    subprocess.run([cc, "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", os.path.join(out, soname), "-x", "c", "-"],
+                   input=source.encode(), check=True, capture_output=True)
+    return out
 
 
 def unprovided(error: BaseException) -> str | None:
@@ -557,58 +594,18 @@ def unprovided(error: BaseException) -> str | None:
         seen.add(id(error))
         found = re.search(r"([\w.+-]+\.so[\w.]*): cannot open shared object file|undefined symbol: (\w+)", str(error))
         if found:
-            if found.group(1):
-                library = found.group(1)
-                what = f"{library} could not be loaded"
-            else:
-                library = ""
-                what = f"a library needs the symbol {found.group(2)}, which no loaded library defines"
-            if library.startswith("libcuda.so") or (not library and found.group(2).startswith("cu")):
-                have = _DRIVER.get("source") or _DRIVER.get("missing") or "no CUDA device profile was active"
-                return (f"{what}: the NVIDIA driver library, which prewarm's device profile provides on a build box "
-                        f"without the driver ({have}); fix: install the CUDA toolkit's stubs (CUDA_HOME) or a C "
-                        f"compiler, or plan where the driver is installed")
+            library = found.group(1) or ""
+            what = f"{library} could not be loaded" if library else \
+                f"a library needs the symbol {found.group(2)}, which no loaded library defines"
+            ours = next((lib for lib in (DRIVER_LIBRARY, NVML_LIBRARY) if library and library.split(".so")[0] ==
+                         lib.split(".so")[0]), None)
+            if ours is None and not library and found.group(2).startswith("cu"):
+                ours = DRIVER_LIBRARY
+            if ours:
+                have = _DRIVER.get(ours) or "no CUDA device profile was active"
+                return (f"{what}: the NVIDIA driver's {ours}, which prewarm's device profile provides on a build box "
+                        f"without the driver ({have}); fix: install a C compiler (gcc) or the CUDA toolkit's stubs "
+                        f"(CUDA_HOME), or plan where the driver is installed")
             return f"{what}: prewarm's device profile does not provide it; install the package that ships it"
         error = error.__cause__ or error.__context__
     return None
-
-
-# NVML (libnvidia-ml, the driver's management library): a server may choose its platform by it (vLLM asks
-# ``nvmlInit`` and ``nvmlDeviceGetCount`` which platform it runs on, then NVML for the capability and name)
-_NVML_SAVED: list[tuple[types.ModuleType, str, Any]] = []  # (module, function, the original answer_nvml replaced)
-
-
-def answer_nvml(module: types.ModuleType) -> None:
-    """From now on, in this process, ``module`` (the nvidia-ml-py API: ``pynvml`` or a server's copy of it) answers
-    NVML's device queries as the active CUDA profile's one device: init and shutdown, the device count, its handle,
-    index, name, UUID, compute capability and memory. Any other NVML call is the module's own (without the driver:
-    an ``NVMLError``). Nothing where no CUDA profile is active (a real device answers). :func:`deactivate` undoes."""
-    profile = active()
-    if profile is None or profile.backend != "cuda" or any(m is module for m, _, _ in _NVML_SAVED):
-        return
-    handle = types.SimpleNamespace(index=0)  # an opaque handle, as nvmlDeviceGetHandleByIndex's
-    props = profile.torch_properties()
-    memory = types.SimpleNamespace(total=profile.total_memory, free=profile.total_memory, used=0)
-
-    def one(index):
-        if index != 0:
-            raise module.NVMLError(module.NVML_ERROR_INVALID_ARGUMENT)
-        return handle
-
-    answers = {
-        "nvmlInit": lambda *a, **k: None,
-        "nvmlInitWithFlags": lambda *a, **k: None,
-        "nvmlShutdown": lambda: None,
-        "nvmlDeviceGetCount": lambda: 1,
-        "nvmlDeviceGetHandleByIndex": one,
-        "nvmlDeviceGetHandleByUUID": lambda uuid: handle,
-        "nvmlDeviceGetIndex": lambda h: 0,
-        "nvmlDeviceGetName": lambda h: profile.name,
-        "nvmlDeviceGetUUID": lambda h: f"GPU-{props.uuid}",
-        "nvmlDeviceGetCudaComputeCapability": lambda h: profile.capability,
-        "nvmlDeviceGetMemoryInfo": lambda h, *a: memory,
-    }
-    for name, fn in answers.items():
-        if hasattr(module, name):
-            _NVML_SAVED.append((module, name, getattr(module, name)))
-            setattr(module, name, fn)

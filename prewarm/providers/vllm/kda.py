@@ -251,12 +251,7 @@ def _import_vllm():
     first import outside the target's device profile leaves its placeholder, which cannot be planned with."""
     import importlib
 
-    from ... import devices
-
     try:
-        from vllm.utils.import_utils import import_pynvml
-
-        devices.answer_nvml(import_pynvml())  # vLLM chooses its platform by NVML (a device profile answers it)
         importlib.import_module(KDA)
     except ImportError as e:
         raise ValueError(f"vLLM's KDA kernels are not importable ({e}): install vLLM (the same version as the nodes "
