@@ -489,7 +489,9 @@ def provide_driver_library(profile: DeviceProfile) -> None:
 
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or shutil.which("cc")
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    toolkit = [str(Path(r, s)) for r in roots if r for s in CUDA_STUBS if Path(r, s).is_file()]
+    # a stub that exports the driver's entry points (a placeholder made only for linking exports none)
+    toolkit = [str(Path(r, s)) for r in roots if r for s in CUDA_STUBS
+               if Path(r, s).is_file() and b"\0cuInit\0" in Path(r, s).read_bytes()]
     builds = {DRIVER_LIBRARY: (toolkit[0] if toolkit else None, lambda: driver_stub(cc)),
               NVML_LIBRARY: (None, lambda: nvml_stub(profile, cc))}
     for library, (found, build) in builds.items():

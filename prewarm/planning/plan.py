@@ -181,6 +181,7 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
     except ManifestError as e:
         raise ManifestError(f"{manifest.path}: {src.where}: {e}") from e
     except Exception as e:
+        _raise_unprovided(e, f"{where}: cannot import it")
         raise ManifestError(f"{where}: cannot import it ({type(e).__name__}: {e}): expected an installed provider "
                             f"module") from e
     try:
@@ -188,9 +189,7 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
     except Exception as e:
         if hasattr(e, "key") and hasattr(e, "expected"):  # the provider's own check of [spec] named the key
             raise ManifestError(f"{manifest.path}: {e} (checked by {src.where}.provider = {src.ref!r})") from e
-        missing = devices.unprovided(e)
-        if missing:  # the server's own import needs what this machine lacks: not the manifest's fault
-            raise EnvironmentProblem(f"{where}: launches(spec) failed importing {_failed_import(e)}: {missing}") from e
+        _raise_unprovided(e, f"{where}: launches(spec) failed")
         raise ManifestError(f"{where}: launches(spec) failed: {type(e).__name__}: {e}") from e
     out = []
     for n, launch in enumerate(launches):
@@ -203,6 +202,14 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
         kwargs = {k: _encode(v, f"{where}, launch {label!r}, argument {k}") for k, v in launch.kwargs.items()}
         out.append(Request(ref, label, f"{src.where} {src.ref}", args, kwargs))
     return out
+
+
+def _raise_unprovided(error: BaseException, where: str) -> None:
+    """An EnvironmentProblem (exit 11) where ``error`` is a library this machine lacks and the device profile did not
+    provide (the server's own import needs it: not the manifest's fault), naming the import and the fix."""
+    missing = devices.unprovided(error)
+    if missing:
+        raise EnvironmentProblem(f"{where} in {_failed_import(error)}: {missing}") from error
 
 
 def _failed_import(error: BaseException) -> str:
