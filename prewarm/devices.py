@@ -352,9 +352,10 @@ def active() -> DeviceProfile | None:
 
 
 def activate(profile: DeviceProfile) -> None:
-    """From now on, in this process: torch.cuda's device queries (CUDA profiles), torch.npu's (Ascend profiles:
-    :func:`_answer_npu`) and the active target-only Triton driver's ``utils.get_device_properties`` answer as
-    ``profile``. Idempotent; :func:`deactivate` undoes.
+    """From now on, in this process: torch.cuda's device queries (CUDA profiles, with stand-ins for the driver's
+    libcuda.so.1 and libnvidia-ml.so.1 where it is not installed: :func:`provide_driver_library`), torch.npu's (Ascend
+    profiles: :func:`_answer_npu`) and the active target-only Triton driver's ``utils.get_device_properties`` answer
+    as ``profile``. Idempotent; :func:`deactivate` undoes.
     Call only where a target-only driver is active (plan and build processes), never on a node."""
     from .building.tritoncompat import chosen_driver
 
