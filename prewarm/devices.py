@@ -12,9 +12,13 @@ Every figure names its source: ``measured`` (on the device, with :data:`MEASURE_
 """
 from __future__ import annotations
 
+import functools
+import os
+import re
 import sys
 import types
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import ManifestError
@@ -348,9 +352,10 @@ def active() -> DeviceProfile | None:
 
 
 def activate(profile: DeviceProfile) -> None:
-    """From now on, in this process: torch.cuda's device queries (CUDA profiles), torch.npu's (Ascend profiles:
-    :func:`_answer_npu`) and the active target-only Triton driver's ``utils.get_device_properties`` answer as
-    ``profile``. Idempotent; :func:`deactivate` undoes.
+    """From now on, in this process: torch.cuda's device queries (CUDA profiles, with stand-ins for the driver's
+    libcuda.so.1 and libnvidia-ml.so.1 where it is not installed: :func:`provide_driver_library`), torch.npu's (Ascend
+    profiles: :func:`_answer_npu`) and the active target-only Triton driver's ``utils.get_device_properties`` answer
+    as ``profile``. Idempotent; :func:`deactivate` undoes.
     Call only where a target-only driver is active (plan and build processes), never on a node."""
     from .building.tritoncompat import chosen_driver
 
@@ -363,6 +368,7 @@ def activate(profile: DeviceProfile) -> None:
         _answer_npu(profile)
     if profile.backend != "cuda":
         return
+    provide_driver_library(profile)
     import torch
 
     props = profile.torch_properties()
@@ -452,3 +458,157 @@ def _answer_npu(profile: DeviceProfile) -> None:
         setattr(module, name, fn)
     torch._register_device_module("npu", module)
     _NPU_MODULE[:] = [module]
+
+
+# --- the NVIDIA driver library and NVML, where no driver is installed ---------------------------------------------
+# A server's compiled extensions (sgl_kernel's common_ops, vllm._C) list libcuda.so.1 as needed and reference driver
+# entry points (``nm -D --undefined-only``: cuGetProcAddress_v2, cuPointerGetAttribute, ...); Python loads
+# extensions with RTLD_NOW, so on a box without the driver ``import sglang...`` / ``import vllm._C`` fails before a
+# kernel is planned. A server may also choose its platform by NVML (vLLM asks nvmlInit and the device count, then the
+# capability and name). A CUDA profile (plan and build processes only) loads stand-ins for both driver libraries
+# into its own process first (RTLD_GLOBAL): the dynamic loader then satisfies any later need of libcuda.so.1 or
+# libnvidia-ml.so.1 with them (by soname). Every CUDA entry point answers CUDA_ERROR_NO_DEVICE (or
+# CUDA_ERROR_STUB_LIBRARY: CUDA's own stub); NVML answers as the profile's one device. Nothing else on the machine
+# sees them; torch.cuda's queries are answered above, not through them.
+
+DRIVER_LIBRARY = "libcuda.so.1"
+NVML_LIBRARY = "libnvidia-ml.so.1"
+CUDA_ERROR_NO_DEVICE = 100
+# CUDA's own stub in a toolkit (a CUDA devel image has it), under $CUDA_HOME / $CUDA_PATH / /usr/local/cuda
+CUDA_STUBS = ("lib64/stubs/libcuda.so", "targets/x86_64-linux/lib/stubs/libcuda.so",
+              "targets/sbsa-linux/lib/stubs/libcuda.so")
+_DRIVER: dict[str, str] = {}  # library -> what this process got (installed / the stand-in's path) or "missing: why"
+
+
+def provide_driver_library(profile: DeviceProfile) -> None:
+    """Make ``libcuda.so.1`` and ``libnvidia-ml.so.1`` loadable in this process: the installed driver's where there
+    is one; else for libcuda CUDA's own stub (:data:`CUDA_STUBS`) or :func:`driver_stub`, for NVML
+    :func:`nvml_stub` answering as ``profile``, each loaded RTLD_GLOBAL. What could not be provided is recorded
+    (:func:`unprovided` names it)."""
+    import ctypes
+    import shutil
+
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang") or shutil.which("cc")
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    # a stub that exports the driver's entry points (a placeholder made only for linking exports none)
+    toolkit = [str(Path(r, s)) for r in roots if r for s in CUDA_STUBS
+               if Path(r, s).is_file() and b"\0cuInit\0" in Path(r, s).read_bytes()]
+    builds = {DRIVER_LIBRARY: (toolkit[0] if toolkit else None, lambda: driver_stub(cc)),
+              NVML_LIBRARY: (None, lambda: nvml_stub(profile, cc))}
+    for library, (found, build) in builds.items():
+        if library in _DRIVER:
+            continue
+        try:
+            ctypes.CDLL(library)
+            _DRIVER[library] = "installed"
+            continue
+        except OSError:
+            pass
+        try:
+            if found is None and cc is None:
+                raise RuntimeError(f"no C compiler (gcc, clang or $CC) to build one"
+                                   + ("" if library == NVML_LIBRARY else f" and no CUDA stub ({', '.join(CUDA_STUBS)} "
+                                                                          f"under $CUDA_HOME, $CUDA_PATH or /usr/local/cuda)"))
+            path = found or os.path.join(build(), library)
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            _DRIVER[library] = path
+        except Exception as e:
+            _DRIVER[library] = f"missing: {e}"
+
+
+def driver_entry_points(header: Path) -> list[str]:
+    """Every driver API function ``header`` (a ``cuda.h``) declares, under each name the driver library exports for
+    it: as declared, and the versioned / per-thread-stream names its macros select (``cuMemAlloc_v2``,
+    ``cuMemcpyHtoD_v2_ptds``)."""
+    text = header.read_text()
+    names = set(re.findall(r"CUDAAPI\s+(cu[A-Z]\w*)\s*\(", text))
+    for wrap, target in re.findall(r"#define\s+cu[A-Z]\w*\s+(?:__CUDA_API_(PTDS|PTSZ)\(\s*)?(cu[A-Z]\w*)", text):
+        names.update({target, target + (f"_{wrap.lower()}" if wrap else "")})
+    return sorted(names)
+
+
+@functools.lru_cache()
+def driver_stub(cc: str) -> str:
+    """A dir (one per process and compiler, removed at exit) holding a stand-in ``libcuda.so.1`` built with ``cc``:
+    every entry point of Triton's copy of ``cuda.h`` (:func:`driver_entry_points`), each returning
+    CUDA_ERROR_NO_DEVICE. A library linked against the driver loads against it and finds no device."""
+    import triton.backends.nvidia
+
+    header = Path(triton.backends.nvidia.__file__).parent / "include" / "cuda.h"
+    source = "".join(f"int {name}(void) {{ return {CUDA_ERROR_NO_DEVICE}; }}\n"
+                     for name in driver_entry_points(header))
+    return _shared_library(cc, DRIVER_LIBRARY, source)
+
+
+def nvml_stub(profile: DeviceProfile, cc: str) -> str:
+    """A dir (removed at exit) holding a stand-in ``libnvidia-ml.so.1`` built with ``cc`` that answers NVML's device
+    queries as ``profile``'s one device: init and shutdown, the device count, its handle and index, name, UUID,
+    compute capability and memory. Any other NVML function is absent (pynvml: NVMLError_FunctionNotFound)."""
+    import json
+
+    props = profile.torch_properties()
+    name, uuid = json.dumps(profile.name), json.dumps(f"GPU-{props.uuid}")
+    source = f"""#include <string.h>
+typedef struct {{ unsigned long long total, free, used; }} memory_t;
+static int copy(char *out, unsigned size, const char *s) {{
+    if (strlen(s) + 1 > size) return 7; /* NVML_ERROR_INSUFFICIENT_SIZE */
+    strcpy(out, s); return 0; }}
+int nvmlInit_v2(void) {{ return 0; }}
+int nvmlInit(void) {{ return 0; }}
+int nvmlInitWithFlags(unsigned flags) {{ return 0; }}
+int nvmlShutdown(void) {{ return 0; }}
+int nvmlDeviceGetCount_v2(unsigned *n) {{ *n = 1; return 0; }}
+int nvmlDeviceGetCount(unsigned *n) {{ *n = 1; return 0; }}
+int nvmlDeviceGetHandleByIndex_v2(unsigned i, void **h) {{ if (i) return 2; *h = (void *)copy; return 0; }}
+int nvmlDeviceGetHandleByIndex(unsigned i, void **h) {{ return nvmlDeviceGetHandleByIndex_v2(i, h); }}
+int nvmlDeviceGetHandleByUUID(const char *u, void **h) {{ *h = (void *)copy; return 0; }}
+int nvmlDeviceGetIndex(void *h, unsigned *i) {{ *i = 0; return 0; }}
+int nvmlDeviceGetName(void *h, char *out, unsigned size) {{ return copy(out, size, {name}); }}
+int nvmlDeviceGetUUID(void *h, char *out, unsigned size) {{ return copy(out, size, {uuid}); }}
+int nvmlDeviceGetCudaComputeCapability(void *h, int *major, int *minor) {{
+    *major = {profile.capability[0]}; *minor = {profile.capability[1]}; return 0; }}
+int nvmlDeviceGetMemoryInfo(void *h, memory_t *m) {{
+    m->total = {profile.total_memory}ULL; m->free = m->total; m->used = 0; return 0; }}
+const char *nvmlErrorString(int r) {{ return "not answered by prewarm's device profile (no NVIDIA driver here)"; }}
+"""
+    return _shared_library(cc, NVML_LIBRARY, source)
+
+
+def _shared_library(cc: str, soname: str, source: str) -> str:
+    """A fresh dir (removed at exit) holding ``soname`` compiled from the C ``source`` with ``cc``."""
+    import atexit
+    import shutil
+    import subprocess
+    import tempfile
+
+    out = tempfile.mkdtemp(prefix="prewarm-driver-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    subprocess.run([cc, "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", os.path.join(out, soname), "-x", "c", "-"],
+                   input=source.encode(), check=True, capture_output=True)
+    return out
+
+
+def unprovided(error: BaseException) -> str | None:
+    """Where ``error`` (or an exception it was raised from) is a shared library that could not be loaded (not found,
+    or a symbol it needs missing): the library and what this process's device view did or did not provide for it;
+    None for any other error."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found = re.search(r"([\w.+-]+\.so[\w.]*): cannot open shared object file|undefined symbol: (\w+)", str(error))
+        if found:
+            library = found.group(1) or ""
+            what = f"{library} could not be loaded" if library else \
+                f"a library needs the symbol {found.group(2)}, which no loaded library defines"
+            ours = next((lib for lib in (DRIVER_LIBRARY, NVML_LIBRARY) if library and library.split(".so")[0] ==
+                         lib.split(".so")[0]), None)
+            if ours is None and not library and found.group(2).startswith("cu"):
+                ours = DRIVER_LIBRARY
+            if ours:
+                have = _DRIVER.get(ours) or "no CUDA device profile was active"
+                return (f"{what}: the NVIDIA driver's {ours}, which prewarm's device profile provides on a build box "
+                        f"without the driver ({have}); fix: install a C compiler (gcc) or the CUDA toolkit's stubs "
+                        f"(CUDA_HOME), or plan where the driver is installed")
+            return f"{what}: prewarm's device profile does not provide it; install the package that ships it"
+        error = error.__cause__ or error.__context__
+    return None

@@ -3,6 +3,7 @@ manifest's device; every other process (a node, `prewarm record`'s children, ver
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import subprocess
 import sys
@@ -153,3 +154,69 @@ def test_plan_itself_activates_nothing_a_planning_process_activates_the_profile_
     assert done.returncode == 0, done.stderr[-2000:]
     planned, before, after = json.loads(done.stdout.splitlines()[-1])
     assert planned > 0 and before == [False, "torch.cuda"] and after == [True, "prewarm.devices"]
+
+
+DRIVER_QUERIES = """
+import ctypes, json
+from prewarm.building.backends import cuda
+cuda.activate_offline("sm_90", "H200")
+libcuda = ctypes.CDLL("libcuda.so.1")  # what a server's extension needs (sgl_kernel, vllm._C: NEEDED libcuda.so.1)
+nvml = ctypes.CDLL("libnvidia-ml.so.1")
+count, major, minor, handle = ctypes.c_uint(), ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p()
+name = ctypes.create_string_buffer(96)
+print(json.dumps({
+    "cuInit": libcuda.cuInit(0), "cuPointerGetAttribute": libcuda.cuPointerGetAttribute(0, 0, 0),
+    "nvmlInit": nvml.nvmlInit_v2(), "count": (nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)), count.value),
+    "handle": nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)),
+    "capability": nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)),
+    "cc": [major.value, minor.value], "name": (nvml.nvmlDeviceGetName(handle, name, 96), name.value.decode()),
+}))
+"""
+
+
+DRIVER_INSTALLED = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL('libcuda.so.1')"],
+                                  capture_output=True).returncode == 0
+no_driver = pytest.mark.skipif(DRIVER_INSTALLED, reason="the NVIDIA driver is installed here: the profile leaves it")
+
+
+@no_driver
+def test_a_plan_process_without_the_driver_loads_what_links_it_and_nvml_names_the_profile(tmp_path):
+    """A server's extensions link libcuda.so.1 and vLLM picks its platform through NVML: under a CUDA profile both
+    load in the plan process (the driver's entry points answer no device; NVML answers as the H200), and nowhere
+    else (a fresh process still has no libcuda)."""
+    done = subprocess.run([sys.executable, "-c", DRIVER_QUERIES], capture_output=True, text=True,
+                          env={**os.environ, "CUDA_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got == {"cuInit": devices.CUDA_ERROR_NO_DEVICE, "cuPointerGetAttribute": devices.CUDA_ERROR_NO_DEVICE,
+                   "nvmlInit": 0, "count": [0, 1], "handle": 0, "capability": 0, "cc": [9, 0],
+                   "name": [0, "NVIDIA H200"]}
+    assert subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL('libcuda.so.1')"],
+                          capture_output=True).returncode != 0
+
+
+def test_the_driver_stand_in_exports_every_entry_point_the_header_declares_under_its_exported_names():
+    import triton.backends.nvidia
+
+    names = devices.driver_entry_points(Path(triton.backends.nvidia.__file__).parent / "include" / "cuda.h")
+    # as sgl_kernel's common_ops and spatial_ops reference them (nm -D --undefined-only)
+    assert {"cuGetProcAddress_v2", "cuPointerGetAttribute", "cuCtxPushCurrent_v2", "cuGreenCtxCreate",
+            "cuMemcpyHtoD_v2", "cuMemcpyHtoD_v2_ptds", "cuInit"} <= set(names)
+
+
+@no_driver
+def test_a_server_import_that_needs_a_library_the_profile_cannot_provide_is_exit_11_naming_the_import(tmp_path):
+    """No driver, no CUDA stub and no C compiler: the profile cannot stand in for libcuda.so.1, and the server whose
+    import needs it is named with the fix (an environment problem, not a manifest error)."""
+    (tmp_path / "server_ext.py").write_text("import ctypes\nctypes.CDLL('libcuda.so.1')\n")
+    (tmp_path / "needs_driver.py").write_text(
+        "def launches(spec):\n    import server_ext  # noqa: F401\n    return []\n")
+    manifest = tmp_path / "m.toml"
+    manifest.write_text('name = "m"\n[target]\nbackend = "cuda"\narch = "sm_90"\ndevice = "H200"\n'
+                        '[[kernels]]\nprovider = "needs_driver"\n')
+    done = subprocess.run([sys.executable, "-m", "prewarm.cli", "plan", str(manifest)], capture_output=True,
+                          text=True, env={**os.environ, "CC": "/nonexistent/cc", "CUDA_HOME": str(tmp_path),
+                                          "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    assert done.returncode == 11, done.stderr[-2000:]
+    assert "import server_ext" in done.stderr and "libcuda.so.1 could not be loaded" in done.stderr
+    assert "/nonexistent/cc" in done.stderr and "fix: install a C compiler" in done.stderr

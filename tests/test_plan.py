@@ -178,3 +178,20 @@ def test_the_shipped_h200_table_covers_every_planned_tuning_key():
     get_target(m.backend, m.arch, "offline").activate()
     statuses = shipped_table_statuses(m, plan(m).requests)
     assert set(statuses) == {"in table"} and len(statuses["in table"]) == 40, statuses
+
+
+def test_plan_compare_finds_any_request_compile_or_jit_difference():
+    """tests/plan_compare.py (CI's check of a real install's plan against the scaffold's) says equal only when the
+    plans are: a request's constexpr, a missing request, the compile count or a JIT module each make it differ."""
+    from plan_compare import plan_differences
+
+    request = {"id": "a1", "kernel": "m:k", "args": [{"tensor": "bfloat16", "shape": [4]}], "kwargs": {"BT": 64},
+               "label": "extend/k"}
+    base = {"requests": [request], "counts": {"compiles": 3}, "jit": [{"name": "mod"}]}
+    assert plan_differences(base, json.loads(json.dumps(base))) == []
+    changed = json.loads(json.dumps(base))
+    changed["requests"][0]["kwargs"]["BT"] = 32
+    assert plan_differences(changed, base) == ["request a1: kwargs {'BT': 32} (real) != {'BT': 64} (scaffold)"]
+    assert plan_differences({**base, "requests": []}, base) == ["only in the scaffold's plan: request a1 m:k (extend/k)"]
+    assert plan_differences({**base, "counts": {"compiles": 4}, "jit": []}, base) == [
+        "compiles: 4 (real) != 3 (scaffold)", "JIT modules: [] (real) != ['mod'] (scaffold)"]

@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import devices
 from ..building import tritoncompat
-from ..errors import ManifestError, describe
+from ..errors import EnvironmentProblem, ManifestError, describe
 from ..jit import JitRequest
 from .manifest import KernelSource, Manifest
 from .record import RecordedKey, read
@@ -181,6 +181,7 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
     except ManifestError as e:
         raise ManifestError(f"{manifest.path}: {src.where}: {e}") from e
     except Exception as e:
+        _raise_unprovided(e, f"{where}: cannot import it")
         raise ManifestError(f"{where}: cannot import it ({describe(e)}): expected an installed provider "
                             f"module") from e
     try:
@@ -188,6 +189,7 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
     except Exception as e:
         if hasattr(e, "key") and hasattr(e, "expected"):  # the provider's own check of [spec] named the key
             raise ManifestError(f"{manifest.path}: {e} (checked by {src.where}.provider = {src.ref!r})") from e
+        _raise_unprovided(e, f"{where}: launches(spec) failed")
         raise ManifestError(f"{where}: launches(spec) failed: {describe(e)}") from e
     out = []
     for n, launch in enumerate(launches):
@@ -200,6 +202,25 @@ def _from_provider(manifest: Manifest, src: KernelSource) -> list[Request | JitR
         kwargs = {k: _encode(v, f"{where}, launch {label!r}, argument {k}") for k, v in launch.kwargs.items()}
         out.append(Request(ref, label, f"{src.where} {src.ref}", args, kwargs))
     return out
+
+
+def _raise_unprovided(error: BaseException, where: str) -> None:
+    """An EnvironmentProblem (exit 11) where ``error`` is a library this machine lacks and the device profile did not
+    provide (the server's own import needs it: not the manifest's fault), naming the import and the fix."""
+    missing = devices.unprovided(error)
+    if missing:
+        raise EnvironmentProblem(f"{where} in {_failed_import(error)}: {missing}") from error
+
+
+def _failed_import(error: BaseException) -> str:
+    """The chain of modules whose import was running where ``error`` was raised, outermost first ("import a -> b":
+    a's import imported b, which failed), from its traceback's module-level frames; "a module" where none was."""
+    import traceback
+
+    modules = [frame.f_globals.get("__name__", "?") for frame, _ in traceback.walk_tb(error.__traceback__)
+               if frame.f_code.co_name == "<module>"]
+    modules = list(dict.fromkeys(m for m in modules if not m.startswith(("importlib", "<frozen"))))
+    return "import " + " -> ".join(modules) if modules else "a module"
 
 
 def _from_function(manifest: Manifest, src: KernelSource) -> list[Request]:

@@ -7,7 +7,8 @@ providers (sglang's, vLLM's) and their independent traffic share.
   unbacked sizes from a shape environment; no Triton launch receives one.
 - Wrappers count chunks on the host (``prepare_chunk_indices``: ``.tolist()`` of ``cu_seqlens``), which a fake tensor
   cannot answer: :func:`index_tensor` keeps the values beside a fake index tensor, and inside :func:`fake_tensors`
-  each library's own ``prepare_chunk_indices`` (named by its home module) computes from them on the CPU.
+  each library's own ``prepare_chunk_indices`` (named by its home module) computes from them on the CPU (its pinned
+  host staging on plain host memory: pinning needs the driver).
 - :func:`launches_of` runs one call with every ``kernel[grid](...)`` captured (``prewarm.providers.fla.kda``'s
   interception), never launched; :func:`as_meta` turns a fake tensor into a ``meta`` tensor of the same layout,
   which Triton's JIT can bind (its alignment class included) where it cannot bind a fake one.
@@ -79,11 +80,34 @@ def _host_chunk_indices(original: Callable) -> Callable:
         if values is None:
             raise ValueError("the library reads cu_seqlens on the host (prepare_chunk_indices), but this fake "
                              "tensor's values are unknown: make it with prewarm.providers.capture.index_tensor")
-        with unset_fake_temporarily():
+        with unset_fake_temporarily(), _pageable_host():
             real = original(torch.tensor(values, dtype=cu_seqlens.dtype), chunk_size)
         return torch.empty(tuple(real.shape), dtype=real.dtype, device=cu_seqlens.device)
 
     return chunk_indices
+
+
+@contextlib.contextmanager
+def _pageable_host() -> Iterator[None]:
+    """Within the block host memory asked for pinned (page-locked by the driver: a library stages index values there
+    before copying them to the device, vLLM's ``async_tensor_h2d``) is plain host memory: a factory's
+    ``pin_memory=True`` is dropped and pinning returns the tensor. The values are the same; no driver is asked."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    pin = {torch.ops.aten._pin_memory.default, torch.ops.aten.pin_memory.default}
+
+    class Pageable(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func in pin:
+                return args[0]
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+            return func(*args, **kwargs)
+
+    with Pageable():
+        yield
 
 
 def _deviceless_fake_mode():

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from typing import Iterator
 
 from prewarm.providers.capture import index_tensor
-from prewarm.providers.sglang.common import read_spec
+from prewarm.providers.sglang.common import published_parallel, read_spec
 from traffic import Call, cycle, short
 
 CHUNK = 64  # sglang's mamba chunk size (MambaAttnBackendBase.mamba_chunk_size's default): the track grid
@@ -172,6 +172,8 @@ class _Server:
             short_conv_pool=SimpleNamespace(conv_state=None, intermediate_conv_state=None),
             ngram_pool=SimpleNamespace(context=None, intermediate_context=None))
         triton = LinearAttnKernelBackend.TRITON
+        with published_parallel(s):  # the server's published parallel config (eager batches pad to attention TP)
+            verify_indices = build_verify_intermediate_state_indices(requests, self.device)
         backend = KDAAttnBackend.__new__(KDAAttnBackend)
         backend.__dict__.update(  # MambaAttnBackendBase.__init__, then KDAAttnBackend.__init__ (triton everywhere)
             pad_slot_id=-1, device=self.device, topk=2 if tree else 1, is_draft_worker=False,
@@ -179,7 +181,7 @@ class _Server:
             _mamba_chunk_size=CHUNK, prefill_graph_metadata=None, accept_lens_pool=None, _fused_chain_verify_fn=None,
             conv_states_shape=conv[0].transpose(-1, -2).shape,
             kernel_dispatcher=KDAKernelDispatcher(triton, triton, triton),
-            verify_intermediate_state_indices=build_verify_intermediate_state_indices(requests, self.device))
+            verify_intermediate_state_indices=verify_indices)
         self.backend = backend
         full = SimpleNamespace(token_to_kv_pool=None, req_to_token_pool=self.pool, kv_index_translator=None,
                                needs_cpu_seq_lens=False, use_captured_forward_metadata_for_breakable_cuda_graph=False)

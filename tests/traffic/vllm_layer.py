@@ -73,6 +73,7 @@ class _Steps:
         self.kinds = [k for k in KINDS if needs[k] <= paths and (self.num_spec or not k.startswith("spec"))]
         self.counts = cycle(rng, range(1, self.max_seqs + 1))
         self.layers = {}
+        self.configs = {}  # page -> the VllmConfig its layer was built with (the forward context holds it)
 
     # --- the layer as the model builds it, its state as the runner binds it --------------------------------------
 
@@ -80,20 +81,35 @@ class _Steps:
         if page in self.layers:
             return self.layers[page]
         torch = self.torch
-        from vllm.config import (CacheConfig, CompilationConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
-                                 VllmConfig, set_current_vllm_config)
-        from vllm.distributed import set_tensor_parallel
+        import tempfile
+
+        from vllm.config import (CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                                 SpeculativeConfig, VllmConfig, set_current_vllm_config)
+        from vllm.distributed import (init_distributed_environment, initialize_model_parallel,
+                                      model_parallel_is_initialized)
         from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
         kda = importlib.import_module("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn")
-        config = KimiLinearConfig(hidden_size=2304, rms_norm_eps=1e-5, linear_attn_config={
-            "head_dim": self.dim, "num_heads": self.heads, "short_conv_kernel_size": 4, "kda_layers": [8],
-            "full_attn_layers": [4]})
-        vc = VllmConfig(model_config=ModelConfig(dtype=self.dtype), cache_config=CacheConfig(),
-                        scheduler_config=SchedulerConfig(max_num_seqs=self.max_seqs),
-                        speculative_config=SpeculativeConfig(num_speculative_tokens=self.num_spec)
+        # one attention rank: its heads in a tensor-parallel group of one (the layer divides the heads by the width)
+        config = KimiLinearConfig(hidden_size=2304, rms_norm_eps=1e-5, architectures=["KimiLinearForCausalLM"],
+                                  linear_attn_config={"head_dim": self.dim, "num_heads": self.heads // self.tp,
+                                                      "short_conv_kernel_size": 4, "kda_layers": [8],
+                                                      "full_attn_layers": [4]})
+        model_dir = tempfile.mkdtemp(prefix="vllm-layer-traffic-")  # a server reads its checkpoint's config.json
+        config.save_pretrained(model_dir)
+        mc = ModelConfig(model=model_dir, dtype=self.dtype, skip_tokenizer_init=True)
+        pc = ParallelConfig()
+        vc = VllmConfig(model_config=mc, cache_config=CacheConfig(), parallel_config=pc,
+                        scheduler_config=SchedulerConfig(max_num_seqs=self.max_seqs, max_model_len=mc.max_model_len,
+                                                         is_encoder_decoder=mc.is_encoder_decoder),
+                        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=self.num_spec,
+                                                             prompt_lookup_max=self.num_spec, prompt_lookup_min=1,
+                                                             target_model_config=mc, target_parallel_config=pc)
                         if self.num_spec else None, compilation_config=CompilationConfig(custom_ops=self.custom_ops))
-        set_tensor_parallel(self.tp)
+        if not model_parallel_is_initialized():
+            with set_current_vllm_config(vc):
+                init_distributed_environment(1, 0, f"file://{model_dir}/dist", 0, "gloo")
+                initialize_model_parallel(1, backend="gloo")
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -114,6 +130,7 @@ class _Steps:
                                conv_bytes // rec_dt.itemsize)
         layer.kv_cache = (conv, rec)
         self.layers[page] = layer
+        self.configs[page] = vc
         return layer
 
     # --- one step --------------------------------------------------------------------------------------------------
@@ -160,7 +177,7 @@ class _Steps:
             torch = self.torch
             tokens = meta.num_actual_tokens
             hidden = torch.zeros(tokens, layer.hidden_size, dtype=self.dtype, device=self.device)
-            with set_forward_context({NAME: meta}):
+            with set_forward_context({NAME: meta}, self.configs[page], num_tokens=tokens):
                 return layer.forward(hidden, torch.zeros(tokens, dtype=torch.int64, device=self.device))
 
         return Call(f"step {i} {kind} requests={len(q)} tokens={sum(q)} page={page} graph={graph}", run, options)

@@ -191,22 +191,21 @@ def _driver_installed() -> bool:
 @functools.lru_cache()
 def _libcuda_stub(cc: str | None) -> str:
     """A dir (one per process and compiler, removed at exit) holding a stand-in ``libcuda.so.1``: an empty file for a
-    lookup (``cc`` None), else an empty shared library with that soname, plus a ``cc`` wrapper that keeps it linked."""
+    lookup (``cc`` None), else the device profile's driver stub (:func:`prewarm.devices.driver_stub`) plus a ``cc``
+    wrapper that keeps it linked."""
     import atexit
     import shutil
-    import subprocess
     import tempfile
 
-    stub = tempfile.mkdtemp(prefix="prewarm-libcuda-")
-    atexit.register(shutil.rmtree, stub, ignore_errors=True)
-    lib = os.path.join(stub, "libcuda.so.1")
     if cc is None:
-        Path(lib).touch()
+        stub = tempfile.mkdtemp(prefix="prewarm-libcuda-")
+        atexit.register(shutil.rmtree, stub, ignore_errors=True)
+        Path(stub, devices.DRIVER_LIBRARY).touch()
         return stub
-    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, "-x", "c", os.devnull],
-                   check=True, capture_output=True)
-    # the stub defines nothing, so a linker that drops unused libraries (--as-needed, Ubuntu's default) would leave
-    # libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the real driver does
+    stub = devices.driver_stub(cc)
+    # where a launcher references no entry point by link, a linker that drops unused libraries (--as-needed,
+    # Ubuntu's default) would leave libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the real
+    # driver does
     Path(stub, "cc").write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@"\n')
     os.chmod(os.path.join(stub, "cc"), 0o755)
     return stub

@@ -77,6 +77,7 @@ class SglangSpec:
     # stride; cuda, the conv kernels' constexpr num_cache_lines
     conv_kernel: int = 4  # the short conv's kernel size (the conv state window is kernel - 1, on npu + drafts - 1)
     sampling_backend: str = ""  # cuda: --sampling-backend (SAMPLING_BACKENDS): "flashinfer" JIT-builds its sampling module
+    parallel: tuple = (1, 1)  # [spec.parallel] (tensor_parallel, attention_dp): --tp-size, --attn-dp-size
 
     @property
     def device(self) -> str:
@@ -166,7 +167,8 @@ def read_spec(spec: dict) -> SglangSpec:
                       graph_buckets=tuple(sorted(set(read["decode_batch_buckets"]))),
                       draft_widths=tuple(sorted(d for d in read["draft_widths"] if d > 1)),
                       max_prefill_tokens=read["max_prefill_tokens"] or MAX_PREFILL_TOKENS,
-                      beta_row_strides=tuple(rows), **switches, **own)
+                      beta_row_strides=tuple(rows), **switches, **own,
+                      parallel=tuple((spec.get("parallel") or {}).get(k, 1) for k in ("tensor_parallel", "attention_dp")))
 
 
 @dataclass
@@ -217,6 +219,26 @@ def hybrid_backend(hybrid_class, linear_backend):
                            init_cuda_graph_state=lambda max_bs, max_num_tokens: None,
                            init_forward_metadata_out_graph=lambda forward_batch, in_capture=False: None)
     return hybrid_class(full, linear_backend, [])
+
+
+@contextlib.contextmanager
+def published_parallel(s: SglangSpec) -> Iterator[None]:
+    """Within the block sglang's parallel configuration is the deployment's, as a server's ``publish`` leaves it in
+    ``sglang.srt.runtime_context``: the ``parallel`` namespace of its server args (``--tp-size`` and
+    ``--attn-dp-size`` from ``[spec.parallel]``, every other flag at sglang's own default) and the widths publish
+    derives from it (``parallel_widths_of``, ``num_dp_ranks_of``; attention DP on where its width is above 1),
+    stated with sglang's own ``get_parallel().override``. sglang's code reads it where a planner drives it
+    (``get_eager_max_batch_size``: whether eager batches pad to the attention-TP size). No process group is built."""
+    import msgspec
+    from sglang.srt import runtime_context
+    from sglang.srt.arg_groups.fields.parallel import Parallel
+
+    tp, dp = s.parallel
+    config = Parallel(tp_size=tp, attn_dp_size=dp)
+    published = {**msgspec.structs.asdict(config), **runtime_context.parallel_widths_of(config),
+                 "attn_dp_enabled": dp > 1, "num_dp_ranks": runtime_context.num_dp_ranks_of(config)}
+    with runtime_context.get_parallel().override(**published):
+        yield
 
 
 @dataclass

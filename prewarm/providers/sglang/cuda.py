@@ -62,7 +62,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 from ..capture import TensorCache, batch_sizes, index_tensor, launches_of, misaligned
-from .common import Batch, MambaPoolView, SglangSpec, fake_device, hybrid_backend, read_spec
+from .common import Batch, MambaPoolView, SglangSpec, fake_device, hybrid_backend, published_parallel, read_spec
 
 CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
 SMALL_GRID_CTAS = 256  # chunk_kda_fwd fuses diagonal + recompute when batch * chunks * heads <= this
@@ -82,7 +82,7 @@ def launches(spec: dict) -> list:
     s = read_spec(spec)
     _import_sglang()
     out = []
-    with fake_device(s.device) as device:
+    with published_parallel(s), fake_device(s.device) as device:
         for label, call in _calls(s, s.device):
             for launch in launches_of(call):
                 bad = [name for name, v in _arguments(launch) if misaligned(v)]
@@ -233,7 +233,7 @@ def run(spec: dict, device: str = "cuda") -> None:
 
     s = read_spec(spec)
     _import_sglang()
-    with jit_skipped():
+    with published_parallel(s), jit_skipped():
         for _, call in _calls(s, device):
             call()
     getattr(torch, s.device).synchronize()

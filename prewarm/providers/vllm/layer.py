@@ -79,7 +79,6 @@ class LayerGeometry:
     """One deployment's layer as the runner builds it (one attention rank)."""
 
     heads: int  # per rank
-    attention_tp: int
     head_dim: int
     conv_kernel_size: int
     num_spec: int  # num_speculative_tokens (0: no speculative decoding)
@@ -112,34 +111,82 @@ def page_bytes(heads: int, head_dim: int, conv_kernel_size: int, num_spec: int, 
 
 
 def build_layer(g: LayerGeometry, device: str):
-    """The wheel's ``KimiGatedDeltaNetAttention`` for ``g`` with its state pool bound (``slots`` = 8 + the block
-    table's rows): (layer, vllm_config). Parameters are made on ``device``."""
+    """The wheel's ``KimiGatedDeltaNetAttention`` for ``g`` as one attention rank builds it: (layer, vllm_config).
+    Parameters are made on ``device``."""
     import torch
-    from vllm.config import (CacheConfig, CompilationConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
-                             VllmConfig, set_current_vllm_config)
-    from vllm.distributed import set_tensor_parallel
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from vllm.config import set_current_vllm_config
     from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
     module = _import(LAYER)
     dtype = getattr(torch, g.model_dtype)
-    heads = g.heads * g.attention_tp
-    config = KimiLinearConfig(hidden_size=g.heads * g.head_dim, num_attention_heads=heads, rms_norm_eps=1e-5,
-                              linear_attn_config={"head_dim": g.head_dim, "num_heads": heads,
-                                                  "short_conv_kernel_size": g.conv_kernel_size, "kda_layers": [1], "full_attn_layers": [2],
+    # one rank's layer: the rank's heads in a tensor-parallel group of one (the layer divides the model's heads by
+    # the group's width; nothing else of it depends on the width)
+    config = KimiLinearConfig(hidden_size=g.heads * g.head_dim, num_attention_heads=g.heads, rms_norm_eps=1e-5,
+                              architectures=["KimiLinearForCausalLM"],
+                              linear_attn_config={"head_dim": g.head_dim, "num_heads": g.heads,
+                                                  "short_conv_kernel_size": g.conv_kernel_size, "kda_layers": [1],
+                                                  "full_attn_layers": [2],
                                                   **({"gate_lower_bound": g.lower_bound} if g.lower_bound else {})})
-    vllm_config = VllmConfig(
-        model_config=ModelConfig(dtype=dtype), cache_config=CacheConfig(mamba_cache_dtype=g.conv_state_dtype),
-        speculative_config=SpeculativeConfig(num_speculative_tokens=g.num_spec) if g.num_spec else None,
-        compilation_config=CompilationConfig(custom_ops=list(g.custom_ops)), scheduler_config=SchedulerConfig())
-    set_tensor_parallel(g.attention_tp, 0)
+    config_ = vllm_config(config, g.model_dtype, g.num_spec, g.conv_state_dtype, g.custom_ops)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with set_current_vllm_config(vllm_config), torch.device(device):
-            layer = module.KimiGatedDeltaNetAttention(config, vllm_config, prefix=PREFIX)
+        # built on the meta device, outside a planner's fake tensors: vLLM's weight parameters are Parameter
+        # subclasses carrying their loaders, which a fake tensor cannot be; then given storage on ``device``
+        with set_current_vllm_config(config_), unset_fake_temporarily():
+            one_rank()
+            with torch.device("meta"):
+                layer = module.KimiGatedDeltaNetAttention(config, config_, prefix=PREFIX)
+        layer.to_empty(device=device)
     finally:
         torch.set_default_dtype(before)
-    return layer, vllm_config
+    return layer, config_
+
+
+def vllm_config(config, dtype: str, num_spec: int, conv_state_dtype: str | None, custom_ops, max_num_seqs: int = 256):
+    """The ``VllmConfig`` a vLLM server builds for a deployment of the model ``config`` (a transformers config), with
+    vLLM's own classes: its ``ModelConfig`` read from the model's ``config.json`` (``config`` written to a temporary
+    directory, where a server reads its checkpoint's) in ``dtype``, the mamba conv state dtype (None: vLLM's auto),
+    ``num_spec`` speculative tokens (an n-gram proposer: a speculative config that needs no draft checkpoint; the
+    layer reads only the token count), the compilation config's ``custom_ops`` and ``max_num_seqs``."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from vllm.config import (CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, VllmConfig)
+
+    directory = tempfile.mkdtemp(prefix="prewarm-model-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    config.save_pretrained(directory)
+    model = ModelConfig(model=directory, dtype=dtype, skip_tokenizer_init=True)
+    parallel = ParallelConfig()
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec, prompt_lookup_max=num_spec,
+                                    prompt_lookup_min=1, target_model_config=model,
+                                    target_parallel_config=parallel) if num_spec else None
+    cache = CacheConfig(**({"mamba_cache_dtype": conv_state_dtype} if conv_state_dtype else {}))
+    return VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel, speculative_config=speculative,
+                      compilation_config=CompilationConfig(custom_ops=list(custom_ops)),
+                      scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=model.max_model_len,
+                                                       is_encoder_decoder=model.is_encoder_decoder))
+
+
+def one_rank() -> None:
+    """vLLM's distributed state as one rank of tensor-parallel width 1 has it (``init_distributed_environment``,
+    ``initialize_model_parallel``: gloo over a file store, no device), once per process; under the current vLLM
+    config (the groups read it)."""
+    import os
+    import tempfile
+
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        return
+    store = os.path.join(tempfile.mkdtemp(prefix="prewarm-dist-"), "store")
+    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{store}", local_rank=0,
+                                 backend="gloo")
+    initialize_model_parallel(1, backend="gloo")
 
 
 def bind_state(layer, g: LayerGeometry, slots: int, device: str) -> None:
@@ -273,14 +320,14 @@ def _conv_metadata(qsl: list, device: str):
                  "batch_ptr": batch_ptr, "token_chunk_offset_ptr": offsets}}, batch_ptr, offsets)
 
 
-def forward(layer, batch_meta, tokens: int, hidden: int, dtype, device: str):
+def forward(layer, vllm_config, batch_meta, tokens: int, hidden: int, dtype, device: str):
     """One ``layer.forward`` under the runner's forward context."""
     import torch
     from vllm.forward_context import set_forward_context
 
     hidden_states = torch.zeros(tokens, hidden, dtype=dtype, device=device)
     positions = torch.zeros(tokens, dtype=torch.int64, device=device)
-    with set_forward_context({PREFIX: batch_meta}):
+    with set_forward_context({PREFIX: batch_meta}, vllm_config, num_tokens=tokens):
         return layer.forward(hidden_states, positions)
 
 
@@ -338,17 +385,17 @@ def layer_calls(geometries: list[LayerGeometry], paths: tuple, max_batch: int, m
 
         def layer(g=g, state=state):
             if "layer" not in state:
-                state["layer"], _ = build_layer(g, device)
+                state["layer"], state["config"] = build_layer(g, device)
                 bind_state(state["layer"], g, max_batch + 8, device)
-            return state["layer"]
+            return state["layer"], state["config"]
 
         tag = (f"model={g.model_dtype},conv_state={g.conv_state_dtype},num_spec={g.num_spec},page={g.page_bytes},"
                f"custom_ops={'/'.join(g.custom_ops)}")
         for name, batch in batches(g, paths, max_batch, max_tokens):
             def call(batch=batch, layer=layer, g=g):
-                lyr = layer()
+                lyr, config = layer()
                 m = metadata(batch, g, device, max_batch + 8)
-                return forward(lyr, m, m.num_actual_tokens, lyr.hidden_size, getattr(torch, g.model_dtype),
+                return forward(lyr, config, m, m.num_actual_tokens, lyr.hidden_size, getattr(torch, g.model_dtype),
                                device)
 
             yield f"layer[{tag}]/{name}", call
@@ -399,7 +446,7 @@ def geometries(spec: dict) -> tuple[list[LayerGeometry], dict]:
         for page in pages:
             if page < page_bytes(read["heads"], read["head_k_dim"], width, num_spec, conv_dtype):
                 continue  # a page for another speculative width
-            out.append(LayerGeometry(heads=read["heads"], attention_tp=read["attention_tp"],
+            out.append(LayerGeometry(heads=read["heads"],
                                      head_dim=read["head_k_dim"], conv_kernel_size=width, num_spec=num_spec,
                                      model_dtype=model_dtype, conv_state_dtype=conv_dtype, page_bytes=page,
                                      custom_ops=tuple(custom_ops), lower_bound=read["gate_lower_bound"]))
