@@ -199,7 +199,7 @@ def build(
     except OSError as e:
         raise EnvironmentProblem(f"--cache-dir {cache}: cannot create it: {e.strerror}") from e
     workers = max(1, workers or os.cpu_count() or 1)
-    target = backends.get_target(m.backend, m.arch, mode, manifest_device(m))
+    target = backends.get_target(m.backend, m.arch, mode, manifest_device(m), m.libcuda_dirs)
     with FileLock(str(layout.build_lock)):
         target.prepare_build()
         start_workers()
@@ -244,7 +244,7 @@ def build(
                                                    str(m.path))
             report.notes.append(report.autotune.summary())
         if report.ok:
-            report.notes += target.after_build(providers, m.spec(), cache)
+            report.notes += target.after_build(providers, m.spec(), cache, compiles)
         if report.ok and planned.jit:
             build_jit(m, planned.jit, target, cache, report)
         report.seconds = time.perf_counter() - start
