@@ -346,7 +346,8 @@ def build_modules(compiles: list, cache_dir: str, libcuda_dirs: tuple[str, ...])
     where = (f"; keyed for nodes whose libcuda.so.1 is in {':'.join(node_dirs)} ([target] libcuda_dirs) and whose "
              f"triton is installed at {_triton_dir()} as here "
              f"({release} keys cuda_utils by both)" if node_dirs else "")
-    launchers = (f"{len(runs) - 1} launchers (one per kernel signature)" if release.cuda_launchers == "per-signature"
+    launchers = (f"the launchers of {len(runs) - 1} kernels (a module per kernel signature)"
+                 if release.cuda_launchers == "per-signature"
                  else f"no launcher per kernel signature: not needed on {release} (every kernel launches through "
                       f"cuda_utils' launch)")
     if failed:

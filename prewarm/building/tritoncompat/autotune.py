@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .release import release
+from .releases import release
 
 
 def autotuned_call(kernel, args: tuple, kwargs: dict):

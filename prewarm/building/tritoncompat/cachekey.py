@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from .ascend import ascend_ast_source
-from .release import release
+from .releases import release
 from .runtime import cache_invalidating_env_vars, cache_key_text, jit_function, triton_key
 
 # --- the on-disk cache key and what it is made of --------------------------------------------------------------

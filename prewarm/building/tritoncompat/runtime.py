@@ -9,7 +9,7 @@ import hashlib
 import os
 import threading
 
-from .release import release
+from .releases import release
 
 
 @functools.lru_cache()
