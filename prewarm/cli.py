@@ -516,7 +516,17 @@ def _print_verify_summary(r, hit, args) -> None:
         text = f"{len(r.factors) - len(mismatch) - len(differs) - len(unchecked)} of {len(r.factors)} factors match"
         text += "".join(f"; {what}: {', '.join(names)}" for what, names in
                         (("differs (informational)", differs), ("unchecked", unchecked)) if names)
+        version = next((f for f in mismatch if f.factor == "triton.version"), None)
+        if version is not None:  # every key differs: said first, with both
+            text = f"built with Triton {version.bundle}, this node runs Triton {version.node}; " + text
         line("compatibility", bad if mismatch else ok, text)
+    if args.plan:
+        from .building import tritoncompat
+        from .planning.manifest import load
+
+        other = tritoncompat.differs_from(load(args.plan).triton, f"{args.plan} ([target] triton)")
+        if other:
+            line("triton", info, f"{other}: its tuned table and the server it plans are that Triton's")
     if hit is not None:
         # each line's status is that of what it counts (a missing JIT module is the jit line's PROBLEM, not this one's)
         line("will-hit", ok if not hit.misses else bad,

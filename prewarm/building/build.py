@@ -209,6 +209,9 @@ def build(
         report = BuildReport(m.name, m.digest, cache, target.describe(), workers, len(planned.requests))
         report.will_fail = planned.will_fail
         report.notes = target.notes()
+        other = tritoncompat.differs_from(m.triton, f"{m.path.name} ([target] triton)")
+        if other:
+            report.notes.append(f"{other}: the cache is keyed by this Triton, so only nodes running it find it")
         results: list[CompileResult | None] = [None] * len(compiles)
         done = 0
 

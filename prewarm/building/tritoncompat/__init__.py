@@ -11,7 +11,9 @@ from .runtime import (  # noqa: F401
     restored_env, set_cache_dir, set_cache_manager, set_jit_cache_hook, start_process_warmup, triton_distribution,
     triton_key, warmup,
 )
-from .releases import RELEASES, Release, release, require_supported  # noqa: F401
+from .releases import (  # noqa: F401
+    differs_from, release, require_supported, version_series,
+)
 from .autotune import (  # noqa: F401
     NoBenchmark, Tuning, autotuned_call, autotuner_of, can_keep_results, find_autotuner, first_tuning,
     keeps_results, pin_autotuners, tuning_of, watch_autotune_benchmarks, with_configs,

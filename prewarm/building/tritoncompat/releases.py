@@ -83,6 +83,15 @@ def release() -> Release:
     return found
 
 
+def differs_from(series: tuple[str, ...], what: str) -> str | None:
+    """A sentence where the installed Triton is not of one of ``series`` ("3.8", ...), which ``what`` is for; None
+    where it is, or where ``series`` names none."""
+    here = release()
+    if not series or f"{here.series[0]}.{here.series[1]}" in series:
+        return None
+    return f"{what} is for Triton {' or '.join(series)}; this is {here}"
+
+
 def require_supported() -> None:
     """Refuse, before any work, a process whose installed Triton is not a supported release (nothing where no
     Triton is installed: the verbs that need one say so themselves)."""
