@@ -595,7 +595,7 @@ def _print_verify_summary(r, hit, args) -> None:
         if not m.present:
             users = f"{m.kernels} planned compiles" if m.name != "cuda_utils" else "every kernel"
             out.print(f"{'[red]' if args.require_launchers else '[yellow]'}absent[/] {m.name} {m.key} (used by {users}): the node builds it with its C compiler "
-                      f"at first launch, about a second, no kernel compile" + (f"; {escape(m.detail)}" if m.detail else ""),
+                      f"at first launch, about a second, no kernel compile{f'; {escape(m.detail)}' if m.detail else ''}",
                       highlight=False)
 
 

@@ -41,11 +41,11 @@ def test_first_build_compiles_every_planned_request(built):
     assert any("no autotune results" in n for n in report.notes)  # the offline caveat is said, not hidden
 
 
-# Runs in a fresh process against an offline-built cache: cuda_utils through the driver's own class, then every kernel
-# of the plan as the runtime loads it (a disk hit) and its launcher (3.6: a module per kernel signature; 3.8: cuda_utils'
-# launch). Building is made to fail and loading the .so (which needs the NVIDIA driver) is stubbed: success means Triton
-# found each file under its own key. On 3.8 the node finds libcuda.so.1 where the manifest says by default (its
-# `ldconfig -p`: the image's library dir, where NVIDIA's container toolkit mounts the driver).
+# Runs in a fresh process against an offline-built cache: cuda_utils through the driver's own class, then every
+# kernel of the plan as the runtime loads it (a disk hit) and its launcher (3.6: a module per kernel signature; 3.8:
+# cuda_utils' launch). Building is made to fail and loading the .so (which needs the NVIDIA driver) is stubbed: success
+# means Triton found each file under its own key. On 3.8 the node finds libcuda.so.1 where the manifest says by
+# default (its `ldconfig -p`: the image's library dir, where NVIDIA's container toolkit mounts the driver).
 RUNTIME_LOOKUP = """
 import sys
 from unittest import mock

@@ -61,7 +61,7 @@ class Manifest:
     archs: tuple[str, ...] = ()  # every SoC ``[target] arch`` lists (npu); ``arch`` is the first
     tuned: Path | None = None  # ``[target] tuned``: the autotune table (prewarm.building.autotune) builds write results from
     triton: tuple[str, ...] = ()  # ``[target] triton``: the Triton series ("3.8") the manifest and its table are for
-    libcuda_dirs: tuple[str, ...] | None = None  # ``[target] libcuda_dirs``: where the nodes' libcuda.so.1 is (CUDA)
+    libcuda_dirs: tuple[str, ...] | None = None  # ``[target] libcuda_dirs`` (CUDA): where nodes' libcuda.so.1 is
 
     def spec(self) -> dict[str, Any]:
         """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives: the target's backend,

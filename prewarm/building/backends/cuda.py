@@ -104,8 +104,8 @@ class CudaOfflineTarget(CudaTarget):
 
     def notes(self) -> list[str]:
         return [
-            "offline CUDA build: kernels and the C modules a node builds at first launch are in the cache, but no autotune "
-            "results of its own: they come from the manifest's autotune table ([target] tuned or --tuned, made by "
+            "offline CUDA build: kernels and the C modules a node builds at first launch are in the cache, but no "
+            "autotune results of its own: they come from the manifest's autotune table ([target] tuned or --tuned, made by "
             "`prewarm tune` on one device); a tuning key it lacks is benchmarked once per process on the node"
         ]
 
