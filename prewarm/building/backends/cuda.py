@@ -246,8 +246,8 @@ def _libcuda(link: bool, node_dirs: tuple[str, ...] | None = None):
             raise RuntimeError("no C compiler (gcc, clang or $CC) to build launchers with")
     stub = _libcuda_stub(cc)
     saved = nv.libcuda_dirs
-    # both read at use, and neither is one of the cache key's env vars
-    with tritoncompat.restored_env("TRITON_LIBCUDA_PATH", "CC"):
+    # both read at use (3.8 caches $CC: forgotten around the block), and neither is one of the cache key's env vars
+    with tritoncompat.restored_env("TRITON_LIBCUDA_PATH", "CC"), _compiler_read_anew():
         os.environ["TRITON_LIBCUDA_PATH"] = stub
         if link:
             os.environ["CC"] = os.path.join(stub, "cc")
@@ -262,6 +262,21 @@ def _libcuda(link: bool, node_dirs: tuple[str, ...] | None = None):
             nv.libcuda_dirs = saved
             nv.libcuda_dirs.cache_clear()
             nv.library_dirs.cache_clear()
+
+
+@contextlib.contextmanager
+def _compiler_read_anew():
+    """Within the block, and after it, Triton's C builds read $CC as it is then (3.8 caches what it read first)."""
+    if not tritoncompat.release().caches_c_compiler:
+        yield
+        return
+    import triton.runtime.build as tb
+
+    tb._find_compiler.cache_clear()
+    try:
+        yield
+    finally:
+        tb._find_compiler.cache_clear()
 
 
 class _Unloaded(types.ModuleType):

@@ -39,6 +39,8 @@ class Release:
     # the specialization's attrs name every parameter, [] for a constexpr (3.8; 3.6: constexprs have none); compile()
     # hashes str(attrs) into the key, so a request rewritten to another int class must say it the same way
     attrs_for_constexprs: bool = False
+    # runtime/build.py reads $CC once per process (_find_compiler, cached; 3.8) instead of at every C build (3.6)
+    caches_c_compiler: bool = False
 
     def __str__(self) -> str:
         return f"{self.distribution} {self.series[0]}.{self.series[1]}"
@@ -47,7 +49,7 @@ class Release:
 RELEASES = (
     Release("triton", (3, 6), knobs=True, cuda_launchers="per-signature", cuda_utils_key=_SOURCE_AND_PLATFORM),
     Release("triton", (3, 8), knobs=True, cuda_launchers="generic", cuda_utils_key=_WITH_BUILD_CONFIG,
-            restores_constants=True, attrs_for_constexprs=True),
+            restores_constants=True, attrs_for_constexprs=True, caches_c_compiler=True),
     # triton-ascend's own differences, by layout: tritoncompat.ascend (3.5 read from its main branch's source, never
     # run: the registry has 3.2 only)
     Release("triton-ascend", (3, 2), knobs=False),
