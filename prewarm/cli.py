@@ -516,7 +516,17 @@ def _print_verify_summary(r, hit, args) -> None:
         text = f"{len(r.factors) - len(mismatch) - len(differs) - len(unchecked)} of {len(r.factors)} factors match"
         text += "".join(f"; {what}: {', '.join(names)}" for what, names in
                         (("differs (informational)", differs), ("unchecked", unchecked)) if names)
+        version = next((f for f in mismatch if f.factor == "triton.version"), None)
+        if version is not None:  # every key differs: said first, with both
+            text = f"built with Triton {version.bundle}, this node runs Triton {version.node}; " + text
         line("compatibility", bad if mismatch else ok, text)
+    if args.plan:
+        from .building import tritoncompat
+        from .planning.manifest import load
+
+        other = tritoncompat.differs_from(load(args.plan).triton, f"{args.plan} ([target] triton)")
+        if other:
+            line("triton", info, f"{other}: its tuned table and the server it plans are that Triton's")
     if hit is not None:
         # each line's status is that of what it counts (a missing JIT module is the jit line's PROBLEM, not this one's)
         line("will-hit", ok if not hit.misses else bad,
@@ -549,8 +559,7 @@ def _print_verify_summary(r, hit, args) -> None:
         if hit.modules:
             have = sum(m.present for m in hit.modules)
             line("C modules", ok if have == len(hit.modules) else (bad if args.require_launchers else info),
-                 f"{have} of {len(hit.modules)} in the cache (a launcher per kernel signature, and "
-                 + ("npu_utils and the precompiled header)" if hit.target.startswith("npu") else "cuda_utils)"))
+                 f"{have} of {len(hit.modules)} in the cache ({_modules_text(hit)})")
     # each unverified entry where it fails or keys were given; else the trust line's count (--json has them all)
     unverified = [f"{u.key}: {u.why}" for u in r.unverified] if r.signed or not r.trust_ok else []
     for name, items, style in (("tampered receipt", r.tampered_receipts, "red"),
@@ -586,7 +595,20 @@ def _print_verify_summary(r, hit, args) -> None:
         if not m.present:
             users = f"{m.kernels} planned compiles" if m.name != "cuda_utils" else "every kernel"
             out.print(f"{'[red]' if args.require_launchers else '[yellow]'}absent[/] {m.name} {m.key} (used by {users}): the node builds it with its C compiler "
-                      f"at first launch, about a second, no kernel compile", highlight=False)
+                      f"at first launch, about a second, no kernel compile{f'; {escape(m.detail)}' if m.detail else ''}",
+                      highlight=False)
+
+
+def _modules_text(hit) -> str:
+    """What verify's C modules count covers on this node's runtime."""
+    if hit.target.startswith("npu"):
+        return "a launcher per kernel signature, npu_utils and the precompiled header"
+    from .building import tritoncompat
+
+    release = tritoncompat.release()
+    if release.cuda_launchers == "per-signature":
+        return "a launcher per kernel signature, and cuda_utils"
+    return f"cuda_utils, whose launch serves every kernel: {release} builds no launcher per kernel signature"
 
 
 def _trust_text(r) -> str:
@@ -668,16 +690,16 @@ def _print_verify_tables(r, hit, args) -> None:
             out.print(t)
         if hit.modules:
             have = sum(m.present for m in hit.modules)
-            out.print(f"C modules the CUDA runtime builds at first launch: {have} of {len(hit.modules)} in the cache "
-                      f"(a launcher per kernel signature, and cuda_utils)")
+            out.print(f"C modules the runtime builds at first launch: {have} of {len(hit.modules)} in the cache "
+                      f"({_modules_text(hit)})")
             missing = [m for m in hit.modules if not m.present]
             if missing:
                 t = Table(title="[yellow]absent[/]: the node builds these with its C compiler at first launch (about "
                                 "a second each, no kernel compile; fails where no compiler is installed)")
-                for c in ("module", "key", "planned compiles using it"):
+                for c in ("module", "key", "planned compiles using it", "detail"):
                     t.add_column(c, overflow="fold")
                 for m in missing:
-                    t.add_row(m.name, m.key, str(m.kernels) if m.name != "cuda_utils" else "all")
+                    t.add_row(m.name, m.key, str(m.kernels) if m.name != "cuda_utils" else "all", escape(m.detail))
                 out.print(t)
 
 
@@ -1055,6 +1077,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+NO_TRITON_VERBS = {"pack", "push", "install", "ls", "keygen"}  # the rest read or run the installed Triton
+
+
 def main(argv: list[str] | None = None) -> int:
     global out, err
     out, err = _console(), _console(stderr=True)  # for the streams as they are now (a test may have replaced them)
@@ -1069,6 +1094,10 @@ def main(argv: list[str] | None = None) -> int:
 
         fsspec.config.conf.setdefault("oci", {})["insecure"] = True
     try:
+        if args.verb not in NO_TRITON_VERBS:
+            from .building.tritoncompat import require_supported
+
+            require_supported()  # an unsupported Triton is named before any work
         return args.func(args)
     except PrewarmError as e:
         err.print(f"[bold red]error[/]: {escape(str(e))}", highlight=False)

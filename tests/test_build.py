@@ -42,18 +42,22 @@ def test_first_build_compiles_every_planned_request(built):
     assert any("no autotune results" in n for n in report.notes)  # the offline caveat is said, not hidden
 
 
-# Runs in a fresh process against an offline-built cache: every kernel of the plan as the runtime loads it (a disk
-# hit), then its launcher and cuda_utils through the driver's own classes. Building is made to fail and loading the
-# .so (which needs the NVIDIA driver) is stubbed: success means Triton found each file under its own key.
+# Runs in a fresh process against an offline-built cache: cuda_utils through the driver's own class, then every
+# kernel of the plan as the runtime loads it (a disk hit) and its launcher (3.6: a module per kernel signature; 3.8:
+# cuda_utils' launch). Building is made to fail and loading the .so (which needs the NVIDIA driver) is stubbed: success
+# means Triton found each file under its own key. On 3.8 the node finds libcuda.so.1 where the manifest says by
+# default (its `ldconfig -p`: the image's library dir, where NVIDIA's container toolkit mounts the driver).
 RUNTIME_LOOKUP = """
 import sys
 from unittest import mock
 import triton.runtime.build as tb
 from triton.backends.nvidia import driver as nv
+from triton.runtime.driver import driver
 from prewarm.building import tritoncompat
 from prewarm.planning.manifest import load
 from prewarm.planning.plan import expand_all, plan, resolve
 from prewarm.building.backends import CudaOfflineTarget
+from prewarm.building.backends.cuda import NODE_LIBCUDA_DIRS
 
 tritoncompat.set_cache_dir(sys.argv[1])
 CudaOfflineTarget("cuda", "sm_90").activate()
@@ -61,12 +65,14 @@ def no_build(name, *a, **k):
     raise AssertionError(f"Triton had to build {name}: not in the cache")
 tb._build = no_build
 tb._load_module_from_path = lambda name, path: mock.MagicMock(name=path)
+if "library_dirs" in tritoncompat.release().cuda_utils_key:
+    nv.libcuda_dirs = lambda: list(NODE_LIBCUDA_DIRS)
+driver.active.utils = nv.CudaUtils()
 n = 0
 for c in expand_all(plan(load(sys.argv[2])).requests):
     kernel = tritoncompat.preload(resolve(c.kernel), c.specialization)
     nv.CudaLauncher(kernel.src, kernel.metadata)
     n += 1
-nv.CudaUtils()
 print(n)
 """
 
@@ -74,10 +80,15 @@ print(n)
 def test_offline_build_holds_every_launcher_and_cuda_utils_under_tritons_keys(built, tmp_path):
     import subprocess
 
+    from prewarm.building import tritoncompat
+
     cache, report, _ = built
     so = sorted(cache.rglob("*.so"))
     names = {p.name.split(".")[0] for p in so}
-    assert names == {"__triton_launcher", "cuda_utils"}
+    per_signature = tritoncompat.release().cuda_launchers == "per-signature"
+    assert names == ({"__triton_launcher", "cuda_utils"} if per_signature else {"cuda_utils"})
+    assert any(("the launchers of 11 kernels" if per_signature else "no launcher per kernel signature: not needed") in n
+               for n in report.notes)  # what was built for the first launch is said
     # linked against libcuda.so.1 (a stub here), as on a GPU host: the node's driver resolves the cu* symbols
     for path in so:
         needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
@@ -97,7 +108,10 @@ def test_build_info_lists_manifest_fingerprint_and_keys(built):
     cache, report, _ = built
     rec = CacheDir(cache).read_build_info()
     assert rec["manifest"]["name"] == "toy-cuda" and rec["manifest"]["digest"] == report.digest
-    assert rec["fingerprint"]["triton.version"] == "3.6.0" and rec["fingerprint"]["target.arch"] == "sm_90"
+    from prewarm.building import tritoncompat
+
+    assert rec["fingerprint"]["triton.version"] == tritoncompat.triton_distribution()[1]
+    assert rec["fingerprint"]["target.arch"] == "sm_90"
     assert rec["target"] == {"backend": "cuda", "arch": "sm_90", "mode": "offline"}
     assert [(r["label"], r["key"]) for r in rec["requests"]] == [(r.label, r.key) for r in report.results]
     assert len({r["key"] for r in rec["requests"]}) == 11

@@ -287,16 +287,27 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 @pytest.fixture(scope="module")
 def two_builds(tmp_path_factory):
     """The toy manifest built twice, offline, for real, and packed: same keys, the same kernels and launchers, but
-    ``cuda_utils`` built twice by the host C compiler, so under one key with different bytes."""
+    ``cuda_utils`` built twice by the host C compiler, so under one key with different bytes: as two build hosts'
+    compilers make it (Triton 3.6 builds cuda_utils from a temporary copy of its source, so even one host's builds
+    differ; 3.8 builds it from the installed file, and no launchers, so its second build here adds debug info, as
+    another compiler's output would differ)."""
+    import shutil
     import sys
 
     sys.path.insert(0, str(FIXTURES))  # the toy provider, importable by the build's worker processes
     from prewarm.building.build import build
+    from prewarm.building.tritoncompat import release, restored_env
 
     root = tmp_path_factory.mktemp("two-builds")
+    other_cc = root / "cc-g"
+    other_cc.write_text(f'#!/bin/sh\nexec "{shutil.which("gcc") or shutil.which("clang")}" -g "$@"\n')
+    other_cc.chmod(0o755)
     bundles = []
     for name in ("a", "b"):
-        build(FIXTURES / "toy-cuda.toml", root / name, workers=2, mode="offline")
+        with restored_env("CC"):
+            if name == "b" and release().cuda_launchers == "generic":
+                os.environ["CC"] = str(other_cc)  # the key does not read the compiler: the same key
+            build(FIXTURES / "toy-cuda.toml", root / name, workers=2, mode="offline")
         pack(root / name, root / f"bundle-{name}")
         bundles.append(root / f"bundle-{name}")
     return bundles
@@ -552,10 +563,14 @@ except PrewarmError as e:
 
 def test_a_node_fingerprint_is_reused_only_while_its_inputs_are_unchanged(toy_bundle, tmp_path):
     """A stand-in ptxas (TRITON_PTXAS_PATH) whose version the test changes: the recorded fingerprint must not
-    outlive it, and is reused, Triton not even imported, while nothing changed."""
+    outlive it, and is reused, Triton not even imported, while nothing changed. It starts as the ptxas this Triton
+    ships (the bundle's: 12.8 with Triton 3.6, 12.9 with 3.8)."""
+    from prewarm.building import tritoncompat
+
+    real = subprocess.run([tritoncompat.ptxas_path(), "--version"], capture_output=True, text=True, check=True).stdout
+    built_by = real.strip().splitlines()[-1]
     ptxas = tmp_path / "ptxas"
-    ptxas.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n"
-                     "echo 'Build cuda_12.8.r12.8/compiler.35583870_0'\n")
+    ptxas.write_text(f"#!/bin/sh\ncat <<'EOF'\n{real.strip()}\nEOF\n")
     ptxas.chmod(0o755)
     node = tmp_path / "node"
 
@@ -564,8 +579,8 @@ def test_a_node_fingerprint_is_reused_only_while_its_inputs_are_unchanged(toy_bu
                               text=True, check=True, env={**os.environ, "TRITON_PTXAS_PATH": str(ptxas), **env}
                               ).stdout.strip()
 
-    assert run("install") == "Build cuda_12.8.r12.8/compiler.35583870_0 True"  # computed, and recorded
-    assert run("probe") == "Build cuda_12.8.r12.8/compiler.35583870_0 False"  # reused: Triton not imported
+    assert run("install") == f"{built_by} True"  # computed, and recorded
+    assert run("probe") == f"{built_by} False"  # reused: Triton not imported
     assert run("probe", PREWARM_TEST_POD_NAME="pod-2").endswith("True")  # a variable never seen: computed afresh
     ptxas.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.1'\n"
                      "echo 'Build cuda_13.0.r13.0/compiler.1_0'\n")

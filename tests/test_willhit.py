@@ -13,6 +13,7 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
+from prewarm.building import tritoncompat  # noqa: E402
 from prewarm.building.build import build  # noqa: E402
 from prewarm.node.willhit import check  # noqa: E402
 
@@ -45,9 +46,11 @@ def test_a_built_cache_hits_everything(cache):
     assert all("TRITON_CACHE_AUTOTUNING unset" in a.detail for a in report.autotune)
     assert report.to_json()["ok"] is True and len(report.to_json()["results"]) == 11
     # the C modules the runtime builds at first launch: the offline build made them, under the keys looked up here
+    # (3.6: a launcher per kernel signature and cuda_utils; 3.8: cuda_utils, whose launch serves every kernel)
+    per_signature = tritoncompat.release().cuda_launchers == "per-signature"
     assert all(m.present for m in report.modules)
-    assert sorted(m.name for m in report.modules) == ["__triton_launcher"] * 3 + ["cuda_utils"]
-    assert sum(m.kernels for m in report.modules) == 11
+    assert sorted(m.name for m in report.modules) == ["__triton_launcher"] * 3 * per_signature + ["cuda_utils"]
+    assert sum(m.kernels for m in report.modules) == 11 * per_signature
     assert {m.key for m in report.modules} == {p.parent.name for p in path.rglob("*.so")}
     assert files(path) == before
     assert check(str(TOY), str(path)).to_json() == report.to_json()  # a second check in this process: the same
@@ -188,11 +191,14 @@ def test_require_autotune_needs_a_plan(tmp_path):
 
 
 def test_an_absent_launcher_is_named_and_informational(cache, tmp_path):
-    """A launcher missing from the cache (a cache built before launchers were prebuilt, or pruned) is named with the
-    number of planned compiles that need it; the kernels still hit, so verify stays clean."""
+    """A launcher missing from the cache (a cache built before launchers were prebuilt, or pruned; 3.8: cuda_utils,
+    the one every kernel launches through) is named with the number of planned compiles that need it; the kernels
+    still hit, so verify stays clean."""
     path, _ = cache
     report = check(str(TOY), str(path))
-    launcher = max((m for m in report.modules if m.name == "__triton_launcher"), key=lambda m: m.kernels)
+    name = "__triton_launcher" if tritoncompat.release().cuda_launchers == "per-signature" else "cuda_utils"
+    launcher = max((m for m in report.modules if m.name == name), key=lambda m: m.kernels)
+    n = len(report.modules)
     shutil.move(path / launcher.key, tmp_path / launcher.key)
     try:
         after = check(str(TOY), str(path))
@@ -200,6 +206,6 @@ def test_an_absent_launcher_is_named_and_informational(cache, tmp_path):
         assert [(m.key, m.kernels) for m in after.modules if not m.present] == [(launcher.key, launcher.kernels)]
         cli = subprocess.run([sys.executable, "-m", "prewarm.cli", "verify", "--cache-dir", str(path), "--plan",
                               str(TOY)], env={**ENV, "COLUMNS": "300"}, capture_output=True, text=True)
-        assert cli.returncode == 0 and "3 of 4 in the cache" in cli.stdout and launcher.key in cli.stdout
+        assert cli.returncode == 0 and f"{n - 1} of {n} in the cache" in cli.stdout and launcher.key in cli.stdout
     finally:
         shutil.move(tmp_path / launcher.key, path / launcher.key)

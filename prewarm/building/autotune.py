@@ -375,6 +375,7 @@ class TableReport:
     results: list[TunedResult] = field(default_factory=list)
     missing_file: bool = False  # the manifest names a table that does not exist (yet)
     other_devices: dict[str, int] = field(default_factory=dict)  # rows the table holds for other devices
+    measured_under: str = ""  # the Triton version the table's [meta] says it was measured under
 
     @property
     def uncovered(self) -> list[TunedResult]:
@@ -398,6 +399,10 @@ class TableReport:
         if self.other_devices:
             text += "; rows for other devices not used: " + ", ".join(f"{d} ({n})" for d, n in
                                                                      sorted(self.other_devices.items()))
+        measured = tritoncompat.version_series(self.measured_under)
+        if measured and measured != tritoncompat.release().series:  # result files are keyed by the running Triton
+            text += (f"; measured under Triton {self.measured_under}, used for {tritoncompat.release()}: winners can "
+                     f"move with a compiler release (re-run `prewarm tune` under it)")
         return text
 
     def to_json(self) -> dict:
@@ -430,6 +435,7 @@ def apply_table(path: Path, device: str, tunings: list[PlannedTuning], cache_dir
         report.results = [TunedResult(t, "absent", "no table file") for t in tunings]
         return report
     table = read_table(path)
+    report.measured_under = str(table.meta.get("triton", ""))
     for d in table.devices():
         if d != device:
             report.other_devices[d] = sum(r.device == d for r in [*table.rows, *table.pinned])

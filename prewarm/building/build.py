@@ -198,7 +198,7 @@ def build(
     except OSError as e:
         raise EnvironmentProblem(f"--cache-dir {cache}: cannot create it: {e.strerror}") from e
     workers = max(1, workers or os.cpu_count() or 1)
-    target = backends.get_target(m.backend, m.arch, mode, manifest_device(m))
+    target = backends.get_target(m.backend, m.arch, mode, manifest_device(m), m.libcuda_dirs)
     with layout.building():
         target.prepare_build()
         start_workers()
@@ -208,6 +208,9 @@ def build(
         report = BuildReport(m.name, m.digest, cache, target.describe(), workers, len(planned.requests))
         report.will_fail = planned.will_fail
         report.notes = target.notes()
+        other = tritoncompat.differs_from(m.triton, f"{m.path.name} ([target] triton)")
+        if other:
+            report.notes.append(f"{other}: the cache is keyed by this Triton, so only nodes running it find it")
         results: list[CompileResult | None] = [None] * len(compiles)
         done = 0
 
@@ -243,7 +246,7 @@ def build(
                                                    str(m.path))
             report.notes.append(report.autotune.summary())
         if report.ok:
-            report.notes += target.after_build(providers, m.spec(), cache)
+            report.notes += target.after_build(providers, m.spec(), cache, compiles)
         if report.ok and planned.jit:
             build_jit(m, planned.jit, target, cache, report)
         report.seconds = time.perf_counter() - start

@@ -82,15 +82,18 @@ class RequestResult:
 
 @dataclass
 class ModuleResult:
-    """A C module the CUDA runtime builds at first launch: a kernel signature's launcher, or cuda_utils."""
+    """A C module the runtime builds at first launch: a kernel signature's launcher, or cuda_utils (CUDA; npu_utils
+    and the precompiled header on Ascend)."""
 
-    name: str  # "__triton_launcher" | "cuda_utils"
+    name: str  # "__triton_launcher" | "cuda_utils" | "launcher" | "npu_utils" | "precompiled.h"
     key: str
     present: bool
     kernels: int  # planned compiles that launch through it (0 for cuda_utils)
+    detail: str = ""  # how it was keyed, or why this node's key is not in the cache, where that needs saying
 
     def to_json(self) -> dict:
-        return {"name": self.name, "key": self.key, "present": self.present, "kernels": self.kernels}
+        return {"name": self.name, "key": self.key, "present": self.present, "kernels": self.kernels,
+                "detail": self.detail}
 
 
 def found(cache_dir: str, key: str, filename: str) -> tuple[bool, str]:

@@ -8,6 +8,7 @@ Every error names the file, the key, the bad value and what was expected (Manife
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class Manifest:
     spec_table: dict[str, Any] = field(default_factory=dict)  # [spec] as written: the providers validate it
     archs: tuple[str, ...] = ()  # every SoC ``[target] arch`` lists (npu); ``arch`` is the first
     tuned: Path | None = None  # ``[target] tuned``: the autotune table (prewarm.building.autotune) builds write results from
+    triton: tuple[str, ...] = ()  # ``[target] triton``: the Triton series ("3.8") the manifest and its table are for
+    libcuda_dirs: tuple[str, ...] | None = None  # ``[target] libcuda_dirs`` (CUDA): where nodes' libcuda.so.1 is
 
     def spec(self) -> dict[str, Any]:
         """The dict every provider's ``launches(spec)`` / ``run(spec, device)`` receives: the target's backend,
@@ -139,6 +142,18 @@ def load(path: str | Path) -> Manifest:
     if tuned is not None and device is None:
         raise t.fail("tuned", tuned, "target.device too: the table's rows are keyed by the device they were "
                                      "measured on (e.g. device = \"H200\")")
+    triton = t.get("triton", (str, list), "a Triton series like \"3.8\" (the nodes' Triton), or a list of them", [])
+    triton = (triton,) if isinstance(triton, str) else tuple(triton)
+    if not all(isinstance(v, str) and re.fullmatch(r"\d+\.\d+", v) for v in triton):
+        raise t.fail("triton", t.table["triton"], "a Triton series like \"3.8\" (major.minor), or a list of them")
+    libcuda_dirs = None
+    if backend == "cuda":
+        expected = "a list of absolute dirs the nodes' libcuda.so.1 is in, e.g. [\"/usr/lib/x86_64-linux-gnu\"]"
+        libcuda_dirs = t.get("libcuda_dirs", list, expected, None)
+        if libcuda_dirs is not None:
+            if not libcuda_dirs or not all(isinstance(d, str) and os.path.isabs(d) for d in libcuda_dirs):
+                raise t.fail("libcuda_dirs", libcuda_dirs, expected)
+            libcuda_dirs = tuple(libcuda_dirs)
     t.done()
 
     old = [k for k in OLD_ENVELOPE if k in doc]
@@ -166,7 +181,8 @@ def load(path: str | Path) -> Manifest:
     table = (path.parent / tuned).resolve() if tuned is not None else None
     if table is not None and table.is_file():  # its results go into the build; a missing one is reported there
         digest.update(table.read_bytes())
-    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, spec_table, archs, table)
+    return Manifest(path, name, digest.hexdigest(), backend, arch, device, kernels, spec_table, archs, table, triton,
+                    libcuda_dirs)
 
 
 def _kernel(path: Path, i: int, entry: Any) -> KernelSource:

@@ -21,9 +21,11 @@ __all__ = ["MODES", "BACKENDS", "CudaDeviceTarget", "CudaOfflineTarget", "Target
 BACKENDS = {"cuda": cuda, "npu": npu}  # each: TARGETS, auto_mode(), activate_for_planning(), probe_modules()
 
 
-def get_target(backend: str, arch: str, mode: str = "auto", device_profile: str | None = None) -> Target:
+def get_target(backend: str, arch: str, mode: str = "auto", device_profile: str | None = None,
+               libcuda_dirs: tuple[str, ...] | None = None) -> Target:
     """The target that builds ``backend``/``arch`` in ``mode`` (offline | device | auto); it answers device queries
-    as ``device_profile`` (a :mod:`prewarm.devices` name) in every process it activates offline."""
+    as ``device_profile`` (a :mod:`prewarm.devices` name) in every process it activates offline; a CUDA target
+    builds and looks up cuda_utils for nodes whose libcuda.so.1 is in ``libcuda_dirs`` (default: its own)."""
     if mode not in MODES:
         raise ManifestError(f"--mode: {mode!r} is not one of {', '.join(MODES)}")
     module = BACKENDS.get(backend)
@@ -33,14 +35,15 @@ def get_target(backend: str, arch: str, mode: str = "auto", device_profile: str 
     if cls is None:
         have = ", ".join(f"{b}/{m}" for b, mod in sorted(BACKENDS.items()) for m in sorted(mod.TARGETS))
         raise EnvironmentProblem(f"no build target for backend {backend!r} in mode {mode!r} (available: {have})")
-    return cls(backend=backend, arch=arch, device_profile=device_profile)
+    options = {"libcuda_dirs": tuple(libcuda_dirs)} if libcuda_dirs else {}
+    return cls(backend=backend, arch=arch, device_profile=device_profile, **options)
 
 
 def select(manifest: Manifest, mode: str = "auto") -> tuple[Manifest, Target]:
     """The target that builds or checks ``manifest`` here in ``mode`` (not activated), and the manifest as this
     process serves it: on an Ascend node (device mode) narrowed to the node's own SoC, one of the manifest's
     (fails closed where it cannot tell)."""
-    target = get_target(manifest.backend, manifest.arch, mode, manifest_device(manifest))
+    target = get_target(manifest.backend, manifest.arch, mode, manifest_device(manifest), manifest.libcuda_dirs)
     if manifest.backend == "npu" and target.mode == "device":
         manifest = npu.for_soc(manifest, npu.node_soc(manifest))
         target = dataclasses.replace(target, arch=manifest.arch)
@@ -69,4 +72,4 @@ def activate_for_planning(manifest: Manifest) -> None:
 def probe_modules(target: Target, compiles: list, results: list, cache_dir: str) -> list:
     """The C modules ``target``'s runtime builds at first launch for the planned compiles that hit (``results``:
     prewarm.building.probe's), looked up in ``cache_dir`` through the backend's own classes (``ModuleResult`` each)."""
-    return BACKENDS[target.backend].probe_modules(compiles, results, cache_dir)
+    return BACKENDS[target.backend].probe_modules(target, compiles, results, cache_dir)

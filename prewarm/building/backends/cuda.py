@@ -1,12 +1,17 @@
 """CUDA: the offline (target-only) and device build targets, and the C modules Triton builds at first launch.
 
 - :class:`CudaOfflineTarget`: no GPU. Installs a target-only driver, so Triton compiles for ``sm_XX`` without
-  libcuda, and builds each kernel's launcher (the per-signature C ``.so`` Triton builds at first launch) and
-  ``cuda_utils.so`` with the host C compiler. Autotune results cannot be measured here (nothing to benchmark on):
-  build writes them from an autotune table measured on one device (prewarm.building.autotune).
+  libcuda, and builds with the host C compiler the C modules Triton builds at a node's first launch: ``cuda_utils.so``
+  and, on a Triton that builds one per kernel signature (3.6), each kernel's launcher (:func:`build_modules`).
+  Autotune results cannot be measured here (nothing to benchmark on): build writes them from an autotune table
+  measured on one device (prewarm.building.autotune).
 - :class:`CudaDeviceTarget`: a real GPU. Compiles the same way, then runs each provider's ``run(spec, device)``
   once so autotune results and launchers land in the cache dir too.
 - :func:`probe_modules`: are a plan's launchers and ``cuda_utils`` in a cache dir (the driver's own classes asked).
+
+What differs between Triton releases here is asked of ``tritoncompat.release()``: whether launchers are built per
+kernel signature, and what ``cuda_utils``' key hashes (3.8: the dirs libcuda.so.1 is found in, so a build names the
+node's: ``[target] libcuda_dirs``, default :data:`NODE_LIBCUDA_DIRS`).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import contextlib
 import functools
 import os
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,6 +28,12 @@ from .. import tritoncompat
 from ...errors import BuildError, EnvironmentProblem, ManifestError
 from ...planning.plan import resolve
 from .target import Target
+
+
+# Where a node's libcuda.so.1 is, as its Triton finds it (`ldconfig -p`), unless the manifest names other dirs
+# ([target] libcuda_dirs): the NVIDIA Container Toolkit mounts the driver's libraries into the image's own library
+# dir, /usr/lib/x86_64-linux-gnu on Debian and Ubuntu based x86_64 images (the CUDA, PyTorch, sglang and vLLM images)
+NODE_LIBCUDA_DIRS = ("/usr/lib/x86_64-linux-gnu",)
 
 
 def parse_cuda_arch(arch: str) -> int:
@@ -64,7 +75,14 @@ def activate_for_planning(arch: str, device_profile: str | None) -> None:
 
 
 @dataclass
-class CudaOfflineTarget(Target):
+class CudaTarget(Target):
+    """What both CUDA targets know of the nodes besides the GPU: where their libcuda.so.1 is."""
+
+    libcuda_dirs: tuple[str, ...] = field(default=NODE_LIBCUDA_DIRS)  # [target] libcuda_dirs
+
+
+@dataclass
+class CudaOfflineTarget(CudaTarget):
     """CUDA without a GPU: the real compiler pipeline down to cubin, through a target-only driver."""
 
     mode: ClassVar[str] = "offline"
@@ -73,33 +91,27 @@ class CudaOfflineTarget(Target):
         activate_offline(self.arch, self.device_profile)
 
     def compile(self, fn: Any, specialization_data: str) -> Any:
-        """Compile, then build the kernel's launcher into the cache too (the node then runs no C compiler)."""
+        """Compile, then (3.6) build the kernel's launcher into the cache, here in the worker, in parallel; one that
+        fails here is built again, or its failure named, by :meth:`after_build`."""
         kernel = super().compile(fn, specialization_data)
-        try:
-            launcher(kernel, build=True)
-        except Exception:  # no C compiler here: after_build says so; the node builds the launcher itself
-            pass
+        if tritoncompat.release().cuda_launchers == "per-signature":
+            with contextlib.suppress(Exception):  # counted and named by after_build (build_modules)
+                launcher(kernel, build=True)
         return kernel
 
-    def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
-        try:
-            with tritoncompat.cache_scope(cache_dir):
-                cuda_utils(build=True)
-        except Exception as e:
-            return [f"launchers and cuda_utils.so were not built ({type(e).__name__}: {e}); the node builds them "
-                    f"at first launch, which needs a C compiler there"]
-        return []
+    def after_build(self, providers: list[Any], spec: dict, cache_dir: str, compiles: list) -> list[str]:
+        return build_modules(compiles, cache_dir, self.libcuda_dirs)
 
     def notes(self) -> list[str]:
         return [
-            "offline CUDA build: kernels, their launchers and cuda_utils.so are in the cache, but no autotune "
-            "results of its own: they come from the manifest's autotune table ([target] tuned or --tuned, made by "
+            "offline CUDA build: kernels and the C modules a node builds at first launch are in the cache, but no "
+            "autotune results of its own: they come from the manifest's autotune table ([target] tuned or --tuned, made by "
             "`prewarm tune` on one device); a tuning key it lacks is benchmarked once per process on the node"
         ]
 
 
 @dataclass
-class CudaDeviceTarget(Target):
+class CudaDeviceTarget(CudaTarget):
     """CUDA on a real GPU: compile, then run each provider's serving mix once (autotune + launchers on disk)."""
 
     mode: ClassVar[str] = "device"
@@ -120,7 +132,7 @@ class CudaDeviceTarget(Target):
             )
         start_driver()
 
-    def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
+    def after_build(self, providers: list[Any], spec: dict, cache_dir: str, compiles: list) -> list[str]:
         """Run each provider's serving mix once in a fresh process with autotune caching on: the Autotuner
         reads TRITON_CACHE_AUTOTUNING when the kernel module is imported, so it cannot be switched on here."""
         import json
@@ -168,10 +180,11 @@ def auto_mode() -> str:
 
 
 # --- CUDA launchers without a GPU -------------------------------------------------------------------------------
-# Triton (3.4+) builds a C launcher per kernel signature, and cuda_utils once, with the host C compiler at first
-# launch, keyed by their source and the platform (not by the GPU): built here they are found on the node, which then
-# needs no compiler and spends no time in it. Linking needs libcuda.so.1; without the NVIDIA driver an empty stub
-# with that soname stands in for the link only (the cu* symbols resolve against the node's libcuda at load time).
+# Triton builds cuda_utils once, and (3.6) a C launcher per kernel signature, with the host C compiler at first
+# launch, keyed by their source and the platform (3.8: also by the build config, libcuda's dirs among it), not by
+# the GPU: built here they are found on the node, which then needs no compiler and spends no time in it. Linking
+# needs libcuda.so.1; without the NVIDIA driver an empty stub with that soname stands in for the link only (the cu*
+# symbols resolve against the node's libcuda at load time).
 
 
 @functools.lru_cache()
@@ -192,7 +205,7 @@ def _driver_installed() -> bool:
 def _libcuda_stub(cc: str | None) -> str:
     """A dir (one per process and compiler, removed at exit) holding a stand-in ``libcuda.so.1``: an empty file for a
     lookup (``cc`` None), else the device profile's driver stub (:func:`prewarm.devices.driver_stub`) plus a ``cc``
-    wrapper that keeps it linked."""
+    wrapper that links it."""
     import atexit
     import shutil
     import tempfile
@@ -205,21 +218,23 @@ def _libcuda_stub(cc: str | None) -> str:
     stub = devices.driver_stub(cc)
     # where a launcher references no entry point by link, a linker that drops unused libraries (--as-needed,
     # Ubuntu's default) would leave libcuda.so.1 out of the .so's NEEDED list: keep it, as a link against the real
-    # driver does
-    Path(stub, "cc").write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@"\n')
+    # driver does. -L: where the dirs Triton passes are the node's (3.8), which this host need not have
+    Path(stub, "cc").write_text(f'#!/bin/sh\nexec "{cc}" -Wl,--no-as-needed "$@" "-L{stub}"\n')
     os.chmod(os.path.join(stub, "cc"), 0o755)
     return stub
 
 
 @contextlib.contextmanager
-def _libcuda(link: bool):
-    """``libcuda.so.1`` as Triton's launcher classes need it: they assert that it exists before anything else, and
-    building links against it. Where the driver is not installed a stand-in is used (see ``_libcuda_stub``)."""
+def _libcuda(link: bool, node_dirs: tuple[str, ...] | None = None):
+    """``libcuda.so.1`` as Triton's driver classes need it: they assert that it exists before anything else, and
+    building links against it. ``node_dirs``: Triton's ``libcuda_dirs()`` answers these (the dirs a node finds it
+    in, which 3.8 keys cuda_utils by); else, where the driver is not installed, a stand-in is used (see
+    ``_libcuda_stub``)."""
     import shutil
 
     from triton.backends.nvidia import driver as nv
 
-    if _driver_installed():  # look up and link against the real driver
+    if node_dirs is None and _driver_installed():  # look up and link against the real driver
         yield
         return
     cc = None
@@ -228,18 +243,38 @@ def _libcuda(link: bool):
         if cc is None:
             raise RuntimeError("no C compiler (gcc, clang or $CC) to build launchers with")
     stub = _libcuda_stub(cc)
-    # both read at use, and neither is one of the cache key's env vars
-    with tritoncompat.restored_env("TRITON_LIBCUDA_PATH", "CC"):
+    saved = nv.libcuda_dirs
+    # both read at use (3.8 caches $CC: forgotten around the block), and neither is one of the cache key's env vars
+    with tritoncompat.restored_env("TRITON_LIBCUDA_PATH", "CC"), _compiler_read_anew():
         os.environ["TRITON_LIBCUDA_PATH"] = stub
         if link:
             os.environ["CC"] = os.path.join(stub, "cc")
-        nv.libcuda_dirs.cache_clear()
+        if node_dirs is not None:
+            nv.libcuda_dirs = lambda: list(node_dirs)  # library_dirs() calls it by its module global
+        else:
+            nv.libcuda_dirs.cache_clear()
         nv.library_dirs.cache_clear()
         try:
             yield
         finally:
+            nv.libcuda_dirs = saved
             nv.libcuda_dirs.cache_clear()
             nv.library_dirs.cache_clear()
+
+
+@contextlib.contextmanager
+def _compiler_read_anew():
+    """Within the block, and after it, Triton's C builds read $CC as it is then (3.8 caches what it read first)."""
+    if not tritoncompat.release().caches_c_compiler:
+        yield
+        return
+    import triton.runtime.build as tb
+
+    tb._find_compiler.cache_clear()
+    try:
+        yield
+    finally:
+        tb._find_compiler.cache_clear()
 
 
 class _Unloaded(types.ModuleType):
@@ -250,73 +285,146 @@ class _Unloaded(types.ModuleType):
 
 
 @contextlib.contextmanager
-def _build_without_loading():
-    """Triton's ``compile_module_from_src`` builds a missing module into the cache, then imports it; here the
-    import is skipped, so a module already in the cache is left as is (an import failure would rebuild it)."""
+def _build_without_loading(node_dirs: tuple[str, ...] | None):
+    """Triton builds a missing module into the cache, then imports it; here the import is skipped, so a module
+    already in the cache is left as is (an import failure would rebuild it)."""
     import triton.runtime.build as tb
 
     saved = tb._load_module_from_path
     tb._load_module_from_path = lambda name, path: _Unloaded(name)
     try:
-        with _libcuda(link=True):
+        with _libcuda(link=True, node_dirs=node_dirs):
             yield
     finally:
         tb._load_module_from_path = saved
 
 
-def has_cuda_launchers() -> bool:
-    """Does this triton build C launchers per kernel signature (upstream 3.4+ with the NVIDIA backend)?"""
-    try:
-        from triton.backends.nvidia.driver import CudaLauncher  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _triton_dir() -> str:
+    """The installed triton package's dir (3.8 keys cuda_utils by its backends/nvidia/include and lib)."""
+    import triton
+
+    return os.path.dirname(triton.__file__)
+
+
+def _keyed_by_libcuda() -> bool:
+    """Does this Triton's cuda_utils key hash the dirs libcuda.so.1 is found in (3.8)?"""
+    return "library_dirs" in tritoncompat.release().cuda_utils_key
 
 
 def launcher(kernel, build: bool) -> None:
-    """The launcher ``.so`` of a compiled kernel (``preload``'s result) as the CUDA driver makes it at first launch:
-    built into the active cache dir (``build``), or only looked up (the active cache manager sees the lookup)."""
+    """The launcher ``.so`` of a compiled kernel (``preload``'s result) as a Triton that builds one per kernel
+    signature (3.6) makes it at first launch: built into the active cache dir (``build``), or only looked up (the
+    active cache manager sees the lookup)."""
     from triton.backends.nvidia.driver import CudaLauncher
 
-    with _build_without_loading() if build else _libcuda(link=False):
+    with _build_without_loading(None) if build else _libcuda(link=False):
         CudaLauncher(kernel.src, kernel.metadata)
 
 
-def cuda_utils(build: bool) -> None:
-    """``cuda_utils.so``, what the CUDA driver builds when a process first uses it: built or looked up, as above."""
+def cuda_utils(build: bool, node_dirs: tuple[str, ...] | None = None) -> None:
+    """``cuda_utils.so``, what the CUDA driver builds when a process first uses it: built or looked up, as above;
+    ``node_dirs``: keyed as on a node whose libcuda.so.1 is there (3.8), else as this host's Triton keys it."""
     from triton.backends.nvidia import driver as nv
 
-    saved = getattr(nv, "PyCUtensorMap", None)  # CudaUtils() sets this module global from what it loads
+    saved = {name: getattr(nv, name, None) for name in ("PyCUtensorMap", "PyKernelArg", "ARG_CONSTEXPR",
+                                                       "ARG_KERNEL", "ARG_TUPLE")}  # CudaUtils() sets these globals
     try:
-        with _build_without_loading() if build else _libcuda(link=False):
+        with _build_without_loading(node_dirs) if build else _libcuda(link=False, node_dirs=node_dirs):
             nv.CudaUtils.__init__(object.__new__(nv.CudaUtils))  # not the driver's singleton instance
     finally:
-        nv.PyCUtensorMap = saved
+        for name, value in saved.items():
+            setattr(nv, name, value)
 
 
-def probe_modules(compiles: list, results: list, cache_dir: str) -> list:
-    """For every planned compile that hits (``results``: prewarm.building.probe's), is its launcher in ``cache_dir``, and is
-    cuda_utils? One ``ModuleResult`` per module key; none where this Triton builds no C launchers."""
+def build_modules(compiles: list, cache_dir: str, libcuda_dirs: tuple[str, ...]) -> list[str]:
+    """Build into ``cache_dir`` (after every planned compile is in it) the C modules a node's Triton builds at first
+    launch: cuda_utils (3.8: keyed for nodes whose libcuda.so.1 is in ``libcuda_dirs``) and (3.6) each kernel's
+    launcher. What was built, and what could not be (named), as build report notes."""
+    release = tritoncompat.release()
+    node_dirs = tuple(libcuda_dirs) if _keyed_by_libcuda() else None
+    runs = [("cuda_utils", lambda: cuda_utils(build=True, node_dirs=node_dirs))]
+    if release.cuda_launchers == "per-signature":
+        from ..probe import ReadOnlyCacheManager
+
+        with tritoncompat.cache_scope(os.path.abspath(cache_dir), ReadOnlyCacheManager):
+            kernels = [tritoncompat.load_compiled(resolve(c.kernel), c.specialization) for c in compiles]
+        runs += [("__triton_launcher", lambda k=k: launcher(k, build=True)) for k in kernels]
+    failed = []
+    with tritoncompat.cache_scope(os.path.abspath(cache_dir)):
+        for name, run in runs:
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001  (each named below; the node builds it at first launch)
+                failed.append(f"{name}: {type(e).__name__}: {e}")
+    where = (f"; keyed for nodes whose libcuda.so.1 is in {':'.join(node_dirs)} ([target] libcuda_dirs) and whose "
+             f"triton is installed at {_triton_dir()} as here "
+             f"({release} keys cuda_utils by both)" if node_dirs else "")
+    launchers = (f"the launchers of {len(runs) - 1} kernels (a module per kernel signature)"
+                 if release.cuda_launchers == "per-signature"
+                 else f"no launcher per kernel signature: not needed on {release} (every kernel launches through "
+                      f"cuda_utils' launch)")
+    if failed:
+        return [f"launchers and cuda_utils.so were not built ({len(failed)} of {len(runs)} C modules; first: "
+                f"{failed[0]}); the node builds them at first launch, which needs a C compiler there{where}"]
+    return [f"C modules a node builds at first launch, built here: cuda_utils.so{where}; {launchers}"]
+
+
+def probe_modules(target: CudaTarget, compiles: list, results: list, cache_dir: str) -> list:
+    """For every planned compile that hits (``results``: prewarm.building.probe's), is its launcher in ``cache_dir``
+    (3.6), and is cuda_utils, keyed as this node's Triton keys it? One ``ModuleResult`` per module key; a cuda_utils
+    lookup on a host without the NVIDIA driver (3.8) is keyed for ``target.libcuda_dirs``, and says so."""
     from ..probe import ModuleResult, Probe, ProbeCacheManager, ReadOnlyCacheManager
 
-    if not has_cuda_launchers():
-        return []
     root = os.path.realpath(cache_dir)
-    with tritoncompat.cache_scope(os.path.abspath(cache_dir), ReadOnlyCacheManager):
-        kernels = [tritoncompat.load_compiled(resolve(c.kernel), c.specialization)
-                   for c, r in zip(compiles, results) if r.hit]  # disk hits: loaded, nothing compiled
+    per_signature = tritoncompat.release().cuda_launchers == "per-signature"
+    kernels = []
+    if per_signature:
+        with tritoncompat.cache_scope(os.path.abspath(cache_dir), ReadOnlyCacheManager):
+            kernels = [tritoncompat.load_compiled(resolve(c.kernel), c.specialization)
+                       for c, r in zip(compiles, results) if r.hit]  # disk hits: loaded, nothing compiled
     found: dict[str, ModuleResult] = {}
 
-    def lookup(name: str, run) -> None:
+    def key_of(run) -> tuple[str, str]:
         try:
             run()
         except Probe as p:
-            m = found.setdefault(p.key, ModuleResult(name, p.key, os.path.isfile(os.path.join(root, p.key,
-                                                                                             p.filename)), 0))
-            m.kernels += name != "cuda_utils"
+            return p.key, p.filename
+        raise RuntimeError("the driver's class looked nothing up")  # a ProbeCacheManager is in scope
+
+    def lookup(name: str, run, detail: str = "") -> ModuleResult:
+        key, filename = key_of(run)
+        m = found.setdefault(key, ModuleResult(name, key, os.path.isfile(os.path.join(root, key, filename)), 0,
+                                               detail))
+        m.kernels += name != "cuda_utils"
+        return m
 
     with tritoncompat.cache_scope(os.path.abspath(cache_dir), ProbeCacheManager):
-        lookup("cuda_utils", lambda: cuda_utils(build=False))
+        if not _keyed_by_libcuda():
+            lookup("cuda_utils", lambda: cuda_utils(build=False))
+        elif not _driver_installed():
+            lookup("cuda_utils", lambda: cuda_utils(build=False, node_dirs=target.libcuda_dirs),
+                   f"no NVIDIA driver here: looked up as a node whose libcuda.so.1 is in "
+                   f"{':'.join(target.libcuda_dirs)} ([target] libcuda_dirs) would")
+        else:
+            m = lookup("cuda_utils", lambda: cuda_utils(build=False))
+            if not m.present:
+                m.detail = _libcuda_miss(key_of, root, target.libcuda_dirs)
         for kernel in kernels:
             lookup("__triton_launcher", lambda: launcher(kernel, build=False))
     return list(found.values())
+
+
+def _libcuda_miss(key_of, root: str, built_for: tuple[str, ...]) -> str:
+    """Why this node's cuda_utils key (3.8) is not in the cache: its libcuda dirs are not the ones it was built for
+    (both named), or neither key is there."""
+    from triton.backends.nvidia import driver as nv
+
+    here = ":".join(nv.libcuda_dirs())
+    key, filename = key_of(lambda: cuda_utils(build=False, node_dirs=built_for))
+    if os.path.isfile(os.path.join(root, key, filename)):
+        return (f"the cache's cuda_utils was built for libcuda.so.1 in {':'.join(built_for)} ([target] "
+                f"libcuda_dirs), this node's Triton finds it in {here}: rebuild with [target] libcuda_dirs = "
+                f"{list(nv.libcuda_dirs())!r}")
+    return (f"keyed here by libcuda.so.1 in {here} and the triton install at "
+            f"{_triton_dir()}; the cache has no cuda_utils for "
+            f"these nor for [target] libcuda_dirs {':'.join(built_for)} (built by a triton installed elsewhere?)")

@@ -262,7 +262,7 @@ class NpuTarget(Target):
                              f"({', '.join(differs)} differ): planned {wanted}, launched {got}")
         return kernel
 
-    def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
+    def after_build(self, providers: list[Any], spec: dict, cache_dir: str, compiles: list) -> list[str]:
         """Check the runtime files the first real launch would otherwise build are in the cache dir; record the
         toolchain the dir now belongs to."""
         CacheDir(cache_dir).claim_toolchain(self.toolchain())
@@ -332,7 +332,7 @@ class NpuOfflineTarget(Target):
         _claim_once(self)
         return super().compile(fn, specialization_data)
 
-    def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
+    def after_build(self, providers: list[Any], spec: dict, cache_dir: str, compiles: list) -> list[str]:
         CacheDir(cache_dir).claim_toolchain(self.toolchain())
         return []
 
@@ -388,11 +388,11 @@ def _answer_lookup(filename: str, path: str, present: bool) -> str | None:
     return utils_loaded() if filename == UTILS_FILE else None
 
 
-def probe_modules(compiles: list, results: list, cache_dir: str) -> list:
+def probe_modules(target: Target, compiles: list, results: list, cache_dir: str) -> list:
     """What triton-ascend builds with g++ at a node's first launch, for every planned compile that hits
-    (``results``: prewarm.building.probe's): its launcher, the precompiled header (a missing one is built even when every
-    launcher is there) and npu_utils. Keys computed by triton-ascend's own constructors; one ``ModuleResult`` per
-    key."""
+    (``results``: prewarm.building.probe's): its launcher, the precompiled header (a missing one is built even when
+    every launcher is there) and npu_utils. Keys computed by triton-ascend's own constructors under the active
+    ``target``; one ``ModuleResult`` per key."""
     from ..probe import ModuleResult, Probe, ReadOnlyCacheManager, RecordingCacheManager
 
     with tritoncompat.cache_scope(os.path.abspath(cache_dir), ReadOnlyCacheManager):

@@ -45,8 +45,9 @@ class Target(ABC):
 
         return tritoncompat.preload(fn, specialization_data)
 
-    def after_build(self, providers: list[Any], spec: dict, cache_dir: str) -> list[str]:
-        """Run once in the parent after every request compiled (device mode: autotune, launchers).
+    def after_build(self, providers: list[Any], spec: dict, cache_dir: str, compiles: list) -> list[str]:
+        """Run once in the parent after every request (``compiles``, the plan's) compiled (device mode: autotune,
+        launchers; offline CUDA: the C modules a node builds at first launch).
 
         Returns notes for the build report. The default (no device) does nothing.
         """

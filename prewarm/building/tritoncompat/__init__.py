@@ -1,7 +1,8 @@
-"""Everything that differs between triton 3.2 (triton-ascend 3.2.0) and triton 3.4+ (upstream 3.6), one concern per
-module: the running Triton (``runtime``), its Autotuner (``autotune``), compile requests as data
-(``specialization``), the on-disk cache key (``cachekey``), and triton-ascend's own differences (``ascend``). Callers
-use ``tritoncompat.<name>``: this index re-exports each module's names."""
+"""Everything that differs between the Triton releases prewarm supports (``release``: upstream 3.6 and 3.8,
+triton-ascend 3.2 and 3.5, one :class:`Release` each, picked by the installed version; any other refused by name),
+one concern per module, each asking the release: the running Triton (``runtime``), its Autotuner (``autotune``),
+compile requests as data (``specialization``), the on-disk cache key (``cachekey``), and triton-ascend's own
+differences (``ascend``). Callers use ``tritoncompat.<name>``: this index re-exports each module's names."""
 from __future__ import annotations
 
 from .runtime import (  # noqa: F401
@@ -9,6 +10,9 @@ from .runtime import (  # noqa: F401
     compile_requests, get_jit_cache_hook, jit_function, kernel_ref, load_compiled, mock_tensor, preload, ptxas_path,
     restored_env, set_cache_dir, set_cache_manager, set_jit_cache_hook, start_process_warmup, triton_distribution,
     triton_key, warmup,
+)
+from .releases import (  # noqa: F401
+    differs_from, release, require_supported, version_series,
 )
 from .autotune import (  # noqa: F401
     NoBenchmark, Tuning, autotuned_call, autotuner_of, can_keep_results, find_autotuner, first_tuning,

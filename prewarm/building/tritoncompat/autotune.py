@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .releases import release
+
 
 def autotuned_call(kernel, args: tuple, kwargs: dict):
     """(Autotuner, args, kwargs) as the Autotuner's ``run`` receives them for this call, or None when the call is
@@ -16,7 +18,7 @@ def autotuned_call(kernel, args: tuple, kwargs: dict):
         named = {**dict(zip(kernel.arg_names, args)), **kwargs}
         kwargs = {**kwargs, **{name: heur(named) for name, heur in kernel.values.items()}}
         kernel = kernel.fn
-    if not isinstance(kernel, Autotuner) or not hasattr(kernel, "check_disk_cache"):
+    if not isinstance(kernel, Autotuner) or not can_keep_results(kernel):
         return None
     return kernel, args, kwargs
 
@@ -40,7 +42,7 @@ def autotuner_of(kernel):
 def can_keep_results(tuner) -> bool:
     """Does this Triton's Autotuner have a result cache at all (3.4+: ``check_disk_cache``; triton-ascend 3.2: no,
     it keeps its winners in memory, per process)?"""
-    return hasattr(tuner, "check_disk_cache")
+    return release().knobs
 
 
 def with_configs(kernel, configs: list):

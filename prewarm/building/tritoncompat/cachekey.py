@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from .ascend import ascend_ast_source
+from .releases import release
 from .runtime import cache_invalidating_env_vars, cache_key_text, jit_function, triton_key
 
 # --- the on-disk cache key and what it is made of --------------------------------------------------------------
@@ -27,10 +28,21 @@ def ast_source(jit, data: dict):
     from triton.compiler.compiler import ASTSource
     from triton.runtime.jit import convert_to_tuple_if_list
 
+    restores = release().restores_constants
+    tuples = convert_to_tuple_if_list if restores else (lambda v: v)
+
     def value(v):
         if isinstance(v, str) and tl.dtype.is_dtype(v):
             return tl.dtype(v)
-        return tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+        if isinstance(v, dict) and "constexpr" in v:
+            return tl.constexpr(tuples(v["constexpr"]))
+        if restores and isinstance(v, dict) and "jit_function" in v:
+            from triton.runtime.jit import _triton_jit_function_registry as known  # filled as kernels are defined
+
+            if v["jit_function"] not in known:
+                raise RuntimeError(f"Unable to resolve JITFunction {v['jit_function']} for preload")  # as preload
+            return known[v["jit_function"]]
+        return tuples(v)
 
     constexprs = {tuple(k): value(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
     attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
@@ -58,14 +70,6 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _folds_globals() -> bool:
-    """Does this Triton fold the constexpr globals a kernel reads into its cache_key (3.4+; 3.2 only checks them
-    at launch)?"""
-    import triton
-
-    return tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) >= (3, 4)
-
-
 def _callees(jit) -> dict[str, dict]:
     """The @jit functions ``jit`` calls directly, as its ``cache_key`` folds them in: "module:qualname" -> their own
     cache_key, starting line and source digest (a callee's key covers its callees)."""
@@ -84,7 +88,7 @@ def _callees(jit) -> dict[str, dict]:
                     "cache_key": func.cache_key, "line": func.starting_line_number, "source": _digest(func.src)}
 
     kwargs = {"name": getattr(jit, "_fn_name", jit.__name__), "globals": jit.__globals__, "src": jit.src}
-    if "nonlocals" in inspect.signature(rt.DependenciesFinder.__init__).parameters:  # 3.4+
+    if release().knobs:
         kwargs["nonlocals"] = inspect.getclosurevars(jit.fn).nonlocals
     Callees(**kwargs).visit(jit.parse())
     return dict(sorted(found.items()))
@@ -103,7 +107,7 @@ def kernel_key_parts(jit) -> dict:
     if known is not None and known[0] == cache_key:
         return known[1]
     read = {}
-    if _folds_globals():
+    if release().knobs:  # 3.2 only checks the constexpr globals at launch
         read = {name: repr(val.value) for (name, _), (val, _) in jit.used_global_vals.items()
                 if isinstance(val, constexpr)}  # fmt: skip
     parts = {"cache_key": cache_key, "source": _digest(jit.src), "line": jit.starting_line_number,

@@ -9,6 +9,8 @@ import hashlib
 import os
 import threading
 
+from .releases import release
+
 
 @functools.lru_cache()
 def triton_distribution() -> tuple[str, str]:
@@ -36,10 +38,10 @@ def triton_distribution() -> tuple[str, str]:
 @functools.lru_cache()
 def triton_key() -> str:
     """Triton's own version+source digest, the first part of every cache key (sha256 of it, for brevity)."""
-    try:
-        from triton.runtime.cache import triton_key as key  # 3.4+
-    except ImportError:
-        from triton.compiler.compiler import triton_key as key  # 3.2
+    if release().knobs:
+        from triton.runtime.cache import triton_key as key
+    else:
+        from triton.compiler.compiler import triton_key as key
     return hashlib.sha256(key().encode()).hexdigest()
 
 
@@ -75,10 +77,10 @@ def _one_key() -> None:
     concurrent first calls wait for one computation: the value and the function Triton calls are Triton's own."""
     import sys
 
-    try:
-        from triton.runtime import cache as home  # 3.4+
-    except ImportError:
-        from triton.compiler import compiler as home  # 3.2
+    if release().knobs:
+        from triton.runtime import cache as home
+    else:
+        from triton.compiler import compiler as home
     original = getattr(home, "triton_key", None)
     if original is None or getattr(original, "_prewarm_one", False):
         return
@@ -99,14 +101,13 @@ def _one_key() -> None:
 def cache_key_text(src, backend, options, env_vars: dict) -> str:
     """compile()'s key text, which it hashes into the key (3.2: inline in compiler.py; 3.4+: runtime/cache.py
     get_cache_key, same text)."""
-    try:
-        from triton.runtime.cache import get_cache_key  # 3.5+
+    if release().knobs:
+        from triton.runtime.cache import get_cache_key
 
         return get_cache_key(src, backend, options, env_vars=env_vars)
-    except ImportError:
-        from triton.compiler.compiler import triton_key
+    from triton.compiler.compiler import triton_key
 
-        return f"{triton_key()}-{src.hash()}-{backend.hash()}-{options.hash()}-{str(sorted(env_vars.items()))}"
+    return f"{triton_key()}-{src.hash()}-{backend.hash()}-{options.hash()}-{str(sorted(env_vars.items()))}"
 
 
 def cache_invalidating_env_vars() -> dict[str, str]:
@@ -118,46 +119,42 @@ def cache_invalidating_env_vars() -> dict[str, str]:
 
 def ptxas_path() -> str:
     """The ptxas Triton's CUDA backend runs (TRITON_PTXAS_PATH, else the one in its wheel)."""
-    try:
-        from triton import knobs  # 3.4+
+    if release().knobs:
+        from triton import knobs
 
         return knobs.nvidia.ptxas.path
-    except ImportError:
-        from triton.backends.nvidia.compiler import _path_to_binary  # 3.2: (path, version)
+    from triton.backends.nvidia.compiler import _path_to_binary  # (path, version)
 
-        return _path_to_binary("ptxas")[0]
+    return _path_to_binary("ptxas")[0]
 
 
 def cache_dir() -> str:
     """The directory Triton reads and writes now (TRITON_CACHE_DIR or its default)."""
-    try:
-        from triton import knobs  # 3.4+
+    if release().knobs:
+        from triton import knobs
 
         return knobs.cache.dir
-    except ImportError:
-        from triton.runtime.cache import default_cache_dir  # 3.2
+    from triton.runtime.cache import default_cache_dir
 
-        return os.getenv("TRITON_CACHE_DIR", "").strip() or default_cache_dir()
+    return os.getenv("TRITON_CACHE_DIR", "").strip() or default_cache_dir()
 
 
 def set_cache_dir(path: str) -> None:
     """Point this process's Triton at ``path`` (env for 3.2 and child processes; the knob for 3.4+)."""
     os.environ["TRITON_CACHE_DIR"] = path
-    try:
+    if release().knobs:
         from triton import knobs
 
         knobs.cache.dir = path
-    except ImportError:
-        pass
 
 
 def set_cache_manager(cls: type | None) -> None:
     """Install a FileCacheManager subclass for this process (None restores Triton's default)."""
-    try:
-        from triton import knobs  # 3.4+
+    if release().knobs:
+        from triton import knobs
 
         knobs.cache.manager_class = cls
-    except ImportError:  # 3.2 reads the env var at every get_cache_manager() call
+    else:  # 3.2 reads the env var at every get_cache_manager() call
         if cls is None:
             os.environ.pop("TRITON_CACHE_MANAGER", None)
         else:
@@ -167,33 +164,31 @@ def set_cache_manager(cls: type | None) -> None:
 def cache_manager_class() -> type | None:
     """The cache manager class this process's Triton uses now (3.4+: the knob's, else FileCacheManager); None on
     3.2, which imports TRITON_CACHE_MANAGER by name at every lookup."""
-    try:
-        from triton import knobs
-    except ImportError:
+    if not release().knobs:
         return None
+    from triton import knobs
     from triton.runtime.cache import FileCacheManager
 
     return knobs.cache.manager_class or FileCacheManager
 
 
 def get_jit_cache_hook():
-    try:
+    if release().knobs:
         from triton import knobs
 
         return knobs.runtime.jit_cache_hook
-    except ImportError:
-        from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction
 
-        return JITFunction.cache_hook
+    return JITFunction.cache_hook
 
 
 def set_jit_cache_hook(hook) -> None:
     """The hook Triton calls with every compile request's specialization data (a truthy return skips it)."""
-    try:
+    if release().knobs:
         from triton import knobs
 
         knobs.runtime.jit_cache_hook = hook
-    except ImportError:
+    else:
         from triton.runtime.jit import JITFunction
 
         JITFunction.cache_hook = hook
@@ -220,7 +215,7 @@ def chosen_driver():
     """The driver Triton was given or has made, without making one (None: none yet; making one probes the device)."""
     from triton.runtime.driver import driver
 
-    if hasattr(driver, "_active"):  # 3.4+
+    if release().knobs:
         return driver._active
     current = driver.active  # 3.2: a LazyProxy until first used
     return current._obj if type(current).__name__ == "LazyProxy" else current
@@ -272,7 +267,7 @@ def load_compiled(fn, specialization_data: str):
 
     jit = jit_function(fn)
     device = driver.active.get_current_device()
-    cache = jit.device_caches[device][0] if hasattr(jit, "device_caches") else jit.cache[device]  # 3.2: .cache
+    cache = jit.device_caches[device][0] if release().knobs else jit.cache[device]
     before = set(cache)
     try:
         return jit.preload(specialization_data)
@@ -283,23 +278,19 @@ def load_compiled(fn, specialization_data: str):
 
 def mock_tensor(dtype, shape):
     """A stand-in tensor for warmup: dtype and shape only, 16-byte aligned pointer (as Triton's own warmup)."""
-    import inspect
-
     from triton.runtime.jit import MockTensor
 
-    if len(inspect.signature(MockTensor).parameters) == 1:  # 3.2 (triton-ascend): MockTensor(dtype)
-        return MockTensor(dtype)
-    return MockTensor(dtype, list(shape))
+    return MockTensor(dtype, list(shape)) if release().knobs else MockTensor(dtype)
 
 
 @contextlib.contextmanager
 def cache_scope(path: str, manager: type | None = None):
     """Within the block Triton uses cache dir ``path`` and cache manager ``manager``; both restored after."""
-    try:
+    if release().knobs:
         from triton import knobs
 
         scope = knobs.cache.scope()
-    except ImportError:
+    else:
         scope = contextlib.nullcontext()
     with restored_env("TRITON_CACHE_DIR", "TRITON_CACHE_MANAGER"), scope:
         set_cache_dir(path)

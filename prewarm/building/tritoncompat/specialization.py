@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .releases import release
+
 # --- compile requests as data ------------------------------------------------------------------------------------
 # The specialization data a jit_cache_hook receives (and ``preload`` takes) is laid out differently in 3.2 (constexprs
 # keyed by name, attrs as argument indices) and 3.4+ (constants and attrs keyed by argument path); a key dir holds
@@ -97,7 +99,10 @@ class Specialization:
             path = (index[name],)
             if cls == INT_ONE:
                 sig[name], consts[path] = "constexpr", 1
-                attrs.pop(path, None)
+                if release().attrs_for_constexprs:
+                    attrs[path] = []
+                else:
+                    attrs.pop(path, None)
             else:
                 sig[name] = width
                 consts.pop(path, None)
