@@ -2,7 +2,7 @@
 # Carries a Triton release the device machine's image lacks (Triton 3.8.0: 248 MB as a wheel, over one device call's
 # 64 MiB) as a slim tree split into parts, one part per device call while the machine stays warm.
 #
-#   here:   bash bench/carry_triton.sh pack [VERSION]        # -> .carry/triton-VERSION/part-NN + SHA256SUMS (44 MB parts)
+#   here:   bash bench/carry_triton.sh pack [VERSION [MB]]   # -> .carry/triton-VERSION/part-NN + SHA256SUMS (MB-sized parts, 44)
 #   device: bash bench/carry_triton.sh receive PART          # each call carries one part (`carry`): kept in /tmp there
 #   device: bash bench/carry_triton.sh unpack VERSION SITE   # after the last part: joined, sha256 checked, unpacked
 #
@@ -20,6 +20,7 @@ verb=${1:-}
 case $verb in
   pack)
     version=${2:-3.8.0}
+    part_mb=${3:-44}  # a call carries 64 MiB with the working tree: smaller parts leave room for bundles
     dir=.carry/triton-$version
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
@@ -29,7 +30,7 @@ case $verb in
       'triton/backends/nvidia/bin/nvdisasm' 'triton/_C/libproton.so' 'triton/instrumentation/*.so' && rm triton-*.whl)
     rm -rf "$dir" && mkdir -p "$dir"
     tar -C "$work" -cf - . | zstd -q -10 -T0 -o "$dir/triton.tar.zst"
-    (cd "$dir" && split -b 44m -d triton.tar.zst part- && sha256sum triton.tar.zst part-* > SHA256SUMS && rm triton.tar.zst)
+    (cd "$dir" && split -b ${part_mb}m -d triton.tar.zst part- && sha256sum triton.tar.zst part-* > SHA256SUMS && rm triton.tar.zst)
     ls -l "$dir"
     ;;
   receive)
@@ -53,7 +54,7 @@ with open(sys.argv[1], "rb") as f, zstandard.ZstdDecompressor().stream_reader(f)
     PYTHONPATH=$site python3 -c "import triton; print('carried triton', triton.__version__, 'from', triton.__file__)"
     ;;
   *)
-    echo "usage: bash bench/carry_triton.sh pack [VERSION] | receive PART | unpack VERSION SITE" >&2
+    echo "usage: bash bench/carry_triton.sh pack [VERSION [MB]] | receive PART | unpack VERSION SITE" >&2
     exit 2
     ;;
 esac

@@ -6,8 +6,9 @@
 #   bash bench/h200_proof.sh fla-tune           # nvidia-h200: repeat (machine kept warm) until it prints "table done"
 #   bash bench/h200_proof.sh fla-offline        # nvidia-h200, after fla-tune on the same machine: ~5 min
 #   bash bench/h200_proof.sh jit DIR            # nvidia-h200: ~4 min
-#   bash bench/h200_proof.sh vllm-layer         # nvidia-h200: ~6 min
+#   bash bench/h200_proof.sh vllm-layer [BUNDLE] # nvidia-h200: ~6 min (~5 with a carried BUNDLE)
 #   bash bench/h200_proof.sh sglang-layer DIR   # nvidia-h200: ~5 min
+#   bash bench/h200_proof.sh sglang-graph DIR   # nvidia-h200: ~5 min
 #   bash bench/h200_proof.sh keys               # nvidia-h200: ~1 min
 #   bash bench/h200_proof.sh tune MANIFEST...   # nvidia-h200: ~1-3 min a manifest
 #
@@ -53,6 +54,9 @@
 #   independent layer-level traffic (KDAAttnBackend's prefill/decode/verify with the conv, state tracking, the verify
 #   commit and the o_norm; every decode and verify batch 1..128, draft widths 2-4) under the guard, each on its own
 #   install of both bundles at another path: every Triton compile, JIT build and autotune benchmark counted.
+# sglang-graph: the same with `bench/sglang_layer_traffic.py --graph` (issue 54): the serving path around the layer,
+#   decode and target verify replayed from real CUDA graphs captured per --cuda-graph-bs bucket, the fused projection's
+#   views, the runner's slot copy/clear and positions, the EAGLE verify commit (tests/traffic/sglang_graph.py).
 # dp-stall: bench/dp_stall.py, 2 ranks on 2 GPUs over NCCL, scenarios A (rank 0 cold) and B (both prewarmed);
 #   BUNDLE is the device-bundle.tar (or dir) of the traffic run; without one a device bundle is built here (~110 s).
 #
@@ -67,10 +71,11 @@ work=${PREWARM_BENCH_WORK:-/tmp/prewarm-proof}
 py=${PYTHON:-python3}
 export PREWARM_BENCH_WORK=$work PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || ($mode == sglang-layer && -n $bundle) ||
+        ($mode == sglang-graph && -n $bundle) ||
         $mode == dp-stall || $mode == fla-tune || $mode == fla-offline || $mode == vllm-layer || $mode == keys ||
         ($mode == tune && -n $bundle) ]]; then
   echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | sglang-layer DIR | dp-stall [BUNDLE] | fla-tune |" \
-    "fla-offline | vllm-layer | keys | tune MANIFEST..." >&2
+    "fla-offline | vllm-layer [BUNDLE] | sglang-graph DIR | keys | tune MANIFEST..." >&2
   exit 2
 fi
 mkdir -p "$out" "$work"
@@ -182,11 +187,16 @@ case $mode in
     export PYTHONPATH=$PWD/build/vllm:$work/shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
     vllm=manifests/kimi-linear-h200-vllm.toml
     log=$out/vllm_layer_traffic.log
-    rm -rf "$work/vllm-build" "$work/vllm-bundle"
-    { echo "== $vllm built with no GPU visible"
-      CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build $vllm --mode offline --workers 14 --cache-dir "$work/vllm-build" &&
-        $py -m prewarm.cli pack "$work/vllm-build" -o "$work/vllm-bundle"
-      echo "exit $?"; } 2>&1 | tee "$log"
+    if [ -n "$bundle" ]; then  # a bundle built elsewhere (the CPU box, in vLLM's own venv)
+      rm -rf "$work/vllm-bundle" && cp -r "$bundle" "$work/vllm-bundle"
+      echo "== the carried bundle $bundle" | tee "$log"
+    else
+      rm -rf "$work/vllm-build" "$work/vllm-bundle"
+      { echo "== $vllm built with no GPU visible"
+        CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build $vllm --mode offline --workers 14 --cache-dir "$work/vllm-build" &&
+          $py -m prewarm.cli pack "$work/vllm-build" -o "$work/vllm-bundle"
+        echo "exit $?"; } 2>&1 | tee "$log"
+    fi
     [ -f "$work/vllm-bundle/index.json" ] || exit 1
     seeds=$(( $(date +%s) % 100000 ))
     seeds=$(seq -s, "$seeds" $((seeds + 4)))
@@ -196,10 +206,12 @@ case $mode in
     echo "h200_proof: vllm layer traffic exit $rc, $SECONDS s" | tee -a "$log"
     exit $rc
     ;;
-  sglang-layer)
+  sglang-layer|sglang-graph)
+    graph=() && name=sglang_layer_traffic
+    [ "$mode" = sglang-graph ] && graph=(--graph) && name=sglang_graph_traffic
     mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
     export PYTHONPATH=$PWD/build/sglang:$work/shim:$PYTHONPATH
-    log=$out/sglang_layer_traffic.log
+    log=$out/$name.log
     { echo "== sglang's JIT module built in this node's image, no GPU visible"
       sed 's/^sampling_backend = "flashinfer"/sampling_backend = "pytorch"/' bench/jit-h200.toml > "$work/jit-node.toml"
       rm -rf "$work/node-build"*
@@ -209,8 +221,8 @@ case $mode in
     } 2>&1 | tee "$log"
     seeds=$(( $(date +%s) % 100000 ))
     seeds=$(seq -s, "$seeds" $((seeds + 4)))
-    $py bench/sglang_layer_traffic.py --bundle "$bundle/bundle" --jit-bundle "sglang-jit=$work/bundle.sglang-jit" \
-      --calls 96 --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/sglang_layer_traffic.json" 2>&1 | tee -a "$log"
+    $py bench/sglang_layer_traffic.py "${graph[@]}" --bundle "$bundle/bundle" --jit-bundle "sglang-jit=$work/bundle.sglang-jit" \
+      --calls 96 --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/$name.json" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     echo "h200_proof: layer traffic exit $rc, $SECONDS s" | tee -a "$log"
     exit $rc

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Issue 52/53/54's GPU proofs under Triton 3.8, on the device machine (its image: torch 2.11 + triton 3.6), with
+# Triton 3.8 carried by bench/carry_triton.sh and the bundles built on the CPU box in the servers' own venvs.
+#
+#   calls 1..N-1:  bash bench/h200_triton38.sh receive PATH...      # triton parts and bundle parts, kept in /tmp
+#   call N:        bash bench/h200_triton38.sh unpack                # triton at the build venvs' paths, bundles joined
+#   then:          bash bench/h200_triton38.sh run vllm own          # up to 10 min a call: one or more proofs
+#                  bash bench/h200_triton38.sh run sglang-graph sglang-layer tune
+#
+# Triton 3.8 keys cuda_utils by its own install path and the node's libcuda dirs: the carried tree is unpacked at the
+# path of the CPU box venv that built each bundle (/work/real/{vllm,sglang}/lib/python3.12/site-packages), so that the
+# bundles' cuda_utils (built for this machine's libcuda dirs, [target] libcuda_dirs) is found as the nodes' would be.
+# Each proof: >= 5 fresh processes, each on its own fresh install at another path, every Triton compile, JIT build,
+# autotune benchmark and C module build counted (bench/_common.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+verb=${1:-}
+keep=/tmp/prewarm-carry
+out=${OUT:-bench/results}
+site() { echo "/work/real/$1/lib/python3.12/site-packages"; }
+case $verb in
+  receive)
+    mkdir -p "$keep"
+    for path in "${@:2}"; do cp -r "$path" "$keep/"; done
+    ls "$keep"
+    ;;
+  unpack)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 11
+    export PYTHONPATH=/tmp/site
+    for venv in vllm sglang; do bash bench/carry_triton.sh unpack 3.8.0 "$(site $venv)" || exit 1; done
+    (cd "$keep" && cat sglang.tar.part-* > sglang.tar && sha256sum -c sglang.SHA256SUMS --ignore-missing &&
+      mkdir -p /tmp/bundles/sglang && tar -xf sglang.tar -C /tmp/bundles/sglang && mv /tmp/bundles/sglang/sglang /tmp/bundles/sglang/bundle) || exit 1
+    cp -r "$keep/kimi-linear-h200" "$keep/kimi-linear-h200-vllm" /tmp/bundles/
+    ls /tmp/bundles/*
+    ;;
+  run)
+    export PYTHONPATH=/tmp/site
+    rc=0
+    for proof in "${@:2}"; do
+      case $proof in
+        own)
+          mkdir -p /tmp/prewarm-proof/shim && ln -sfn "$PWD/kernels" /tmp/prewarm-proof/shim/prewarm_kernels
+          seeds=$(( $(date +%s) % 100000 ))
+          PYTHONPATH=$(site vllm):/tmp/site:/tmp/prewarm-proof/shim:$PWD python3 bench/serving_traffic.py \
+            --bundle /tmp/bundles/kimi-linear-h200 --seeds "$(seq -s, $seeds $((seeds + 4)))" --device-runs 0 --expect-zero \
+            --work-dir /tmp/prewarm-proof --out "$out/serving_traffic_triton38.json" 2>&1 | tee "$out/serving_traffic_triton38.log"
+          r=${PIPESTATUS[0]}
+          ;;
+        vllm)
+          PREWARM_TRITON_SITE=$(site vllm) bash bench/h200_proof.sh vllm-layer /tmp/bundles/kimi-linear-h200-vllm
+          r=$?
+          ;;
+        sglang-layer|sglang-graph)
+          PREWARM_TRITON_SITE=$(site sglang) bash bench/h200_proof.sh "$proof" /tmp/bundles/sglang
+          r=$?
+          ;;
+        tune)
+          PREWARM_TRITON_SITE=$(site vllm) bash bench/h200_proof.sh tune manifests/kimi-linear-h200-vllm.toml \
+            manifests/kimi-linear-h200-sglang.toml
+          r=$?
+          ;;
+        *) echo "unknown proof $proof" >&2; r=2 ;;
+      esac
+      echo "h200_triton38: $proof exit $r, $SECONDS s"
+      [ "$r" = 0 ] || rc=1
+    done
+    exit $rc
+    ;;
+  *)
+    echo "usage: bash bench/h200_triton38.sh receive PATH... | unpack | run vllm|own|sglang-layer|sglang-graph|tune..." >&2
+    exit 2
+    ;;
+esac
