@@ -29,9 +29,9 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FIXTURES), os.environ.ge
 
 
 def test_a_triton_prewarm_does_not_support_is_refused_by_name_before_any_work(monkeypatch, capsys, tmp_path):
-    from prewarm.building.tritoncompat import releases, runtime
+    from prewarm.building.tritoncompat import releases
 
-    monkeypatch.setattr(runtime, "triton_distribution", lambda: ("triton", "3.7.1"))
+    monkeypatch.setattr(releases, "triton_distribution", lambda: ("triton", "3.7.1"))
     releases.release.cache_clear()
     try:
         code = main(["build", str(FIXTURES / "toy-cuda.toml"), "--cache-dir", str(tmp_path / "cache")])

@@ -8,11 +8,11 @@ from __future__ import annotations
 from .runtime import (  # noqa: F401
     cache_dir, cache_invalidating_env_vars, cache_key_text, cache_manager_class, cache_scope, chosen_driver,
     compile_requests, get_jit_cache_hook, jit_function, kernel_ref, load_compiled, mock_tensor, preload, ptxas_path,
-    restored_env, set_cache_dir, set_cache_manager, set_jit_cache_hook, start_process_warmup, triton_distribution,
+    restored_env, set_cache_dir, set_cache_manager, set_jit_cache_hook, start_process_warmup,
     triton_key, warmup,
 )
 from .releases import (  # noqa: F401
-    differs_from, release, require_supported, version_series,
+    differs_from, release, require_supported, triton_distribution, version_series,
 )
 from .autotune import (  # noqa: F401
     NoBenchmark, Tuning, autotuned_call, autotuner_of, can_keep_results, find_autotuner, first_tuning,

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .runtime import cache_invalidating_env_vars, cache_key_text, triton_distribution
+from .releases import triton_distribution
+from .runtime import cache_invalidating_env_vars, cache_key_text
 
 # --- triton-ascend versions ---------------------------------------------------------------------------------------
 # Two layouts: "3.2" (triton-ascend 3.2.x, on the registry today: a triton 3.2 core) and "3.5" (its main branch,

@@ -57,6 +57,29 @@ RELEASES = (
 )
 
 
+@functools.lru_cache()
+def triton_distribution() -> tuple[str, str]:
+    """(distribution name, version) of whatever provides the `triton` module: `triton` or `triton-ascend`.
+
+    The two known names are asked first (cheap); scanning every installed distribution is slow for a pre-launch job
+    and is left for other builds (pytorch-triton-rocm, nightlies...).
+    """
+    import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.shipping.nodestamp)
+
+    def candidates():
+        yield from ("triton-ascend", "triton")
+        yield from importlib.metadata.packages_distributions().get("triton", [])
+
+    for dist in candidates():
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    import triton
+
+    return "unknown", triton.__version__
+
+
 def version_series(version: str) -> tuple[int, int] | None:
     """(major, minor) of a version string ("3.8.0", "3.6.0+git1234"); None where it has no such form."""
     numbers = re.match(r"(\d+)\.(\d+)", version or "")
@@ -77,8 +100,6 @@ def supported_text() -> str:
 def release() -> Release:
     """The installed Triton's release; an unsupported one raises EnvironmentProblem naming it and the supported
     ones."""
-    from .runtime import triton_distribution
-
     dist, version = triton_distribution()
     found = find(dist, version)
     if found is None:

@@ -13,29 +13,6 @@ from .releases import release
 
 
 @functools.lru_cache()
-def triton_distribution() -> tuple[str, str]:
-    """(distribution name, version) of whatever provides the `triton` module: `triton` or `triton-ascend`.
-
-    The two known names are asked first (cheap); scanning every installed distribution is slow for a pre-launch job
-    and is left for other builds (pytorch-triton-rocm, nightlies...).
-    """
-    import importlib.metadata  # here: a repeated install compares fingerprints without it (prewarm.shipping.nodestamp)
-
-    def candidates():
-        yield from ("triton-ascend", "triton")
-        yield from importlib.metadata.packages_distributions().get("triton", [])
-
-    for dist in candidates():
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    import triton
-
-    return "unknown", triton.__version__
-
-
-@functools.lru_cache()
 def triton_key() -> str:
     """Triton's own version+source digest, the first part of every cache key (sha256 of it, for brevity)."""
     if release().knobs:
