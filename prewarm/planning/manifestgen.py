@@ -71,6 +71,7 @@ class GeneratedManifest:
         lines += ["", f"name = {_toml(self.name)}", "", "[target]"]
         target = ":".join(v for v in self.target.values() if v is not None)
         lines += _rows([(k, Sourced(v, f"--target {target}")) for k, v in self.target.items() if v is not None])
+        lines += _rows([("triton", triton)] if (triton := _installed_triton()) else [])
         for table, keys in self.spec.items():
             lines += ["", f"[spec.{table}]", *_rows(list(keys.items()))]
         lines += ["", "[[kernels]]", *_rows([("provider", Sourced(self.provider, f"--kernels {self.kernels}"))])]
@@ -82,6 +83,20 @@ class GeneratedManifest:
                 "notes": list(self.notes),
                 "spec": {t: {k: {"value": v.value, "source": v.source} for k, v in keys.items()}
                          for t, keys in self.spec.items()}}  # fmt: skip
+
+
+def _installed_triton() -> Sourced | None:
+    """[target] triton: the series of the Triton installed here, the one a manifest generated in the serving image is
+    for (None where no Triton is installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from ..building.tritoncompat import triton_distribution, version_series
+
+    dist, version = triton_distribution()
+    series = version_series(version)
+    return Sourced(f"{series[0]}.{series[1]}", f"the installed {dist} {version}") if series else None
 
 
 def _toml(value: Any) -> str:
