@@ -39,7 +39,7 @@ from types import SimpleNamespace
 from typing import Iterator
 
 from prewarm.providers.capture import index_tensor
-from prewarm.providers.sglang.common import read_spec
+from prewarm.providers.sglang.common import published_parallel, read_spec
 
 from . import Call, cycle, short
 
@@ -315,7 +315,7 @@ class _Server:
                                  req_to_token_pool=self.pool, token_to_kv_pool=None,
                                  linear_attn_backends=SimpleNamespace(decode=triton, prefill=triton, verify=triton))
         cls = AscendKDAAttnBackend if prefill == "cann" else _fork_backend(AscendKDAAttnBackend)
-        with _published(self.d["draft"]):
+        with _published(self.d["draft"]), published_parallel(self.s):  # as the server publishes its parallel config
             backend = cls(runner)
         if prefill == "triton":
             backend.kernel_dispatcher.extend_kernel = _ForkExtend()

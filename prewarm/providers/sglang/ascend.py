@@ -48,7 +48,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 from ..capture import batch_sizes, index_tensor, launches_of, misaligned
-from .common import Batch, MambaPoolView, SglangSpec, fake_device, hybrid_backend, read_spec
+from .common import Batch, MambaPoolView, SglangSpec, fake_device, hybrid_backend, published_parallel, read_spec
 
 CHUNK = 64  # the KDA chunk (tokens) of both prefill layouts
 LOG2_E = 1.4426950408889634  # the report-era cumsum's scale (exp2 gates)
@@ -63,7 +63,7 @@ def launches(spec: dict) -> list:
                          f"\"npu\", not {s.backend!r} (prewarm.providers.sglang.cuda plans the CUDA one)")
     _import_backend()
     out = []
-    with fake_device("npu"), cann_ops():
+    with published_parallel(s), fake_device("npu"), cann_ops():
         for label, call in _calls(s):
             for launch in launches_of(call):
                 bad = [name for name, v in _arguments(launch) if misaligned(v)]
