@@ -506,7 +506,7 @@ def provide_driver_library(profile: DeviceProfile) -> None:
             pass
         try:
             if found is None and cc is None:
-                raise RuntimeError(f"no C compiler (gcc, clang or $CC) to build one"
+                raise RuntimeError("no C compiler (gcc, clang or $CC) to build one"
                                    + ("" if library == NVML_LIBRARY else f" and no CUDA stub ({', '.join(CUDA_STUBS)} "
                                                                           f"under $CUDA_HOME, $CUDA_PATH or /usr/local/cuda)"))
             path = found or os.path.join(build(), library)
