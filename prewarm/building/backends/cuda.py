@@ -183,8 +183,8 @@ def auto_mode() -> str:
 # Triton builds cuda_utils once, and (3.6) a C launcher per kernel signature, with the host C compiler at first
 # launch, keyed by their source and the platform (3.8: also by the build config, libcuda's dirs among it), not by
 # the GPU: built here they are found on the node, which then needs no compiler and spends no time in it. Linking
-# needs libcuda.so.1; without the NVIDIA driver an empty stub with that soname stands in for the link only (the cu*
-# symbols resolve against the node's libcuda at load time).
+# needs libcuda.so.1; without the NVIDIA driver the device profile's stand-in (every entry point, each answering
+# no device) serves the link only (the cu* symbols resolve against the node's libcuda at load time).
 
 
 @functools.lru_cache()
