@@ -26,8 +26,8 @@
 #
 # tests/test_deploy.py parses this file and runs every RUN line that calls `prewarm` (ARG/ENV values from here,
 # /opt/prewarm mapped to a temp dir) against the CPU target, so these commands cannot rot; tests/real runs the
-# serving stage's in venvs holding each server as pip installs it (.ci/setup), and .ci/wheel_check.py its install
-# line there.
+# serving stage's in venvs holding each server as pip installs it (.ci/setup --servers), and .ci/wheel_check.py its
+# install line there.
 
 ARG TARGET=cuda
 ARG CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04

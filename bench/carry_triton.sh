@@ -29,7 +29,7 @@ case $verb in
     (cd "$work" && unzip -q triton-*.whl -x 'triton/backends/nvidia/lib/cupti*' 'triton/backends/nvidia/bin/ptxas-blackwell' \
       'triton/backends/nvidia/bin/nvdisasm' 'triton/_C/libproton.so' 'triton/instrumentation/*.so' && rm triton-*.whl)
     rm -rf "$dir" && mkdir -p "$dir"
-    tar -C "$work" -cf - . | zstd -q -10 -T0 -o "$dir/triton.tar.zst"
+    tar -C "$work" -cf - . | zstd -q -19 -T0 -o "$dir/triton.tar.zst"
     (cd "$dir" && split -b ${part_mb}m -d triton.tar.zst part- && sha256sum triton.tar.zst part-* > SHA256SUMS && rm triton.tar.zst)
     ls -l "$dir"
     ;;

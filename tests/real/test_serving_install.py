@@ -1,5 +1,5 @@
 """prewarm inside a server's own environment: sglang 0.5.23 or vLLM 0.34.0 as pip installs it, with every dependency
-(.ci/setup's .venv-sglang, .venv-vllm: torch 2.14, Triton 3.8), prewarm from its wheel by the Dockerfile's
+(.ci/setup --servers: .venv-sglang, .venv-vllm: torch 2.14, Triton 3.8), prewarm from its wheel by the Dockerfile's
 serving-image install line (.ci/wheel_check.py), no GPU and no NVIDIA driver on the box. .ci/run runs this file with
 each of those venvs' python, from outside the checkout; the server tested is the one installed there.
 

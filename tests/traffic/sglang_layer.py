@@ -28,6 +28,7 @@ within the draft), so the bench runs the same calls on the H200.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 from types import SimpleNamespace
@@ -112,7 +113,12 @@ class _Traffic:
     def server_for(self, d: dict) -> "_Server":
         key = (d["activation"], d["state"], d["gate_params"], d.get("width", 0), d.get("tree", False))
         if self.server is None or self.server[0] != key:
+            from torch._subclasses.fake_tensor import is_fake
+
+            held = self.server is not None and not is_fake(self.server[1].pool.mamba_pool.mamba_cache.temporal)
             self.server = None  # the previous pools go before the next are made (a GPU holds one set)
+            if held:  # ... also where they sit in reference cycles (a graph server's captured forwards refer back to
+                gc.collect()  # it, the pool's index lambda to the pool): 10-31 GiB a set for the H200 manifest
             self.server = (key, self.make_server(d))
         return self.server[1]
 
