@@ -21,18 +21,26 @@
 #   PREWARM_JIT_SOURCES    modules past Triton the server builds with nvcc at first use (`prewarm build` puts them
 #                          beside its cache dir: <dir>.sglang-jit, <dir>.flashinfer-aot, each packed as its own
 #                          bundle): a space-separated list of LAYOUT=SOURCE, each installed where the server's
-#                          library reads it and looked up by that library's own code in verify:
+#                          library reads it, then verified with the Triton cache (--jit-dir: integrity, its
+#                          library's factors, in signed mode every signature, and everything that library's loader
+#                          could load from the dir) and each planned module looked up by that library's own code:
 #                          sglang-jit=...      into SGLANG_JIT_CACHE_DIR (default ~/.cache/sglang/jit, sglang's own;
 #                                              exported to a server exec'd by this script)
 #                          flashinfer-aot=...  into PREWARM_FLASHINFER_AOT_DIR (required with it: the server's
 #                                              flashinfer package's data/aot, which FlashInfer loads without ninja)
 #                                                                              (default: none)
-#   PREWARM_TRUST          a public key: require the bundle to be signed by it, and verify the node in signed
-#                          mode: every entry covered by a receipt whose kept index that key signed (a receipt
-#                          edited, deleted or forged is exit 6; an entry nothing signed covers is exit 13)
+#   PREWARM_TRUST          a public key: require the bundle (and each of PREWARM_JIT_SOURCES) to be signed by it,
+#                          and verify the node in signed mode, its JIT dirs too: every entry covered by a receipt
+#                          whose kept index that key signed (a receipt edited, deleted or forged is exit 6; an entry,
+#                          link or module dir nothing signed covers is exit 13). Without it the JIT dirs are checked
+#                          against their receipts; what nothing covers is listed, and exit 13 only where a planned
+#                          module would be loaded from it
 #                                                                              (default: none)
 #   PREWARM_ALLOW_UNVERIFIED  1 = in signed mode, list entries no signed bundle covers (device builds, the
 #                          runtime's own compiles) instead of refusing to start          (default 0)
+#   PREWARM_ALLOW_DOWNGRADE  1 = install an older build (a lower sequence in its signed index) of a bundle than the
+#                          one last installed under the same manifest name (a rollback; it is then the latest)
+#                                                                     (default 0: refused, exit 15)
 #   PREWARM_BUILD_ON_NODE  1 = compile here instead of installing (Ascend: the cache can only be completed on a
 #                          node with an NPU). The result is packed into PREWARM_SOURCE and, if PREWARM_PUSH
 #                          names store URLs, pushed there so the other nodes install it. Run it once per node
@@ -78,6 +86,10 @@ LAUNCHERS=""
 if [ "${PREWARM_REQUIRE_LAUNCHERS:-0}" = 1 ]; then
     LAUNCHERS="--require-launchers"
 fi
+DOWNGRADE=""
+if [ "${PREWARM_ALLOW_DOWNGRADE:-0}" = 1 ]; then
+    DOWNGRADE="--allow-downgrade"
+fi
 UNVERIFIED=""
 if [ "${PREWARM_ALLOW_UNVERIFIED:-0}" = 1 ]; then
     UNVERIFIED="--allow-unverified"
@@ -87,7 +99,8 @@ if [ -n "${PREWARM_TRUST:-}" ]; then
     TRUST="--trust $PREWARM_TRUST --require-signature"
 fi
 
-# modules past Triton: each bundle into its library's dir, before the Triton cache (verify below looks them all up)
+# modules past Triton: each bundle into its library's dir, before the Triton cache (verify below checks each dir, in
+# the same mode as the Triton cache, and looks every planned module up)
 JIT_DIRS=""
 for pair in ${PREWARM_JIT_SOURCES:-}; do
     layout="${pair%%=*}"
@@ -104,8 +117,7 @@ for pair in ${PREWARM_JIT_SOURCES:-}; do
             exit 2 ;;
     esac
     # shellcheck disable=SC2086  # TRUST: flags
-    prewarm install "$source" --cache-dir "$dir" $TRUST
-    prewarm verify --cache-dir "$dir" $TRUST  # integrity (and trust) of what the dir holds; found-ness: below
+    prewarm install "$source" --cache-dir "$dir" $TRUST $DOWNGRADE
     JIT_DIRS="$JIT_DIRS --jit-dir $layout=$dir"
 done
 
@@ -118,10 +130,10 @@ if [ "${PREWARM_BUILD_ON_NODE:-0}" = 1 ]; then
     fi
     prewarm verify --cache-dir "$TRITON_CACHE_DIR" --bundle "$PREWARM_SOURCE" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS $SERVER $JIT_DIRS
 elif [ -n "${PREWARM_TRUST:-}" ]; then
-    prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR" --trust "$PREWARM_TRUST" --require-signature
+    prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR" --trust "$PREWARM_TRUST" --require-signature $DOWNGRADE
     prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" --trust "$PREWARM_TRUST" --require-signature $AUTOTUNE $LAUNCHERS $SERVER $UNVERIFIED $JIT_DIRS
 else
-    prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR"
+    prewarm install "$PREWARM_SOURCE" --cache-dir "$TRITON_CACHE_DIR" $DOWNGRADE
     prewarm verify --cache-dir "$TRITON_CACHE_DIR" --plan "$PREWARM_MANIFEST" $AUTOTUNE $LAUNCHERS $SERVER $JIT_DIRS
 fi
 

@@ -67,7 +67,7 @@ def cmd_plan(args) -> int:
     from .building.autotune import autotuned_kernels
     from .building.backends import npu
     from .planning.manifest import load
-    from .planning.plan import Plan
+    from .planning.plan import Plan, coverage as component_coverage
 
     m = load(args.manifest)
     with npu.prints_to_stderr():  # triton-ascend prints advice to stdout at every bind
@@ -83,7 +83,8 @@ def cmd_plan(args) -> int:
             docs.append({**p.to_json(), "counts": _counts_json(planned, why),
                          "autotune": coverage.to_json() if coverage is not None else None,
                          "autotuned_kernels": [k.to_json() for k in tuned],
-                         "will_fail": [w.to_json() for w in planned.will_fail]})
+                         "will_fail": [w.to_json() for w in planned.will_fail],
+                         "coverage": component_coverage(planned)})
             continue
         pm = p.manifest
         t = Table(title=f"{pm.name}: {len(p.requests)} requests for {pm.backend} {pm.arch}")
@@ -98,6 +99,7 @@ def cmd_plan(args) -> int:
         _print_pins(tuned, planned.pins)
         _print_jit(planned.jit)
         _print_will_fail(planned.will_fail)
+        _print_coverage(component_coverage(planned))
     if args.json:
         emit_json(docs[0] if len(docs) == 1 else {"manifest": str(m.path), "socs": docs})
     else:
@@ -110,6 +112,24 @@ def _print_jit(jit) -> None:
     for j in jit:
         out.print(f"jit module: {escape(j.library)} {escape(j.name)} (reached by {escape(j.origin or 'the plan')})",
                   highlight=False)
+
+
+def _print_coverage(entries) -> None:
+    """One line per model component of each manifest entry (plan.coverage): its planned kernels and compiles, the
+    will-fail ones among them, then each kernel the model reaches that the plan does not, with why."""
+    for e in entries:
+        for c in e["components"]:
+            compiles = "not counted" if c["compiles"] is None else str(c["compiles"])
+            failing = f", {len(c['will_fail'])} will-fail" if c["will_fail"] else ""
+            missing = f", {len(c['not_planned'])} not planned" if c["not_planned"] else ""
+            n = len(c["kernels"])
+            out.print(f"component {escape(e['provider'])} [bold]{escape(c['component'])}[/]: {n} "
+                      f"kernel{'s' * (n != 1)} planned, {compiles} compiles{failing}{missing}", highlight=False)
+            for item in c["not_planned"]:
+                out.print(f"  [yellow]not planned[/] {escape(item['what'])}: {escape(item['why'])}", highlight=False)
+            for ref in c["unreached"]:
+                out.print(f"  [red]unreached[/] {escape(ref)}: the provider says it plans it, no launch reached it",
+                          highlight=False)
 
 
 def _print_will_fail(will_fail) -> None:
@@ -374,19 +394,23 @@ def cmd_record(args) -> int:
 def cmd_pack(args) -> int:
     from .shipping.pack import pack
 
-    r = pack(args.cache_dir, args.output, signing_key=args.sign)
+    r = pack(args.cache_dir, args.output, signing_key=args.sign, sequence=args.sequence)
     if args.json:
         emit_json({"bundle": str(r.bundle_dir), "index_digest": r.index.digest, "layout": r.index.layout,
                    "entries": len(r.index.entries),
                    "objects_written": r.objects_written, "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
-                   "signed": bool(args.sign), "skipped": r.skipped})
+                   "signed": bool(args.sign), "skipped": r.skipped, "sequence": r.index.sequence,
+                   "left_out": r.left_out})
         return 0
     out.print(f"packed {len(r.index.entries)} entries ({r.bytes_in / 1e6:.1f} MB -> {r.bytes_out / 1e6:.1f} MB, "
               f"{r.objects_written} new objects) into {r.bundle_dir}" + (" [signed]" if args.sign else "")
               + (f" ({r.index.layout} layout)" if r.index.layout != "triton" else ""))
-    out.print(f"index sha256 {r.index.digest}")
+    out.print(f"index sha256 {r.index.digest}, sequence {r.index.sequence}")
     for name in r.skipped:
         err.print(f"[yellow]skipped[/] {name}: not a cache entry dir")
+    if r.left_out:
+        err.print(f"[yellow]left out[/] {len(r.left_out)} build leftovers no loader reads (e.g. "
+                  f"{escape(r.left_out[0])})", highlight=False)
     return 0
 
 
@@ -430,7 +454,7 @@ def cmd_install(args) -> int:
             r = install(args.source, args.cache_dir, trusted_keys=args.trust, require_signature=args.require_signature,
                         allow_fingerprint_mismatch=args.allow_fingerprint_mismatch,
                         allow_missing_factors=args.allow_missing_factors, workers=args.workers,
-                        lock_timeout=args.lock_timeout, recheck=args.recheck,
+                        lock_timeout=args.lock_timeout, recheck=args.recheck, allow_downgrade=args.allow_downgrade,
                         progress=lambda done, total: bar.update(task, completed=done, total=total))
         except NoNodeDir as e:  # known once the bundle is read: the usage error argparse gives a missing option
             args.usage_error(f"{args.source}: {e}")
@@ -463,6 +487,8 @@ def cmd_verify(args) -> int:
         emit_json(v.to_json())
         return v.exit_code
     (_print_verify_tables if args.details else _print_verify_summary)(v.report, v.will_hit, args)
+    for jr in v.jit.values():  # each --jit-dir: its own integrity, trust and factors, as the Triton dir's
+        (_print_verify_tables if args.details else _print_verify_summary)(jr, None, argparse.Namespace(plan=None))
     _print_server_dirs(v.server_dirs)
     absent = v.autotune_absent
     note = f" ({absent} autotune results absent: those kernels benchmark on first use)" if absent and v.ok else ""
@@ -567,7 +593,8 @@ def _print_verify_summary(r, hit, args) -> None:
                                ("modified", r.modified, "red"), ("missing", r.missing, "red"),
                                ("unexpected", r.unexpected, "red"), ("group pointing outside", r.groups_outside, "red"),
                                ("planned compile from an unverified entry", r.planned_unverified, "red"),
-                               ("unverified", unverified, "yellow" if r.trust_ok else "red")):
+                               ("unverified", unverified, "yellow" if r.trust_ok else "red"),
+                               ("stray (the server's loader never reads it)", r.stray, "yellow")):
         for item in items[:20]:
             out.print(f"[{style}]{name}[/]: {escape(item)}", highlight=False)
         if len(items) > 20:
@@ -644,7 +671,8 @@ def _print_verify_tables(r, hit, args) -> None:
     t.add_row("other entries (not from a bundle)", str(r.other_entries), "")
     for name, items in (("tampered receipts", r.tampered_receipts), ("missing receipts", r.missing_receipts),
                         ("unverified entries", [f"{u.key}: {u.why}" for u in r.unverified]),
-                        ("planned, from unverified entries", r.planned_unverified)):
+                        ("planned, from unverified entries", r.planned_unverified),
+                        ("stray (the server's loader never reads it)", r.stray)):
         more = f"\n... {len(items) - 20} more" if len(items) > 20 else ""
         t.add_row(f"[red]{name}[/]" if items and (name != "unverified entries" or not r.trust_ok) else name,
                   str(len(items)), escape("\n".join(items[:20])) + more)
@@ -879,6 +907,8 @@ def cmd_lower(args) -> int:
         out.print(f"[yellow]warning[/]: {len(crashed)} compile(s) crashed the front end once and lowered on retry "
                   f"(a flaky {r.triton} tool; a node's JIT may crash the same way): "
                   + "; ".join(f"{c.kernel} {escape(c.label)}: {escape(c.crashed)}" for c in crashed))
+    for warning in r.warnings:  # a fixed-config kernel over the UB estimate: unconfirmed, not a failure
+        out.print(f"[yellow]warning[/]: {escape(warning)}", highlight=False)
     if r.failed:
         raise BuildError(f"{len(r.failed)} of {len(r.compiles)} compiles failed in the front end: "
                          + "; ".join(c.failure() for c in r.failed))
@@ -974,6 +1004,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "where none)")
     sp.add_argument("-o", "--output", required=True)
     sp.add_argument("--sign", metavar="PRIVATE_KEY", help="sign the index with this Ed25519 key (prewarm keygen)")
+    sp.add_argument("--sequence", type=_number(int, 0, 1 << 62), metavar="N",
+                    help="the build's sequence in the index (install refuses an older one of the same bundle name "
+                         "than the one installed; default: the build's time, seconds since the epoch)")
 
     sp = verb("push", cmd_push, "copy a bundle to one or more stores (any fsspec URL)")
     sp.add_argument("bundle")
@@ -1000,6 +1033,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for another install")
     sp.add_argument("--recheck", action="store_true",
                     help="check every installed entry by content, not by its stamp: repairs a file rewritten in place")
+    sp.add_argument("--allow-downgrade", action="store_true",
+                    help="install an older build (a lower sequence) of a bundle name than the one last installed here")
     sp.add_argument("--insecure", action="store_true", help="plain HTTP to a loopback OCI registry (tests)")
 
     sp = verb("verify", cmd_verify, "check a cache dir: integrity, compatibility, will-hit")
@@ -1021,8 +1056,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-fingerprint", action="store_true", help="skip the compatibility check")
     sp.add_argument("--details", action="store_true", help="every row of every check (default: a summary)")
     sp.add_argument("--jit-dir", action="append", default=[], metavar="LAYOUT=DIR", type=_layout_dir,
-                    help="with --plan: look the planned modules past Triton of this layout (sglang-jit, "
-                         "flashinfer-aot) up in DIR (default: the dir each library reads in this environment)")
+                    help="a dir of modules past Triton (sglang-jit, flashinfer-aot) the server reads: checked as "
+                         "the cache dir is (integrity, --trust, --require-signature, factors; everything its "
+                         "library's loader could load), and with --plan the planned modules of that layout looked up "
+                         "in it (default: the dir each library reads in this environment, looked up only)")
     sp.add_argument("--server", choices=tuple(server_imports()),
                     help="also check the Triton cache dir a process of this server, started with this environment, "
                          "would read (its own import run in a child process): exit 14 naming the variable to set")

@@ -76,8 +76,9 @@ class WillFailError(PrewarmError):
 
 
 class UnverifiedEntries(PrewarmError):
-    """Entries no verified install receipt covers (node-local compiles, copies, unsigned bundles) where only signed
-    bundles are trusted (--require-signature), or a planned compile would be served from one (each named;
+    """Entries no verified install receipt covers (node-local compiles, copies, unsigned bundles; in any dir verified,
+    JIT dirs included: a link, a leaf or module dir the server's loader would load that is no entry) where only signed
+    bundles are trusted (--require-signature), or a planned compile or module would be served from one (each named;
     --allow-unverified lists them instead)."""
 
     exit_code = 13
@@ -88,6 +89,13 @@ class CacheDirMismatch(PrewarmError):
     set."""
 
     exit_code = 14
+
+
+class DowngradeRefused(PrewarmError):
+    """The bundle is an older build (its signed sequence) of a bundle name than the one last installed into the cache
+    dir: both sequences named (--allow-downgrade installs it)."""
+
+    exit_code = 15
 
 
 EXIT_CODES = {

@@ -308,7 +308,7 @@ def two_builds(tmp_path_factory):
             if name == "b" and release().cuda_launchers == "generic":
                 os.environ["CC"] = str(other_cc)  # the key does not read the compiler: the same key
             build(FIXTURES / "toy-cuda.toml", root / name, workers=2, mode="offline")
-        pack(root / name, root / f"bundle-{name}")
+        pack(root / name, root / f"bundle-{name}", sequence=7)  # one release built on two hosts: one sequence
         bundles.append(root / f"bundle-{name}")
     return bundles
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from prewarm.node import metrics
+from prewarm.shipping.signing import keygen
 from prewarm_helpers import JIT_MODULE as MODULE, TOOLKIT, build_jit_bundles
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,15 +89,18 @@ def test_a_node_with_another_host_compiler_is_refused_at_install_and_told_at_ver
     assert prewarm("install", str(built["bundle"]), "--cache-dir", str(node), env=env).returncode == 0
     p = prewarm("verify", "--cache-dir", str(node), "--plan", str(built["manifest"]), "--jit-dir",
                 f"sglang-jit={jit_dir}", "--json", env=env)
-    assert p.returncode == 5, p.stdout + p.stderr  # will-miss
-    [miss] = json.loads(p.stdout)["will_hit"]["jit"]
+    assert p.returncode == 8, p.stdout + p.stderr  # the JIT dir's own check: its factors are not this node's
+    doc = json.loads(p.stdout)
+    [cxx] = [f for f in doc["jit_verify"]["sglang-jit"]["factors"] if f["status"] == "mismatch"]
+    assert cxx["factor"] == "sglang.jit.cxx" and cxx["node"].startswith("g++ "), cxx
+    [miss] = doc["will_hit"]["jit"]  # and sglang's own lookup says why it would rebuild
     assert not miss["hit"] and "sglang.jit.cxx differs: 'g++ " in miss["reason"], miss
     # the summary: each line's status is that of what it counts (every Triton compile hits; the module misses)
     p = prewarm("verify", "--cache-dir", str(node), "--plan", str(built["manifest"]), "--jit-dir",
                 f"sglang-jit={jit_dir}", env=env)
     out = " ".join(p.stdout.split())
-    assert p.returncode == 5 and re.search(r"will-hit ok (\d+)/\1 planned compiles hit", out), p.stdout
-    assert "jit modules PROBLEM 0/1 modules past Triton" in out, p.stdout
+    assert p.returncode == 8 and re.search(r"will-hit ok (\d+)/\1 planned compiles hit", out), p.stdout
+    assert "jit modules PROBLEM 0/1 modules past Triton" in out and "mismatch sglang.jit.cxx" in out, p.stdout
 
 
 _INSTALL = """
@@ -168,3 +172,86 @@ def test_the_prelaunch_job_installs_where_the_server_reads_and_checks_the_server
                 env={**env, "SGLANG_JIT_CACHE_DIR": str(tmp_path / "elsewhere")})
     assert p.returncode == 14, p.stdout + p.stderr
     assert f"set SGLANG_JIT_CACHE_DIR={jit_dir} in the server's environment" in " ".join(p.stdout.split()), p.stdout
+
+
+# --- issue 57: what sglang's own lookup would load, judged as the Triton cache is ----------------------------------
+
+
+def second_leaf(leaf: Path, where: Path) -> Path:
+    """A leaf of the module built in ``leaf`` that sglang's ``find_prebuilt`` takes: the build's dependency list and
+    one more real file, named by sglang's own ``_deps_key``, newer than every leaf beside ``leaf``; its ``.so`` a
+    stand-in nothing loads (every lookup here stops at find_prebuilt)."""
+    import msgspec
+    from sglang.kernels.jit.utils.compile import cache
+
+    entries = msgspec.json.decode((leaf / "sgl_deps.json").read_bytes(), type=list[cache._DepEntry])
+    entries += cache._to_entries(dependencies=[Path(cache.__file__)], build_dir=where / "none")
+    theirs = where / f"deps-{cache._deps_key(entries)}"
+    theirs.mkdir(parents=True)
+    (theirs / "sgl_deps.json").write_bytes(msgspec.json.encode(entries))
+    (theirs / f"{MODULE}.so").write_bytes(b"\x7fELF stand-in: never loaded")
+    t = max(p.stat().st_mtime for p in leaf.parent.iterdir()) + 60
+    os.utime(theirs, (t, t))
+    return theirs
+
+
+@pytest.fixture(scope="module")
+def signed(built, tmp_path_factory) -> dict:
+    """The same build's two dirs packed again, signed."""
+    root = tmp_path_factory.mktemp("signed")
+    _, pub, _ = keygen(root / "signer")
+    work, env = built["bundle"].parent, env_of(tmp_path_factory.getbasetemp())
+    for suffix in ("", ".sglang-jit"):
+        p = prewarm("pack", str(work / f"build{suffix}"), "-o", str(root / f"bundle{suffix}"), "--sign",
+                    str(root / "signer.key"), env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+    return {"pub": str(pub), "bundle": root / "bundle", "jit": root / "bundle.sglang-jit"}
+
+
+@pytest.mark.parametrize("as_link", [False, True], ids=["plain-dir", "link"])
+def test_a_planned_module_sglang_would_load_from_a_leaf_no_receipt_covers_fails_without_keys(built, tmp_path,
+                                                                                           as_link):
+    """No --trust: a second leaf planted beside the installed one (a plain dir or a link to one) is what sglang's
+    own lookup picks for the planned module, so verify --plan --jit-dir fails (exit 13), naming it, as for a planned
+    Triton compile served from an entry no receipt covers."""
+    node, jit_dir = tmp_path / "node", tmp_path / "sglang-jit"
+    env = env_of(tmp_path)
+    for bundle, where in ((built["bundle"], node), (built["jit"], jit_dir)):
+        assert prewarm("install", str(bundle), "--cache-dir", str(where), env=env).returncode == 0
+    [leaf] = jit_dir.glob(f"sm90a/{MODULE}/build-*/deps-*")
+    theirs = second_leaf(leaf, tmp_path / "elsewhere" if as_link else leaf.parent)
+    if as_link:
+        (leaf.parent / theirs.name).symlink_to(theirs)
+    key = (leaf.parent / theirs.name).relative_to(jit_dir).as_posix()
+    p = prewarm("verify", "--cache-dir", str(node), "--plan", str(built["manifest"]), "--jit-dir",
+                f"sglang-jit={jit_dir}", "--json", env=env)
+    assert p.returncode == 13, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    [hit] = doc["will_hit"]["jit"]  # sglang's own lookup (load_jit stopped at find_prebuilt) picks the planted leaf
+    assert hit["hit"] and hit["path"] == str(jit_dir.resolve() / key / f"{MODULE}.so"), hit
+    jit = doc["jit_verify"]["sglang-jit"]
+    assert jit["planned_unverified"] == [f"{key}/{MODULE}.so (sglang {MODULE})"] and jit["integrity_ok"]
+    assert [u["key"] for u in jit["unverified"]] == [key] and doc["planned_unverified"] == []
+
+
+def test_the_prelaunch_signed_mode_refuses_a_second_leaf_linked_in_after_a_trusted_install(built, signed, tmp_path):
+    """After a signed, trusted install, a self-consistent leaf linked in beside the module's (sglang follows it and
+    picks it): the pre-launch job in signed mode (PREWARM_TRUST) names it (exit 13) and the server stays down."""
+    node, jit_dir = tmp_path / "node", tmp_path / "home" / ".cache" / "sglang" / "jit"
+    env = env_of(tmp_path, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", TRITON_CACHE_DIR=str(node),
+                 PREWARM_SOURCE=str(signed["bundle"]), PREWARM_MANIFEST=str(built["manifest"]),
+                 PREWARM_JIT_SOURCES=f"sglang-jit={signed['jit']}", PREWARM_TRUST=signed["pub"], PREWARM_GUARD="off")
+    p = prewarm("install", str(signed["jit"]), "--cache-dir", str(jit_dir), "--trust", signed["pub"],
+                "--require-signature", env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    [leaf] = jit_dir.glob(f"sm90a/{MODULE}/build-*/deps-*")
+    theirs = second_leaf(leaf, tmp_path / "elsewhere")
+    (leaf.parent / theirs.name).symlink_to(theirs)
+    key = (leaf.parent / theirs.name).relative_to(jit_dir).as_posix()
+    p = subprocess.run(["/bin/sh", str(REPO / "deploy" / "prelaunch.sh"), "echo", "server-started"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 13 and "server-started" not in p.stdout, p.stdout + p.stderr
+    out = " ".join(p.stdout.split())
+    assert f"unverified: {key}: sglang's find_prebuilt follows the link {key} -> {theirs}" in out, p.stdout
+    assert f"planned compile from an unverified entry: {key}/{MODULE}.so (sglang {MODULE})" in out, p.stdout
+    assert "jit modules ok 1/1" in out  # found: from the planted leaf, which is the problem

@@ -232,6 +232,46 @@ def test_device_built_entries_fail_the_signed_mode_unless_allowed(world, node):
     assert [u["key"] for u in doc["unverified"]] == built and doc["ok"]
 
 
+def test_key_dirs_triton_would_read_through_a_link_are_refused(world, node, tmp_path):
+    """Triton's cache manager reads ``<dir>/<key>/`` through any link (issue 57): a key dir linked in is unverified
+    (exit 13 in signed mode, the link named), an installed one moved behind a link is modified (exit 6), a stray file
+    Triton never reads is only listed."""
+    elsewhere = synthetic_cache(tmp_path / "elsewhere", 1, seed=46)
+    [planted] = os.listdir(elsewhere)
+    (node / planted).symlink_to(elsewhere / planted)
+    (node / "lost+found").mkdir()
+    doc = verify_json(node, code=0)
+    assert [u["key"] for u in doc["unverified"]] == [planted] and doc["stray"] == ["lost+found"]
+    doc = verify_json(node, *signed_mode(world), code=UnverifiedEntries.exit_code)
+    [u] = doc["unverified"]
+    assert u["why"].startswith(f"Triton's cache manager follows the link {planted} -> {elsewhere / planted}"), u
+    (node / planted).unlink()
+    key = toy_keys(world)[0]
+    (node / key).rename(tmp_path / key)
+    (node / key).symlink_to(tmp_path / key)  # the same bytes, now behind a link
+    doc = verify_json(node, *signed_mode(world), code=IntegrityError.exit_code)
+    assert doc["modified"] == [f"{key} (reached through a link: {key} -> {tmp_path / key})"]
+    assert [u["key"] for u in doc["unverified"]] == [key]
+
+
+def test_link_cycles_end_at_the_loaders_depth(tmp_path):
+    """``Layout.reachable`` follows links only as deep as the loader looks: each cycle is reported, never walked on."""
+    from prewarm.shipping import layouts
+
+    root = tmp_path / "jit"
+    layouts.mark(root, "sglang-jit")
+    module = root / "sm90a" / "sgl_kernel_jit_x"
+    module.mkdir(parents=True)
+    (module / "build-0123456789abcdef").symlink_to(module)  # followed (a build dir's name), back to its parent
+    (root / "sm90a" / "sgl_kernel_jit_y").symlink_to(root / "sm90a")  # followed, back to the target dir
+    (module / "deps-0123456789abcdef").symlink_to(root)  # not where a leaf is, but a leaf through the build link
+    found, links, stray = layouts.get("sglang-jit").reachable(root)
+    leaf = "sm90a/sgl_kernel_jit_x/build-0123456789abcdef/deps-0123456789abcdef"
+    assert [(x.key, x.link) for x in found] == [(leaf, f"sm90a/sgl_kernel_jit_x/build-0123456789abcdef -> {module}")]
+    assert links == ["sm90a/sgl_kernel_jit_x/build-0123456789abcdef", "sm90a/sgl_kernel_jit_x/deps-0123456789abcdef",
+                     "sm90a/sgl_kernel_jit_y"] and stray == []
+
+
 def test_an_unsigned_bundle_is_unverified_under_trust(world, node):
     install(str(world["unsigned"]), node, durable=False)
     doc = verify_json(node, "--trust", str(world["pub"]), code=0)

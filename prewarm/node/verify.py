@@ -23,6 +23,14 @@ except a build's own output dir (its build info says so: only its group files ar
 Compatibility: each fingerprint factor of the bundle(s) against this node's own, mismatches explained.
 A dir of any layout (prewarm.shipping.layouts: the one it states) is checked the same way: its entries as its layout names
 them, this node's factors for that layout; a receipt or ``--bundle`` of another layout is a fault, naming both.
+
+What the server would load: the dir is also walked as its library's own lookup resolves names (``Layout.reachable``,
+the rule written beside each layout: links followed, names of any length and character the library accepts), so
+what prewarm's own name pattern would skip is seen too. Everything the loader could load that is not an entry (a
+leaf or module dir reached through a link, a name no bundle of the layout can hold) and every other link is
+*unverified*, named with the path the loader would open; an installed entry it now reaches through a link is
+*modified*; names it never reads are listed as *stray*. ``judge_modules`` is the plan rule for modules past Triton: a
+planned module the library's lookup would load from something unverified.
 """
 from __future__ import annotations
 
@@ -80,10 +88,11 @@ class FactorRow:
 
 @dataclass
 class Unverified:
-    """An entry no verified receipt covers, and why."""
+    """An entry, or anything else the server's loader could load from, that no verified receipt covers, and why."""
 
-    key: str
+    key: str  # "/"-separated under the cache dir
     why: str
+    loads: str = ""  # the path the server's loader would open from it (its layout's ``loads``); "" for a link
 
 
 _AS_BUILT = "a C module kept as this node built it (not the signed bytes)"
@@ -112,6 +121,7 @@ class VerifyReport:
     allow_unverified: bool = False
     build_output: bool = False  # a build's own output dir, no bundle installed (exempt from the plan rule)
     factors: list[FactorRow] = field(default_factory=list)
+    stray: list[str] = field(default_factory=list)  # names the server's loader never reads: listed, never failing
 
     @property
     def integrity_ok(self) -> bool:
@@ -153,6 +163,52 @@ def judge_plan(report: VerifyReport, hit) -> None:
         return
     unverified = {u.key for u in report.unverified}
     report.planned_unverified = [f"{x.key} ({x.label})" for x in hit.results if x.hit and x.key in unverified]
+
+
+def judge_modules(report: VerifyReport, lookups) -> None:
+    """Name the planned modules past Triton (``lookups``: prewarm.jit ``Lookup``s in ``report``'s dir) that their
+    library would load from something no verified receipt covers: native code nothing vouches for, which the
+    library's own lookup picks. A build's own output dir is what the build built."""
+    if report.build_output:
+        return
+    root = Path(report.cache_dir)
+    unverified = [u.key for u in report.unverified]
+    for j in lookups:
+        rel = _relative(j.path, root) if j.hit and j.path else None
+        if rel is not None and any(rel == k or rel.startswith(k + "/") for k in unverified):
+            report.planned_unverified.append(f"{rel} ({j.request.library} {j.request.name})")
+
+
+def _relative(path: str, root: Path) -> str | None:
+    """``path`` under ``root`` ("/"-separated; a library's lookup may have resolved the root's own links), or None."""
+    for base in (root, root.resolve()):
+        try:
+            return Path(path).relative_to(base).as_posix()
+        except ValueError:
+            continue
+    return None
+
+
+def _loader_faults(cache: CacheDir, unverified: dict[str, str], loads: dict[str, str]):
+    """What the layout's loader could load from ``cache`` beyond its entries (``Layout.reachable``: links followed,
+    names outside prewarm's form), each into ``unverified`` with why, and every link; each path the loader would open
+    into ``loads``. Returns the stray names (never read by the loader), the entries' keys, and each path reached
+    through a link (key -> the link)."""
+    layout = cache.layout
+    found, links, stray = layout.reachable(cache.root)
+    for x in found:
+        loads[x.key] = str(cache.root / x.loads)
+        if x.link:
+            unverified[x.key] = (f"{layout.reader} follows the link {x.link} and would load {loads[x.key]} through "
+                                 "it: prewarm installs no link")
+        elif not x.entry:
+            unverified[x.key] = (f"{layout.reader} would load {loads[x.key]} from it; no {layout.name} bundle can "
+                                 f"hold that name ({layout.form})")
+    for key in links:
+        path = cache.root / key
+        what = f"a link to {os.readlink(path)}" if path.is_symlink() else "a dir verify cannot read"
+        unverified[key] = f"{what}: prewarm installs no link, and {layout.reader} follows links"
+    return stray, [x.key for x in found if x.entry], {x.key: x.link for x in found if x.link}
 
 
 def _receipt_proof(r: Receipt, keys: dict | None) -> tuple[str | None, str]:
@@ -318,9 +374,14 @@ def verify(
             r.read_index()  # once, here, before the workers fork
     report.entries = len(checks)
     checked = {key for key, _ in checks}
-    others = [key for key in cache.entries()[0] if key not in checked]
+    loads: dict[str, str] = {}
+    # the dir as the server's loader reads it: its entries, and what else it would load (each unverified)
+    report.stray, entries, linked = _loader_faults(cache, unverified, loads)
+    others = [key for key in entries if key not in checked]
     report.other_entries = len(others)
-    unverified.update((key, outside_why) for key in others if key not in unverified)  # tampered: said so already
+    where = cache.layout.loads != "{key}"  # a module file in it, named: what the library would load
+    unverified.update((key, outside_why + (f"; {cache.layout.reader} would load {loads[key]}" if where else ""))
+                      for key in others if key not in unverified)  # tampered: said so already
     # every file hashed, spread over the cores by processes (threads share one core for the per-file Python)
     tasks = checks + [(key, _OTHER) for key in others]
     processes = len(tasks) >= 64 and workers != 1 and workers_.can_fork()
@@ -340,7 +401,9 @@ def verify(
         report.entries_ok += intact
         if as_built and trusted_keys:
             unverified.setdefault(key, _AS_BUILT)
-    report.unverified = [Unverified(key, unverified[key]) for key in sorted(unverified)]
+    # an installed entry the loader now reaches through a link is not where install put it, whatever its bytes
+    report.modified += [f"{key} (reached through a link: {linked[key]})" for key in sorted(checked & linked.keys())]
+    report.unverified = [Unverified(key, unverified[key], loads.get(key, "")) for key in sorted(unverified)]
     if check_fingerprint:
         seen: list[dict] = []
         node = node_factors(cache.layout, cache.meta)[0]

@@ -17,12 +17,18 @@ them to the real absolute location.
 
     {"checksum", "format": 1, "tool": "prewarm 0.1.0", "fingerprint": {factor: value}, "manifest": {name, digest} | null,
      "layout": "sglang-jit" | "flashinfer-aot",                    # only in a bundle of a dir past Triton
+     "sequence": 1796650000,                                       # the build's sequence (pack writes it)
      "entries": [{"key", "object", "object_size", "tar_size",
                   "files": [{"path", "sha256", "size"}]}]}          # entries sorted by key, files by path
 
 ``layout`` (prewarm.shipping.layouts): the kind of cache dir the entries come from and go to; absent, Triton's (every Triton
 bundle keeps the bytes it had before layouts). A key of a nested layout is its entry's path under the dir
 ("sm90a/sgl_kernel_jit_x/build-<hex>/deps-<hex>"); group files are Triton's only.
+
+``sequence`` (an integer >= 0; pack writes it: ``--sequence``, by default the build's time in seconds since the epoch)
+orders the builds of one bundle name (its manifest's): install refuses one older than the latest it installed under
+that name unless told (``--allow-downgrade``). Signed with the rest of the index. An index without it (packed before
+sequences) is sequence 0: older than any that has one.
 
 ``checksum`` is the sha256 of the canonical JSON without it, and the bytes must be exactly that canonical form:
 a flipped byte anywhere in an unsigned index is caught (a signature, when used, covers tampering).
@@ -144,13 +150,15 @@ class Index:
     tool: str = f"prewarm {__version__}"
     format: int = FORMAT
     layout: str = "triton"  # prewarm.shipping.layouts: the kind of cache dir its entries are of
+    sequence: int | None = None  # the build's sequence (None: an index packed before sequences, read as 0)
 
     def to_bytes(self) -> bytes:
         """The canonical bytes (a parsed index: the very bytes it was read from), written piece by piece: no Python
         document of the whole index is built."""
         if (src := self.__dict__.get("_source")) is not None:
             return src
-        return index_bytes([e.to_json() for e in self.entries], self.fingerprint, self.manifest, self.tool, self.layout)
+        return index_bytes([e.to_json() for e in self.entries], self.fingerprint, self.manifest, self.tool, self.layout,
+                           self.sequence)
 
     @functools.cached_property
     def digest(self) -> str:
@@ -162,13 +170,15 @@ class Index:
 
 
 def index_bytes(entries: list[bytes], fingerprint: dict[str, str], manifest: dict | None,
-                tool: str = f"prewarm {__version__}", layout: str = "triton") -> bytes:
+                tool: str = f"prewarm {__version__}", layout: str = "triton", sequence: int | None = None) -> bytes:
     """The canonical index of entries already in their canonical JSON (``Entry.to_json``, in key order), assembled
     piece by piece: the same bytes as the whole document encoded at once, without building it. ``layout`` is
-    written only when not Triton's."""
+    written only when not Triton's, ``sequence`` where given."""
     tail = {"fingerprint": fingerprint, "format": FORMAT, "manifest": manifest, "tool": tool}
     if layout != "triton":
         tail["layout"] = layout
+    if sequence is not None:
+        tail["sequence"] = sequence
     body = b'{"entries":[' + b",".join(entries) + b"]," + _canonical(tail)[1:]
     return b'{"checksum":"' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
 
@@ -370,7 +380,7 @@ def parse_index(data: bytes, where: str, *, check_files: bool = True) -> Index:
         _expect(pos == end or pos + 1 < end and data[pos:pos + 1] == b",", where,
                 f"entries[{i}] is not followed by ',' and another entry, or by ']'")
         pos += pos < end
-    index = Index(fp, top["manifest"], tuple(entries), top["tool"], FORMAT, layout)
+    index = Index(fp, top["manifest"], tuple(entries), top["tool"], FORMAT, layout, top.get("sequence"))
     index.__dict__["_source"] = data
     index.__dict__["digest"] = hashlib.sha256(data).hexdigest()
     if check_files:
@@ -386,9 +396,11 @@ def _parse_top(tail: bytes, where: str) -> dict:
     except (ValueError, RecursionError) as e:
         raise UnsafeBundleError(f"{where}: malformed index: the fields after entries are not JSON "
                                 f"({type(e).__name__})") from None
-    _expect(type(top) is dict and sorted(set(top) - {"layout"}) == sorted(_TOP[2:]), where,
+    _expect(type(top) is dict and sorted(set(top) - {"layout", "sequence"}) == sorted(_TOP[2:]), where,
             f"top-level fields {sorted(top) if type(top) is dict else top!r}; format {FORMAT} has {', '.join(_TOP)} "
-            f"(and layout, past Triton)")
+            f"(and layout, past Triton, and sequence)")
+    if "sequence" in top:
+        _expect(_is_count(top["sequence"]), where, f"sequence {top['sequence']!r} is not an integer >= 0")
     if "layout" in top:
         past = [name for name in layouts.known() if name != "triton"]
         _expect(top["layout"] in past, where, f"layout {top['layout']!r} is not one this prewarm reads "
@@ -406,14 +418,14 @@ def _parse_top(tail: bytes, where: str) -> dict:
     return top
 
 
-def index_layout(data: bytes, where: str) -> str:
-    """The layout an index names, from its fields after the entries alone (install picks the dir by it before it
-    parses the index, if it ever does). Where those are malformed, the error a whole read names first (a checksum
-    that does not match, a truncated index) is raised."""
+def index_top(data: bytes, where: str) -> dict:
+    """An index's fields after the entries (fingerprint, manifest, layout, sequence...), read alone: install picks
+    the dir by its layout and judges its sequence before it parses the index, if it ever does. Where those are
+    malformed, the error a whole read names first (a checksum that does not match, a truncated index) is raised."""
     end = data.rfind(b'],"fingerprint":')
     try:
         _expect(end >= 0, where, "no fingerprint after the entries")
-        return _parse_top(data[end + 2:], where).get("layout", "triton")
+        return _parse_top(data[end + 2:], where)
     except PrewarmError:
         parse_index(data, where, check_files=False)
         raise
@@ -498,6 +510,7 @@ def _decode_files_json(raw: bytes, at: str) -> list[FileRecord]:
 
 CHUNK = 1 << 20  # every object and file is streamed in pieces of this size: memory stays O(CHUNK)
 MAX_INDEX_BYTES = 256 << 20  # an index of 100k entries of 8 files is ~110 MB; nothing larger is read
+MAX_SIGNATURE_BYTES = 64 << 10  # a signature file is ~200 bytes; nothing larger is read
 MAX_GROUP_BYTES = 16 << 20  # group files are small JSON: they are validated in memory
 
 

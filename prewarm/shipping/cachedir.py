@@ -11,7 +11,7 @@ Triton's key dirs below, sglang's JIT leaves, FlashInfer's AOT modules); everyth
                                                     its entries with their object and stamp, what it kept, and the
                                                     install history (every earlier install's number and index)
     <cache>/.prewarm/receipts/<index sha256>.index  the installed bundle's index, verbatim (its sha256 is its name)
-    <cache>/.prewarm/receipts/<index sha256>.sig    its signature, where install checked one (--trust): the proof
+    <cache>/.prewarm/receipts/<index sha256>.sig    its signature, where install checked it (--trust): the proof
                                                     `verify --trust` checks the index by, whoever can write here
     <cache>/.prewarm/node.json                      this node's fingerprint and the stamp of what it was computed from
     <cache>/.prewarm/toolchain.json                 the Ascend toolchain the dir is claimed for (Triton's key misses it)
@@ -32,12 +32,12 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 from . import layouts
 from .bundle import (CHUNK, DIR_FLAGS, MAX_GROUP_BYTES, MAX_INDEX_BYTES, Entry, FileRecord, Index, is_group,
     open_regular, parse_index, read_bounded, relative_group)
-from ..errors import FingerprintMismatch, IntegrityError, PrewarmError
+from ..errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, PrewarmError
 
 if TYPE_CHECKING:  # annotations only: fingerprint is imported where a toolchain is judged
     from ..node.fingerprint import Mismatch
@@ -202,6 +202,16 @@ class Receipt:
     def signature_path(self) -> Path:
         return self.path.with_suffix(".sig")
 
+    @property
+    def name(self) -> str | None:
+        """Its bundle's name (the manifest's), which builds of one bundle share; None where it names no manifest."""
+        return (self.manifest or {}).get("name") or None
+
+    @property
+    def sequence(self) -> int:
+        """Its bundle's build sequence (bundle.py); 0 where its index carries none (packed before sequences)."""
+        return self.doc.get("sequence") or 0
+
     @functools.cached_property
     def index_bytes(self) -> bytes:
         """The installed index's bytes, read from beside the receipt; IntegrityError unless their sha256 is the
@@ -284,6 +294,10 @@ _REINSTALL = ("re-install its bundle; if that bundle is gone, empty the cache di
 _SUM_AT, _UNSUMMED = b'{"checksum":"', "0" * 64
 
 
+def _is_count(v) -> bool:
+    return type(v) is int and v >= 0
+
+
 def _receipt_sum(data: bytes) -> str:
     h = hashlib.sha256(_SUM_AT + _UNSUMMED.encode())
     h.update(memoryview(data)[len(_SUM_AT) + 64:])
@@ -327,6 +341,8 @@ def _load_receipt(path: Path) -> Receipt:
             if k not in r.entries:
                 raise ValueError(f"kept entry {k!r} is not in its index")
             r.kept[k] = _records(files, f"kept entry {k!r}")
+        if not _is_count(doc.get("sequence", 0)):  # receipts written before sequences: none
+            raise TypeError(f"sequence {doc.get('sequence')!r}")
         history = doc.get("history", {})  # receipts written before the history: none
         if type(history) is not dict or not all(n.isdigit() and type(d) is str for n, d in history.items()):
             raise TypeError("history")
@@ -378,16 +394,44 @@ class CacheDir:
         """The layout the dir states (``layout_file``); Triton's where it states none."""
         return layouts.stated(self.root) or layouts.TRITON
 
-    def claim_layout(self) -> None:
-        """Refuse to fill this dir with entries of ``layout`` where it is another layout's (it says so, or installs
-        left receipts without saying: a Triton dir; EnvironmentProblem naming both); else state it where not Triton's
-        (absent is Triton's: every Triton dir stays as it was)."""
-        if layouts.stated(self.root) is None and any(self.receipts_dir.glob("*.json")):
-            layouts.refuse_other(self.root, layouts.TRITON, self.layout, "its install receipts")
-        elif self.layout is not layouts.TRITON:
-            layouts.mark(self.root, self.layout.name)
-        elif have := layouts.stated(self.root):
-            layouts.refuse_other(self.root, have, self.layout, str(self.layout_file))
+    def check_layout(self, environ: Mapping[str, str] = os.environ) -> None:
+        """Refuse (EnvironmentProblem naming both) to fill this dir with entries of ``layout`` where it is another
+        layout's: it says so, or installs left receipts without saying (a Triton dir), or, stating no layout, it is
+        where another layout's server reads in ``environ`` (that layout's variable names it, or it is that server's
+        default dir and the variable is unset): the dir a variable names is its layout's, whatever bundle comes
+        first. Reads only (install calls it before it writes anything)."""
+        have = layouts.stated(self.root)
+        if have is None and any(self.receipts_dir.glob("*.json")):
+            have, told = layouts.TRITON, "its install receipts"
+        else:
+            told = str(self.layout_file)
+        if have is not None:
+            layouts.refuse_other(self.root, have, self.layout, told)
+        if layouts.stated(self.root) is not None:
+            return
+        here = os.path.realpath(self.root)
+        for other in layouts.known().values():
+            try:
+                theirs = other.node_dir(environ)
+            except layouts.NoNodeDir:
+                continue
+            if other is not self.layout and os.path.realpath(theirs) == here:
+                why = (f"{other.env_var}={environ[other.env_var]} names it" if environ.get(other.env_var) else
+                       f"its server's default dir, {other.env_var} being unset")
+                own = f" or set {self.layout.env_var}" if self.layout.env_var else ""
+                raise EnvironmentProblem(
+                    f"{self.root} is where {other.name} entries are read ({why}) and it states no layout "
+                    f"({self.layout_file} absent): refusing to put {self.layout.name} entries into it; give a dir a "
+                    f"{self.layout.name} server reads (--cache-dir{own})")
+
+    def claim_layout(self) -> bool:
+        """:meth:`check_layout`, then state the dir's layout where not Triton's (absent is Triton's: every Triton dir
+        stays as it was); whether this call wrote the mark."""
+        self.check_layout()
+        if self.layout is layouts.TRITON or layouts.stated(self.root) is not None:
+            return False
+        layouts.mark(self.root, self.layout.name)
+        return True
 
     def __repr__(self) -> str:
         return f"CacheDir({str(self.root)!r})"
@@ -614,9 +658,9 @@ class CacheDir:
                              f"filled outside prewarm (no {self.toolchain}): its Ascend toolchain is unknown")]
         return []
 
-    def claim_toolchain(self, node_fp: dict[str, str]) -> None:
+    def claim_toolchain(self, node_fp: dict[str, str], *, check_only: bool = False) -> None:
         """Refuse a dir filled under another Ascend toolchain (FingerprintMismatch), else claim it for ours (a no-op
-        where Triton's key covers the toolchain: CUDA)."""
+        where Triton's key covers the toolchain: CUDA; ``check_only``: refuse only, writing nothing)."""
         if not any(f.startswith("ascend.") for f in node_fp):  # fingerprint.toolchain_factors: none, nothing to claim
             return
         if conflicts := self.toolchain_conflicts(node_fp):
@@ -627,6 +671,8 @@ class CacheDir:
                 f"apart (they would be reused silently): {lines}. Use a fresh cache dir for this toolchain, or empty "
                 f"this one."
             )
+        if check_only:
+            return
         from ..node.fingerprint import toolchain_factors
 
         if ours := toolchain_factors(node_fp):

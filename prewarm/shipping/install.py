@@ -2,10 +2,13 @@
 layout (prewarm.shipping.layouts: Triton's cache, sglang's JIT cache, FlashInfer's AOT dir; by default the one its server
 reads), and a dir of another layout is refused; the work is the same for each.
 
-Order of work (the paths are ``CacheDir``'s, prewarm.shipping.cachedir): read the index bytes (and check their signature when
-keys are given or one is required) -> check the bundle's fingerprint against this node (the one place that judges
-the node: ``check_node``; the node's own factors are reused while nothing they are computed from changed:
-prewarm.shipping.nodestamp) -> take the dir's ``install_lock`` -> decide what is to do:
+Order of work (the paths are ``CacheDir``'s, prewarm.shipping.cachedir): read the index bytes and check a present
+signature (against the trusted keys when given or one is required; else under the key it carries: one that does not
+verify is never ignored) -> the dir's layout (``CacheDir.check_layout``: the one it states, or the one whose server
+reads it) -> check the bundle's fingerprint against this node (the one place that judges the node: ``check_node``;
+the node's own factors are reused while nothing they are computed from changed: prewarm.shipping.nodestamp) -> the
+bundle's build sequence against the latest install of its name (``check_sequence``) -> only then write: take the
+dir's ``install_lock`` (judging layout and sequence again under it) -> decide what is to do:
 
 - an install of this very index left a receipt, no later install claimed one of its keys with other files, and
   every entry's stamp (its dir's inode, mtime and ctime: ``cachedir.stamp``) is the recorded one: nothing to do,
@@ -20,8 +23,12 @@ prewarm.shipping.nodestamp) -> take the dir's ``install_lock`` -> decide what is
   dir: the same filesystem; a nested layout's key is a path there), group files pointing at the final location.
 
 Every entry's file records are checked before or as it is staged, so a malformed index or object adds nothing to
-the cache. Durability (``durable``), each flush where the order after a crash depends on it: the cache's filesystem
-is flushed once (``syncfs``) after staging and before the first rename, so that a key dir never becomes visible with
+the cache; so is its place (a link there, or in a parent's place, is refused, never followed nor replaced) and, for a
+JIT layout, every file it lists and its module's header (prewarm.shipping.payload). A refused install leaves the dir
+as it was: a rename that fails puts back the entries placed before it, and what it wrote under ``.prewarm`` goes.
+
+Durability (``durable``), each flush where the order after a crash depends on it: the cache's filesystem is flushed
+once (``syncfs``) after staging and before the first rename, so that a key dir never becomes visible with
 data not on disk (a flusher writes back every quarter second while staging goes on, so that this flush finds little
 left); the cache dir is fsynced after the renames, so that they are on disk before the receipt that describes them;
 the receipt (the index beside it first, written while the entries stage, then the receipt itself, with the next
@@ -43,18 +50,20 @@ import errno
 import hashlib
 import os
 import shutil
+import stat as stat_
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import layouts, nodestamp
+from . import layouts, nodestamp, payload
 from ..building import workers as workers_
-from .bundle import (DIR_FLAGS, INDEX, MAX_INDEX_BYTES, OBJECTS, SIGNATURE, Entry, FileRecord, Index, index_layout,
-    is_runtime_module, parse_index, read_bounded, unpack_object)
+from .bundle import (DIR_FLAGS, INDEX, MAX_INDEX_BYTES, MAX_SIGNATURE_BYTES, OBJECTS, SIGNATURE, Entry, FileRecord,
+    Index, index_top, is_runtime_module, parse_index, read_bounded, unpack_object)
 from .cachedir import CacheDir, EntryState, Receipt, fsync_dir, install_history, latest_owners, stamp, syncfs
-from ..errors import EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError, StoreError
+from ..errors import (DowngradeRefused, EnvironmentProblem, FingerprintMismatch, IntegrityError, SignatureError,
+    StoreError)
 from .stores.base import Store, join, retry
 
 
@@ -84,6 +93,17 @@ class StoredBundle:
     where: str
     signature: bytes | None = None  # checked (signed_by): kept beside the receipt as its proof
     layout: layouts.Layout = layouts.TRITON  # the index's (read from its fields after the entries)
+    top: dict = field(default_factory=dict)  # the index's fields after its entries (bundle.index_top)
+
+    @property
+    def name(self) -> str | None:
+        """The bundle's name, which its builds share: its manifest's (signed with the index); None where none."""
+        return (self.top.get("manifest") or {}).get("name") or None
+
+    @property
+    def sequence(self) -> int:
+        """Its build's sequence (bundle.py); 0 where the index carries none."""
+        return self.top.get("sequence") or 0
 
     @property
     def index(self) -> Index:
@@ -111,19 +131,25 @@ def read_bundle(
         data = _read_blob(store, INDEX, MAX_INDEX_BYTES)
     except FileNotFoundError:
         raise StoreError(f"{where}: no bundle index here (push one with `prewarm push`)") from None
-    signed_by = sig = None
+    signed_by = None
+    try:
+        sig = _read_blob(store, SIGNATURE, MAX_SIGNATURE_BYTES)
+    except FileNotFoundError:
+        sig = None
+    except IntegrityError as e:  # larger than any signature, or not the blob the registry lists
+        raise SignatureError(f"{e}: not a signature") from None
     if trusted_keys or require_signature:
         from . import signing
 
-        try:
-            sig = _read_blob(store, SIGNATURE, signing.MAX_SIGNATURE_BYTES)
-        except FileNotFoundError:
-            sig = None
-        except IntegrityError as e:  # larger than any signature, or not the blob the registry lists
-            raise SignatureError(f"{e}: not a signature") from None
         signed_by = signing.verify(data, sig, list(trusted_keys), where)
+    elif sig is not None:  # present: checked under the key it carries, never ignored (not kept: no key trusted it)
+        from . import signing
+
+        signing.self_check(data, sig, where)
+        sig = None
+    top = index_top(data, where)
     return StoredBundle(store, data, hashlib.sha256(data).hexdigest(), signed_by, where, sig,
-                        layouts.get(index_layout(data, where)))
+                        layouts.get(top.get("layout", "triton")), top)
 
 
 def _open_store(url: str, storage_options: dict | None) -> Store:
@@ -240,6 +266,7 @@ class _Job:
     own_kept: dict[str, tuple[FileRecord, ...]]
     owners: dict[str, Receipt]  # key -> latest receipt naming it
     staging: Path | None
+    parents: set[str] = field(default_factory=set)  # parent dirs found to be plain dirs (a nested layout's)
 
 
 def _stale(keys: list[str]) -> list[str]:
@@ -255,21 +282,86 @@ def _settle_range(start: int, stop: int) -> list[tuple]:
 
 
 def _settle(job: _Job, e: Entry) -> tuple:
-    """One entry: as its own receipt left it (by stamp), present by content, kept as built, or staged."""
+    """One entry: as its own receipt left it (by stamp), present by content, kept as built, or staged. Refused
+    (before anything is placed) where its place or a parent of it is a link, or (a JIT layout) a file it lists is
+    not one its library's loader reads, or its module is not native code (prewarm.shipping.payload)."""
     cache = job.cache
+    layout = cache.layout
+    root = str(cache.root)
+    if layout.nested:
+        _plain_parents(root, e.key, job.parents)
+    files = None
+    if layout.payload:  # a JIT entry's few files, checked by name before a byte of it is fetched
+        files = e.files
+        payload.check_listed(layout, e.key, [f.path for f in files], job.bundle.where)
     recorded = job.recorded.get(e.key)
-    before = stamp(f"{cache.root}/{e.key}")
+    before = stamp(f"{root}/{e.key}")
+    if not before:
+        _no_link(root, e.key)
     if recorded and recorded[1] and before == recorded[1] and recorded[0] == e.object:
+        _native(job, e.key, files, root)
         return (KEPT, before, job.own_kept[e.key], 0, 0) if e.key in job.own_kept else (PRESENT, before, None, 0, 0)
-    files = e.files  # decoded and checked here: a malformed record stops the install before anything is placed
+    files = files or e.files  # decoded, checked here: a malformed record stops the install before anything placed
     size = sum(f.size for f in files)
     if before:  # there: by content (an absent entry is simply staged)
         c = cache.entry_state(e.key, files)
         if c.intact or is_runtime_module(files) and kept_as_built(files, c, _recorded(job, e.key)):
+            _native(job, e.key, files, root)
             after = cache.stamp(e.key)  # changed while it was read: not vouched for by this stamp
             return (PRESENT if c.intact else KEPT, before if before == after else "",
                     None if c.intact else tuple(c.on_disk), 0, size)
-    return STAGED, "", None, _stage_entry(job.bundle, e, files, cache.root, job.staging), size
+    fetched = _stage_entry(job.bundle, e, files, cache.root, job.staging)
+    _native(job, e.key, files, str(job.staging))
+    return STAGED, "", None, fetched, size
+
+
+def _plain_parents(root: str, key: str, known: set[str]) -> None:
+    """Each parent dir of a nested entry below ``root`` must be absent or a plain dir: a link there would have the
+    rename write wherever it leads (EnvironmentProblem before anything is placed; ``_open_parent`` checks again as it
+    renames). ``known``: parents already found plain."""
+    parts = key.split("/")[:-1]
+    for n in range(1, len(parts) + 1):
+        parent = "/".join(parts[:n])
+        if parent in known:
+            continue
+        try:
+            st = os.lstat(f"{root}/{parent}")
+        except FileNotFoundError:
+            return  # made by the install, 0755
+        if not stat_.S_ISDIR(st.st_mode):
+            raise EnvironmentProblem(f"{root}/{key}: its parent {parts[n - 1]!r} is a link or a file, never followed "
+                                     f"(installing into {root}; nothing was placed)")
+        known.add(parent)
+
+
+def _no_link(root: str, key: str) -> None:
+    """An entry's own place must not be a link (EnvironmentProblem before anything is placed): neither followed nor
+    replaced, since whoever planted it may mean it (the dir it leads to is left as it is; remove the link to install
+    here). Called where the entry is not a dir (an absent one: one failing lstat)."""
+    path = f"{root}/{key}"
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if stat_.S_ISLNK(st.st_mode):
+        raise EnvironmentProblem(f"{path}: entry {key}'s place is a link (to {_link_target(path)}), never followed nor "
+                                 f"replaced (installing into {root}; nothing was placed): remove it to install here")
+
+
+def _link_target(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError as e:
+        return f"unreadable: {e.strerror}"
+
+
+def _native(job: _Job, key: str, files: tuple[FileRecord, ...] | None, where: str) -> None:
+    """A JIT entry's module, as staged or found under ``where``, must be native code (payload.check_native)."""
+    if files is None:
+        return
+    module = payload.module(job.cache.layout, key)
+    if any(f.path == module for f in files):
+        payload.check_native(job.cache.layout, key, payload.read_head(f"{where}/{key}/{module}"), job.bundle.where)
 
 
 def _recorded(job: _Job, key: str) -> tuple[FileRecord, ...] | None:
@@ -313,18 +405,30 @@ def _stage_entry(bundle: StoredBundle, entry: Entry, files: tuple[FileRecord, ..
 def _place_entries(keys: list[str], todo: list[int], cache_dir: Path, staging: Path, stamps: list[str]) -> int:
     """Rename each staged entry (``keys[i]`` for i in ``todo``) into place and take its stamp there into ``stamps[i]``
     (the rename moved its dir's ctime); returns how many replaced an existing (incomplete or other) dir. Both dirs
-    are opened once: no path is walked per entry."""
+    are opened once: no path is walked per entry. All or nothing: where a rename fails (a link planted in a parent's
+    place since the entries were checked, a dir the install may not write), every entry placed before it is renamed
+    back into staging, what it replaced put back and the parents it made removed, then the error is raised."""
     replaced = 0
+    placed: list[tuple[str, bool, list[str]]] = []  # (key, replaced a dir, the parents made for it)
     cache_fd = os.open(cache_dir, DIR_FLAGS)
     try:
         staging_fd = os.open(staging, DIR_FLAGS)
         try:
             for i in todo:
+                made: list[str] = []
                 try:
-                    replaced += _place_entry(keys[i], cache_fd, staging_fd)
+                    aside = _place_entry(keys[i], cache_fd, staging_fd, made)
                 except OSError as e:
+                    _remove_made(made, cache_fd)
                     raise OSError(e.errno, e.strerror, str(cache_dir / keys[i])) from None
+                placed.append((keys[i], aside, made))
+                replaced += aside
                 stamps[i] = stamp(keys[i], dir_fd=cache_fd)
+        except BaseException as e:
+            if failed := _put_back(placed, cache_fd, staging_fd):
+                raise EnvironmentProblem(f"{e}; then {len(failed)} of the {len(placed)} entries placed before it could "
+                                         f"not be put back: {'; '.join(failed[:5])}") from None
+            raise
         finally:
             os.close(staging_fd)
     finally:
@@ -332,11 +436,34 @@ def _place_entries(keys: list[str], todo: list[int], cache_dir: Path, staging: P
     return replaced
 
 
-def _place_entry(key: str, cache_fd: int, staging_fd: int) -> bool:
-    """Rename a staged entry into place (a nested key: into its parent dir, made where missing); returns whether it
-    replaced an existing (incomplete or other) dir."""
+def _put_back(placed: list[tuple[str, bool, list[str]]], cache_fd: int, staging_fd: int) -> list[str]:
+    """Undo ``_place_entry`` for each of ``placed``, last first: the entry back into staging, the dir it replaced
+    back in its place, the parents made for it removed. What could not be undone, named."""
+    failed = []
+    for key, aside, made in reversed(placed):
+        try:
+            os.rename(key, key, src_dir_fd=cache_fd, dst_dir_fd=staging_fd)
+            if aside:
+                os.rename("old-" + key.replace("/", "%"), key, src_dir_fd=staging_fd, dst_dir_fd=cache_fd)
+        except OSError as e:
+            failed.append(f"{key}: {e.strerror}")
+        _remove_made(made, cache_fd)
+    return failed
+
+
+def _remove_made(made: list[str], cache_fd: int) -> None:
+    for parent in reversed(made):  # innermost first; one another entry now fills is left
+        try:
+            os.rmdir(parent, dir_fd=cache_fd)
+        except OSError:
+            return
+
+
+def _place_entry(key: str, cache_fd: int, staging_fd: int, made: list[str]) -> bool:
+    """Rename a staged entry into place (a nested key: into its parent dir, made where missing: appended to
+    ``made``); returns whether it replaced an existing (incomplete or other) dir, set aside in staging."""
     parent, _, leaf = key.rpartition("/")
-    dest_fd = _open_parent(cache_fd, parent) if parent else cache_fd
+    dest_fd = _open_parent(cache_fd, parent, made) if parent else cache_fd
     try:
         try:
             os.rename(key, leaf, src_dir_fd=staging_fd, dst_dir_fd=dest_fd)
@@ -346,21 +473,27 @@ def _place_entry(key: str, cache_fd: int, staging_fd: int) -> bool:
                 raise
         aside = "old-" + key.replace("/", "%")  # no key holds a '%'
         os.rename(leaf, aside, src_dir_fd=dest_fd, dst_dir_fd=staging_fd)  # what did not match: set aside
-        os.rename(key, leaf, src_dir_fd=staging_fd, dst_dir_fd=dest_fd)
+        try:
+            os.rename(key, leaf, src_dir_fd=staging_fd, dst_dir_fd=dest_fd)
+        except OSError:
+            os.rename(aside, leaf, src_dir_fd=staging_fd, dst_dir_fd=dest_fd)  # back in its place
+            raise
         return True
     finally:
         if dest_fd != cache_fd:
             os.close(dest_fd)
 
 
-def _open_parent(cache_fd: int, parent: str) -> int:
-    """The dir ``parent`` below the cache dir, opened; each part made where missing (0755) and none followed as a
-    link (ELOOP), so that an entry is never renamed through a link out of the cache dir."""
+def _open_parent(cache_fd: int, parent: str, made: list[str]) -> int:
+    """The dir ``parent`` below the cache dir, opened; each part made where missing (0755, appended to ``made``) and
+    none followed as a link (ELOOP), so that an entry is never renamed through a link out of the cache dir."""
     fd = cache_fd
+    parts = parent.split("/")
     try:
-        for part in parent.split("/"):
+        for n, part in enumerate(parts, 1):
             try:
                 os.mkdir(part, 0o755, dir_fd=fd)
+                made.append("/".join(parts[:n]))
             except FileExistsError:
                 pass
             try:
@@ -392,12 +525,21 @@ def install(
     lock_timeout: float = 600,
     durable: bool = True,
     recheck: bool = False,
+    allow_downgrade: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> InstallResult:
     """Install ``source`` (a bundle dir or store URL) into ``cache_dir`` (default: the dir the server of the bundle's
-    layout reads; layouts.NoNodeDir where none is named): every entry checked and staged first, then one rename per
-    entry, then the receipt. ``recheck``: every entry checked by content, stamps or not (what a file rewritten in
-    place needs). ``progress(entries settled, entries to settle)`` as the work goes."""
+    layout reads, by that layout's own variable; layouts.NoNodeDir where none is named): every entry checked and
+    staged first, then one rename per entry, then the receipt. ``recheck``: every entry checked by content, stamps or
+    not (what a file rewritten in place needs). ``allow_downgrade``: install an older build of a bundle name than
+    the one last installed here (DowngradeRefused otherwise). ``progress(entries settled, entries to settle)`` as
+    the work goes.
+
+    A refusal leaves the dir as it was: everything that can be judged without the lock (signature, the dir's layout,
+    the node's fingerprint and toolchain, the bundle's sequence) is judged before anything is written; what is judged
+    under the lock (each entry: its objects, its files, links in its place or its parents' places) before the first
+    rename; a rename that fails puts back every entry placed before it (``_place_entries``); and what the install
+    wrote into ``.prewarm`` (the dir itself where it made it, its lock, the layout's mark) is removed again."""
     t0 = time.monotonic()
     bundle = read_bundle(
         source, trusted_keys=trusted_keys, require_signature=require_signature, storage_options=storage_options
@@ -407,36 +549,103 @@ def install(
     for d in (cache_dir, cache.meta):
         if os.path.lexists(d) and not d.is_dir():
             raise EnvironmentProblem(f"{d}: exists and is not a directory (installing into {cache_dir})")
+    cache.check_layout()  # one cache dir, one layout: its server reads no other
     own = cache.receipt_of(bundle.digest)  # the index it names is this one, checked whole when installed
     built = own.fingerprint if own else bundle.index.fingerprint
     res = InstallResult(cache_dir, bundle.digest, len(own.entries) if own else len(bundle.index.entries),
                         signed_by=bundle.signed_by)
     node, record = nodestamp.node_factors(bundle.layout, cache.meta if cache.meta.is_dir() else None)
     res.mismatches = check_node(built, node, cache_dir, allow_fingerprint_mismatch, allow_missing_factors)
+    cache.claim_toolchain(node, check_only=True)
+    check_sequence(bundle, cache.receipts(strict=False), cache_dir, allow_downgrade)
+    made = _missing(cache.meta)  # what this install makes (the meta dir, the cache dir), outermost first
+    had = set() if made else set(os.listdir(cache.meta))
     try:
         cache.meta.mkdir(parents=True, exist_ok=True)
-        if record is not None:
-            nodestamp.remember(cache.meta, record)
         import filelock
 
         lock = filelock.FileLock(str(cache.install_lock), timeout=lock_timeout)
         try:
             lock.acquire()
         except filelock.Timeout:
+            _forget(cache, made, had)
             raise EnvironmentProblem(
                 f"{cache.install_lock}: another install held the lock for over {lock_timeout:.0f} s"
             ) from None
         try:
-            cache.claim_layout()  # one cache dir, one layout: its server reads no other
-            # One cache dir, one Ascend toolchain: Triton's key cannot tell them apart (no-op on CUDA).
-            cache.claim_toolchain(node)
-            _install_locked(bundle, source, cache, res, workers, durable, recheck, progress)
+            try:
+                cache.claim_layout()
+                # One cache dir, one Ascend toolchain: Triton's key cannot tell them apart (no-op on CUDA).
+                cache.claim_toolchain(node)
+                _install_locked(bundle, source, cache, res, workers, durable, recheck, allow_downgrade, progress)
+            except BaseException:
+                _forget(cache, made, had)  # under the lock: no other install is filling the dir
+                raise
         finally:
             lock.release()
     except OSError as e:  # store errors are StoreError / IntegrityError by now: this is the local machine
         raise EnvironmentProblem(f"{e.filename or cache_dir}: {e.strerror} (installing into {cache_dir})") from None
+    if record is not None:  # this node's factors for the next install or verify (only where this one went through)
+        nodestamp.remember(cache.meta, record)
     res.seconds = time.monotonic() - t0
     return res
+
+
+def check_sequence(bundle: StoredBundle, receipts: list[Receipt], cache_dir: Path, allow_downgrade: bool) -> bool:
+    """Refuse (DowngradeRefused, both sequences named) a bundle whose build sequence is below that of the latest
+    install of its name into this dir (its manifest's name: a bundle without one is compared with none), unless
+    ``allow_downgrade``. Returns whether the latest install of its name is a build of another sequence: this one
+    then takes a new number (a re-install of it is no no-op), so that the latest install of a name is always the
+    build last installed over another (an allowed downgrade, or the upgrade after one)."""
+    if bundle.name is None:
+        return False
+    same = [r for r in receipts if r.name == bundle.name]
+    latest = max(same, key=lambda r: r.seq, default=None)
+    if latest is None:
+        return False
+    if bundle.sequence >= latest.sequence or allow_downgrade:
+        return bundle.sequence != latest.sequence
+    raise DowngradeRefused(
+        f"{bundle.where}: bundle {bundle.name!r} sequence {bundle.sequence} is older than sequence {latest.sequence} "
+        f"of {bundle.name!r} last installed into {cache_dir} (install #{latest.seq}, index {latest.digest[:16]}...): "
+        f"refusing a downgrade (--allow-downgrade installs it; an index without a sequence is sequence 0)")
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist, outermost first."""
+    out = []
+    while not os.path.lexists(path) and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out[::-1]
+
+
+def _forget(cache: CacheDir, made: list[Path], had: set[str]) -> None:
+    """What a refused install wrote into the dir's ``.prewarm`` goes again: the dirs it made (``made``, the meta dir
+    among them), else every name of the meta dir that was not there before (``had``: its lock, the layout's mark).
+    Under the lock or before it is taken: no other install writes there meanwhile (filelock's waiters re-check a lock
+    file removed while held)."""
+    if made:
+        shutil.rmtree(cache.meta, ignore_errors=True)
+        for d in reversed(made[:-1]):  # the dirs above it, where the install left nothing else in them
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        return
+    try:
+        now = set(os.listdir(cache.meta))
+    except OSError:
+        return
+    for name in sorted(now - had):
+        path = cache.meta / name
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _workers(workers: int | None, processes: bool) -> int:
@@ -444,16 +653,18 @@ def _workers(workers: int | None, processes: bool) -> int:
 
 
 def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: InstallResult, workers: int | None,
-                    durable: bool, recheck: bool, progress: Callable[[int, int], None] | None):
+                    durable: bool, recheck: bool, allow_downgrade: bool, progress: Callable[[int, int], None] | None):
     cache_dir = cache.root
     for old in cache.staging_dirs():  # left by a killed install; only the lock holder stages
         shutil.rmtree(old, ignore_errors=True)
     receipts = cache.receipts(strict=False)
+    # judged again under the lock (an install may have finished meanwhile)
+    renumber = check_sequence(bundle, receipts, cache_dir, allow_downgrade)
     own = next((r for r in receipts if r.digest == res.index_digest), None)
     later = [r for r in receipts if own is not None and r.seq > own.seq]
     local = type(bundle.store).__name__ == "LocalStore"
     recorded = own.entries if own is not None and not recheck else {}
-    if recorded and _latest_for_its_keys(own, later):
+    if recorded and not renumber and _latest_for_its_keys(own, later):
         # nothing to do if every entry is as stamped: an lstat per entry, no file read, no index parsed
         keys = list(recorded)
         processes = local and len(keys) >= workers_.PROCESSES_FROM and workers_.can_fork()
@@ -484,6 +695,8 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         head = {"fingerprint": bundle.index.fingerprint, "manifest": bundle.index.manifest}
         if bundle.layout is not layouts.TRITON:
             head["layout"] = bundle.layout.name
+        if bundle.index.sequence is not None:
+            head["sequence"] = bundle.index.sequence
         del entries
 
         def started(forked: bool) -> None:
@@ -505,7 +718,7 @@ def _install_locked(bundle: StoredBundle, source: str, cache: CacheDir, res: Ins
         size = own.size if own is not None else sum(s[4] for s in settled)  # the same index: the same bytes
         stamps = [s[1] for s in settled]
         todo = [i for i, s in enumerate(settled) if s[0] == STAGED]
-        agrees = own is not None and own.kept == kept and _latest_for_its_keys(own, later)
+        agrees = own is not None and not renumber and own.kept == kept and _latest_for_its_keys(own, later)
         if not todo and agrees and all(own.entries[k][1] == st for k, st in zip(keys, stamps)):
             res.noop = True
             return

@@ -33,6 +33,15 @@ LAYOUT_FILE = "layout"  # in META: the dir's layout, where not Triton's
 KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_=-]{0,127}")  # (fullmatch) a Triton dir prewarm treats as an entry
 
 
+# A JIT entry's files besides its module (Layout.metadata, Layout.leftovers; a library may narrow them): JSON beside
+# the module (sglang's ``sgl_deps.json``, which ``find_prebuilt`` re-hashes, prewarm's key record), and what a ninja
+# build dir holds that no loader reads (sglang publishes its build dir as the leaf: ``build.ninja``, ninja's log and
+# deps, objects and depfiles, the generated wrapper sources; sglang/kernels/jit/utils/compile/ninja.py).
+JIT_METADATA = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.json")
+BUILD_LEFTOVERS = re.compile(
+    r"build\.ninja|\.ninja_(?:log|deps)|[A-Za-z0-9_][A-Za-z0-9_.+-]*\.(?:o|o\.d|c|cc|cpp|cxx|cu|h|hpp|cuh)")
+
+
 class NoNodeDir(ValueError):
     """A layout whose node dir no variable names (flashinfer-aot): the dir must be given (``--cache-dir``)."""
 
@@ -47,6 +56,20 @@ class Layout:
     expands_env: bool  # whether the server expands "~" in the variable's value (sglang does, Triton does not)
     own_names: re.Pattern | None = None  # what the library itself keeps beside its entries: not an entry, not stray
     groups: bool = False  # Triton's group files: stored relative, installed pointing at their entry
+    # The server's own lookup, as its code resolves names (links followed): each part of a path it could load from
+    # (fullmatch; () : ``parts``), what it opens there (a format over the path's parts, ``{0}``..., and ``{key}``),
+    # and who reads it, for messages. Wider than ``parts``: every name the library could ask for, of any length and
+    # character it allows. :meth:`reachable` walks a dir by it.
+    loader: tuple[re.Pattern, ...] = ()
+    loads: str = "{key}"
+    reader: str = "Triton's cache manager"
+    # What an entry may hold (prewarm.shipping.payload: pack and install refuse anything else, by name). ``payload``:
+    # only the module ``loads`` names (native code: an ELF file) and ``metadata`` beside it; what the library's own
+    # build leaves in the dir and no loader reads (``leftovers``) is left out by pack, refused by install. Not
+    # ``payload`` (Triton's cache): whatever Triton writes.
+    payload: bool = True
+    metadata: re.Pattern = JIT_METADATA
+    leftovers: re.Pattern = BUILD_LEFTOVERS
 
     @property
     def nested(self) -> bool:
@@ -105,6 +128,70 @@ class Layout:
         walk("", 0)
         return sorted(keys), sorted(skipped)
 
+    def reachable(self, root: Path) -> tuple[list["Loadable"], list[str], list[str]]:
+        """``root`` walked as the server's loader resolves names (``loader``, links followed): (every path it could
+        load from, its entries included and marked; every other link, and any dir it cannot read; every name it
+        never reads, stray: files and dirs of no form it looks up), each "/"-separated, sorted. A link is never an
+        entry: where the loader would load from it, it is a :class:`Loadable` reached through it; elsewhere it is
+        listed, whatever it leads to (its target can change after any check). ``.prewarm`` and the library's own
+        names are none of these. Bounded by the loader's depth, so a link cycle ends there."""
+        parts = self.loader or self.parts
+        found: list[Loadable] = []
+        links: list[str] = []
+        stray: list[str] = []
+
+        def walk(rel: tuple[str, ...], path: str, link: str) -> None:
+            depth = len(rel)
+            try:
+                items = list(os.scandir(path))
+            except OSError:
+                if not rel:
+                    raise
+                if not link:
+                    links.append("/".join(rel))  # what the loader would find there is unknown
+                return
+            for d in items:
+                if not rel and d.name == META or self.own_names and self.own_names.fullmatch(d.name):
+                    continue
+                name = (*rel, d.name)
+                key = "/".join(name)
+                is_link = d.is_symlink()
+                try:
+                    is_dir = d.is_dir()  # followed, as the loader follows it
+                except OSError:
+                    is_dir = False
+                read = parts[depth].fullmatch(d.name)  # a name the loader looks up here
+                via = link or (f"{key} -> {_target(d.path)}" if is_link else "")
+                if read and depth + 1 == len(parts) and (is_dir or is_link):
+                    found.append(Loadable(key, self.loads.format(*name, key=key), via,
+                                          not via and all(p.fullmatch(n) for p, n in zip(self.parts, name))))
+                    continue
+                if not link and (is_link or not (read and is_dir)):  # below a link, that link is reported
+                    (links if is_link else stray).append(key)
+                if read and is_dir:
+                    walk(name, d.path, via)
+
+        walk((), os.fspath(root), "")
+        return sorted(found, key=lambda x: x.key), sorted(links), sorted(stray)
+
+
+@dataclass(frozen=True)
+class Loadable:
+    """A path under a cache dir the server's loader could load from (:meth:`Layout.reachable`)."""
+
+    key: str  # "/"-separated under the root: the key dir, leaf or module dir the loader resolves
+    loads: str  # "/"-separated under the root: what it opens there (a module file; Triton: the key dir's files)
+    link: str = ""  # the first link on the way ("NAME -> TARGET"), "" where none
+    entry: bool = False  # a plain dir of the layout's own form (``parts``): an entry, its receipt's to judge
+
+
+def _target(path: str) -> str:
+    """Where the link ``path`` points, for messages."""
+    try:
+        return os.readlink(path)
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+
 
 def _home(path: str, environ: Mapping[str, str]) -> Path:
     """``path`` with a leading "~" expanded as a process with ``environ`` expands it."""
@@ -113,7 +200,8 @@ def _home(path: str, environ: Mapping[str, str]) -> Path:
     return Path(path).expanduser()
 
 
-TRITON = Layout("triton", (KEY_RE,), "a Triton cache key", "TRITON_CACHE_DIR", "~/.triton/cache", False, groups=True)
+TRITON = Layout("triton", (KEY_RE,), "a Triton cache key", "TRITON_CACHE_DIR", "~/.triton/cache", False, groups=True,
+                payload=False)
 
 
 @functools.cache

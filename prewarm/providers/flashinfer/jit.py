@@ -117,7 +117,14 @@ def _spec_name(call: str, arch: str | None) -> str:
 
 # FlashInfer's AOT dir (``flashinfer/data/aot/<name>/<name>.so``, which ``JitSpec`` loads without building): an entry
 # is ``<name>``. It lives inside the server's flashinfer package: no variable names it, install needs the dir given.
-LAYOUT = layouts.Layout("flashinfer-aot", (re.compile(r"[A-Za-z0-9_]{1,128}"),), "<module name>", None, None, False)
+# What FlashInfer loads (``loader``): ``jit_env.get_aot_artifacts(name)`` returns ``FLASHINFER_AOT_DIR / name /
+# f"{name}.so"`` whenever that path ``exists()`` (links followed), for any name a ``JitSpec`` carries: FlashInfer
+# checks no name (its batch-prefill modules' run to 169 characters), so every name in the dir is one it could load.
+# prewarm's own entries: the names its modules have (letters, digits, ``_``, ``-``) up to 252 characters, so that
+# ``<name>.so`` fits a file name.
+LAYOUT = layouts.Layout("flashinfer-aot", (re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,251}"),), "<module name>", None,
+                        None, False, loader=(re.compile(r".+", re.S),), loads="{key}/{0}.so",
+                        reader="FlashInfer's get_aot_artifacts")
 
 
 class FlashInferJit(JitLibrary):

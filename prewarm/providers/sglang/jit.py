@@ -320,12 +320,23 @@ def capture_requests(arch: str | None = None) -> Iterator[list[JitRequest]]:
 # path under the root ("sm90a/sgl_kernel_jit_x/build-.../deps-..."); sglang's own ``.lock`` and ``.staging-<uuid>``
 # beside the leaves are neither entries nor reported. A leaf is published by one rename, as sglang itself does. The
 # node's dir: ``SGLANG_JIT_CACHE_DIR``, else ``~/.cache/sglang/jit``.
+#
+# What sglang loads (``loader``): ``load_jit`` computes ``<root>/<_target_tag()>/<module_name>/build-<build_key>``
+# (``cache.build_key_dir``; every part a path, links followed) and ``cache.find_prebuilt`` scans it for names
+# starting with ``deps-``, newest mtime first, taking the first whose ``sgl_deps.json`` (read through any link)
+# re-hashes to its name (``deps-`` + 16 hex: no other name can match) and whose ``<module_name>.so`` is a file.
+# ``_target_tag()`` is ``sm``/``mp`` + the arch, a HIP gfx name, ``sail_`` + [alnum -_.] or ``unknown``;
+# ``module_name`` is ``sgl_kernel_jit_`` + the module's args joined by ``_``, each ``str()`` of what the call site
+# passed: any character but ``/``, any length (prewarm's own ``parts`` are the names it ships).
 LAYOUT = layouts.Layout(
     "sglang-jit",
     (re.compile(r"[A-Za-z0-9_]{1,32}"), re.compile(r"sgl_kernel_jit_[A-Za-z0-9_.+-]{1,200}"),
      re.compile(r"build-[0-9a-f]{16}"), re.compile(r"deps-[0-9a-f]{16}")),
     "<target>/sgl_kernel_jit_<module>/build-<16 hex>/deps-<16 hex>", CACHE_VAR, "~/.cache/sglang/jit",
-    True, own_names=re.compile(r"\.lock|\.staging-.*"))
+    True, own_names=re.compile(r"\.lock|\.staging-.*"),
+    loader=(re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*"), re.compile(r"sgl_kernel_jit_.*"),
+            re.compile(r"build-[0-9a-f]{16}"), re.compile(r"deps-[0-9a-f]{16}")),
+    loads="{key}/{1}.so", reader="sglang's find_prebuilt")
 
 
 class SglangJit(JitLibrary):
