@@ -11,8 +11,11 @@ names the kernel, the variant and the stage's own message. A kernel whose key th
 (``plan.WillFail``: its source names what this Triton lacks) is not lowered: it is the report's ``will_fail``, each
 with its file and line, reason, what the node does and the fix. Each compile also reports the cache key dir the
 runtime on an ``arch`` node would look up (same computation as ``compile``), and an estimate of its on-chip
-unified-buffer (UB) footprint from the linalg: a pinned config that cannot fit the SoC's UB fails here (stage
-"ub"), not on a node.
+unified-buffer (UB) footprint from the linalg: an autotuned kernel's config (pinned or not) that the estimate says
+cannot fit the SoC's UB fails here (stage "ub"), not on a node, since a smaller config can be pinned. A kernel that is
+not autotuned runs the one config its library chose, so there is nothing to pin: over the budget it is a warning
+(``LoweredCompile.ub_unconfirmed``), since the estimate is an upper bound (every buffer live at once, no reuse) and
+only a node's ``bishengir-compile`` can tell whether it fits. A compile two requests make is lowered once.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ class LoweredCompile:
     failed_stage: str | None = None  # "bind" (plan/JIT binding) or one of STAGES
     error: str | None = None
     crashed: str | None = None  # a stage's tool died by a signal on the first try and the retry lowered (its words)
+    ub_unconfirmed: str | None = None  # not autotuned and over the UB estimate: the warning (lowered, not failed)
 
     @property
     def ok(self) -> bool:
@@ -93,11 +97,17 @@ class LowerReport:
     def failed(self) -> list[LoweredCompile]:
         return [c for c in self.compiles if not c.ok]
 
+    @property
+    def warnings(self) -> list[str]:
+        """One line per kernel whose fixed config's UB estimate exceeds the budget: unconfirmed, not failed."""
+        return list(dict.fromkeys(c.ub_unconfirmed for c in self.compiles if c.ub_unconfirmed))
+
     def to_json(self) -> dict:
         return {
             "manifest": self.manifest, "arch": self.arch, "triton": self.triton, "requests": self.requests,
             "ub_size": self.ub_size, "lowered": self.lowered, "failed": len(self.failed), "stages": list(STAGES),
             "compiles": [{**asdict(c), "ok": c.ok} for c in self.compiles],
+            "warnings": self.warnings,
             "will_fail": [w.to_json() for w in self.will_fail],
         }  # fmt: skip
 
@@ -141,17 +151,23 @@ def lower_compile(c: planning.Compile, arch: str) -> LoweredCompile:
             out.stage_ms[name] = round((time.perf_counter() - start) * 1000, 2)
     if "ttadapter" in out.stage_ms:  # (simt_only kernels: no linalg, no estimate)
         out.ub_bytes = ub_estimate(str(module), bool(getattr(front.options, "multibuffer", False)))
-        if out.ub_bytes > npu.ub_size(arch):
+        budget = npu.ub_size(arch)
+        if out.ub_bytes > budget and tritoncompat.find_autotuner(planning.resolve(c.kernel)) is None:
+            out.ub_unconfirmed = (f"{c.kernel}: estimated on-chip buffer footprint {out.ub_bytes / 1024:.0f} KB "
+                                  f"exceeds {arch}'s {budget // 1024} KB unified buffer in the one config its "
+                                  f"library chose (not autotuned: nothing to pin); the estimate is an upper bound "
+                                  f"(no buffer reuse), unconfirmed: only a node's bishengir-compile can tell")
+        elif out.ub_bytes > budget:
             out.failed_stage = UB_STAGE
             out.error = (f"estimated on-chip buffer footprint {out.ub_bytes / 1024:.0f} KB exceeds {arch}'s "
-                         f"{npu.ub_size(arch) // 1024} KB unified buffer: this config cannot fit; pin smaller blocks")
+                         f"{budget // 1024} KB unified buffer: this config cannot fit; pin smaller blocks")
     return out
 
 
 def lower(m: Manifest) -> LowerReport:
-    """Plan ``m`` and take every compile of every request through the front end (none stops the others), except
-    the requests of a kernel this Triton cannot key (the report's ``will_fail``); an autotuned kernel the manifest's
-    table pins is lowered in its pinned config alone, as the build compiles it."""
+    """Plan ``m`` and take every distinct compile of every request through the front end (none stops the others),
+    except the requests of a kernel this Triton cannot key (the report's ``will_fail``); an autotuned kernel the
+    manifest's table pins is lowered in its pinned config alone, as the build compiles it."""
 
     if m.backend != "npu":
         raise EnvironmentProblem(f"{m.path}: target.backend is {m.backend!r}: lower checks the Ascend (npu) "
@@ -162,6 +178,7 @@ def lower(m: Manifest) -> LowerReport:
     pins = planning.manifest_pins(m)
     dist, version = tritoncompat.triton_distribution()
     compiles: list[LoweredCompile] = []
+    seen: set[tuple[str, str]] = set()  # (kernel, on-disk specialization): a compile two requests make, lowered once
     for req in requests:
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # triton-ascend prints advice on every bind
@@ -169,6 +186,10 @@ def lower(m: Manifest) -> LowerReport:
         except Exception as e:
             compiles.append(LoweredCompile(req.kernel, req.label, req.ident, failed_stage="bind", error=_message(e)))
             continue
-        compiles += [lower_compile(c, m.arch) for c in planned]
+        for c in planned:
+            same = (c.kernel, tritoncompat.on_disk(c.specialization))
+            if same not in seen:
+                seen.add(same)
+                compiles.append(lower_compile(c, m.arch))
     return LowerReport(str(m.path), m.arch, f"{dist} {version}", compiles, len(the_plan.requests), npu.ub_size(m.arch),
                        will_fail)

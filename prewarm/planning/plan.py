@@ -141,6 +141,48 @@ def provider_options(manifest: Manifest) -> dict[str, list[dict]]:
     return out
 
 
+def coverage(planned: Planned) -> list[dict]:
+    """Per manifest entry (a provider, a record file, a function) and per model component, what the plan holds and
+    what the model reaches that it does not (``prewarm plan`` prints it, ``--json`` carries it as ``coverage``).
+
+    A provider with the optional ``coverage(spec)`` hook (:mod:`prewarm.providers.contract`) names its components,
+    and the launches it returns carry labels starting with ``component/``; each component's kernels, requests and
+    compiles are counted from the plan itself (the requests of that entry whose label starts so), so a count never
+    restates the hook. A kernel the hook says it plans and no launch reached is listed as ``unreached`` (the hook
+    and the launches disagree: a bug of the provider). An entry without the hook is one component named after it.
+    ``compiles`` is None where the plan was not expanded (``planned.compiles`` empty because no target was active)."""
+    from ..providers import provider
+
+    expanded = bool(planned.compiles) or not planned.requests
+    by_request = Counter(c.request for c in planned.compiles)
+    failing = {r.ident: w.kernel for w in planned.will_fail for r in w.requests}
+    every = list(planned.requests) + [r for w in planned.will_fail for r in w.requests]
+    spec = planned.manifest.spec()
+    out = []
+    for src in planned.manifest.kernels:
+        source = f"{src.where} {src.ref}"
+        mine = [r for r in every if r.source == source]
+        hook = getattr(provider(src.ref), "coverage", None) if src.kind == "provider" else None
+        declared = hook(spec) if hook is not None else [{"component": src.ref, "planned": [], "not_planned": []}]
+        names = [d["component"] for d in declared]
+        groups: dict[str, list[Request]] = {name: [] for name in names}
+        for r in mine:
+            name = r.label.split("/", 1)[0] if hook is not None else src.ref
+            groups.setdefault(name, []).append(r)
+        components = []
+        for name, requests in groups.items():
+            entry = next((d for d in declared if d["component"] == name), {"planned": [], "not_planned": []})
+            kernels = sorted({r.kernel for r in requests})
+            components.append({
+                "component": name, "kernels": kernels, "requests": len(requests),
+                "compiles": sum(by_request[r.ident] for r in requests) if expanded else None,
+                "will_fail": sorted({failing[r.ident] for r in requests if r.ident in failing}),
+                "unreached": sorted(set(entry["planned"]) - set(kernels)),
+                "not_planned": [dict(item) for item in entry["not_planned"]]})
+        out.append({"provider": src.ref, "source": source, "components": components})
+    return out
+
+
 # --- building the plan -----------------------------------------------------------------------------------------
 
 
@@ -450,7 +492,12 @@ def _encode(value: Any, where: str) -> Any:
     if cls == "torch.dtype":
         return {"tensor": str(value).removeprefix("torch."), "shape": [1]}
     if hasattr(value, "data_ptr") and hasattr(value, "dtype") and hasattr(value, "shape"):
-        return {"tensor": str(value.dtype).removeprefix("torch."), "shape": [int(s) for s in value.shape]}
+        from ..providers.capture import misaligned
+
+        out = {"tensor": str(value.dtype).removeprefix("torch."), "shape": [int(s) for s in value.shape]}
+        if misaligned(value):  # a view whose pointer Triton finds not 16-byte aligned (its specialization class):
+            out["aligned"] = False  # kept, so the request binds the same; written only then (other ids unchanged)
+        return out
     if cls == "triton.language.core.constexpr":
         return _encode(value.value, where)
     if cls == "triton.language.core.dtype":
@@ -461,12 +508,17 @@ def _encode(value: Any, where: str) -> Any:
 
 
 def decode(value: Any) -> Any:
-    """JSON -> an argument for the real JIT path (tensors become ``meta`` tensors: no memory, aligned)."""
+    """JSON -> an argument for the real JIT path (tensors become ``meta`` tensors: no memory, 16-byte aligned, or
+    one element in where the launch's pointer was not)."""
     if isinstance(value, dict):
         if "tensor" in value:
             import torch
 
-            return torch.empty(value["shape"], dtype=getattr(torch, value["tensor"]), device="meta")
+            t = torch.empty(value["shape"], dtype=getattr(torch, value["tensor"]), device="meta")
+            if value.get("aligned", True):
+                return t
+            base = torch.empty(t.numel() + 1, dtype=t.dtype, device="meta")
+            return base.as_strided(t.shape, t.stride(), 1)
         if "tl_dtype" in value:
             import triton.language as tl
 
@@ -478,7 +530,7 @@ def decode(value: Any) -> Any:
 
 def _short(v: Any) -> str:
     if isinstance(v, dict) and "tensor" in v:
-        return f"{v['tensor']}{list(v['shape'])}"
+        return f"{v['tensor']}{list(v['shape'])}" + ("@unaligned" if v.get("aligned", True) is False else "")
     if isinstance(v, dict) and "tuple" in v:
         return "(" + ", ".join(_short(x) for x in v["tuple"]) + ")"
     if isinstance(v, dict) and "tl_dtype" in v:

@@ -193,7 +193,9 @@ def as_meta(value: Any) -> Any:
 
 
 def misaligned(value: Any) -> bool:
-    """A tensor whose data pointer is not 16-byte aligned (what Triton specializes pointers on)."""
+    """A tensor whose data pointer is not 16-byte aligned (what Triton specializes pointers on): a view whose storage
+    offset is not a multiple of 16 bytes (every allocation is aligned). The plan encodes it (``"aligned": false``,
+    :func:`prewarm.planning.plan.decode` gives a meta view Triton binds in the same class)."""
     import torch
 
     return isinstance(value, torch.Tensor) and value.storage_offset() * value.element_size() % 16 != 0

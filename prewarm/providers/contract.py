@@ -5,7 +5,9 @@
   :class:`prewarm.jit.JitRequest` objects of the modules past Triton they reach; ``options(spec)`` (optional) lists,
   per axis of its library's API, the values planned against those the library accepts; ``run(spec, device)``
   (optional) runs the same calls on a real device once (the CUDA device build caches autotune results and
-  launchers with it).
+  launchers with it); ``coverage(spec)`` (optional) says, per model component, what it plans and what the model
+  reaches that it does not (:class:`KernelProvider`); its launches' labels then start with their component
+  (``"moe/..."``). ``prewarm plan`` prints it per component; a provider without it is one component.
 - An **integration** (:class:`Integration`) is one library prewarm plans for: the provider of its own kernels for
   each target backend (``prewarm manifest --kernels NAME``) and its JIT library, where it builds modules past Triton
   (:class:`prewarm.jit.JitLibrary`).
@@ -23,12 +25,22 @@ import argparse
 from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
 
 PROVIDER_HOOKS = ("launches",)  # a kernel provider module must define these
-OPTIONAL_PROVIDER_HOOKS = ("options", "run")  # and may define these (callable where present)
+OPTIONAL_PROVIDER_HOOKS = ("options", "run", "coverage")  # and may define these (callable where present)
 
 
 @runtime_checkable
 class KernelProvider(Protocol):
-    """A provider module, as the planner calls it (``options`` and ``run`` may be absent)."""
+    """A provider module, as the planner calls it (``options``, ``run`` and ``coverage`` may be absent).
+
+    ``coverage(spec) -> list[dict]``: one dict per model component the provider's plan is cut into,
+
+        {"component": "moe",                               # short name: kda, mla, attn_residual, dense_mlp, moe,
+                                                           # runner, allocator, logits, sampler, spec_worker, ...
+         "planned": ["sgl_kernel_npu.activation.situ:_situ_kernel", ...],   # "module:kernel" refs it launches
+         "not_planned": [{"what": "module:kernel or a named JIT module/op", "why": "one line: the reason"}]}
+
+    with every launch labelled ``component/...``; the planner counts each component's kernels, requests and
+    compiles from those labels (:func:`prewarm.planning.plan.coverage`), so the hook states names and reasons only."""
 
     def launches(self, spec: dict) -> Iterable[Any]: ...
 

@@ -70,3 +70,46 @@ def run_prewarm(*args: str, env: dict | None = None) -> subprocess.CompletedProc
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "prewarm.cli", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def _sglang_k3_plan():
+    """The shipped sglang K3 manifest (manifests/kimi-k3-ascend-a3-sglang.toml) planned and expanded once per session
+    under its A3 target (the whole model step: tens of seconds); the A3 profile taken away again after planning, so
+    modules that do not ask for it see no torch.npu."""
+    from prewarm import devices
+    from prewarm.building.backends import get_target
+    from prewarm.planning.manifest import load
+    from prewarm.planning.plan import plan_for
+
+    m = load(REPO / "manifests" / "kimi-k3-ascend-a3-sglang.toml")
+    try:
+        return m, plan_for(m, get_target("npu", m.arch, "offline", "A3"))
+    finally:
+        devices.deactivate()
+
+
+@pytest.fixture(scope="module")
+def sglang_k3(_sglang_k3_plan):
+    """(manifest, Planned) of the sglang K3 manifest, with its A3 target active for the module (torch.npu answers as
+    the A3, as when it was planned) and taken away after it."""
+    from prewarm import devices
+
+    m, p = _sglang_k3_plan
+    p.target.activate()
+    try:
+        yield m, p
+    finally:
+        devices.deactivate()
+
+
+@pytest.fixture(scope="module")
+def sglang_k3_verdict(sglang_k3) -> dict[str, dict[str, str]]:
+    """kernel -> the specializations of the sglang K3 plan's will-fail requests (on-disk form) -> label, expanded as
+    Triton's JIT binds them (binding needs no key)."""
+    from sglang_closure import by_kernel
+
+    from prewarm.planning.plan import expand_all
+
+    _, p = sglang_k3
+    return by_kernel(expand_all([r for w in p.will_fail for r in w.requests]))

@@ -41,8 +41,13 @@ def manifest(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def provider_requests(manifest):
-    """What the provider plans (in this process, under the A3 profile): every request, keyable or not."""
+def provider_requests(manifest, request):
+    """What the provider plans (in this process, under the A3 profile): every request, keyable or not (the shipped
+    manifest's from conftest's session plan, each will-fail kernel's requests in plan order)."""
+    if manifest == MANIFEST:
+        _, p = request.getfixturevalue("sglang_k3")
+        yield [*p.requests, *(r for w in p.will_fail for r in w.requests)]
+        return
     m = load(manifest)
     try:
         get_target("npu", m.arch, "offline", "A3").activate()

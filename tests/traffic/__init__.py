@@ -3,8 +3,11 @@ fake tensors) and the H200 benches (on a GPU) check the plans against. Test supp
 
 One module per provider: ``vllm_kda`` (vLLM's Kimi-Linear layer -> ``prewarm.providers.vllm.kda``), ``sglang_cuda``
 (sglang's CUDA KDA backend -> ``prewarm.providers.sglang.cuda``), ``sglang_ascend`` (sglang's Ascend KDA backend ->
-``prewarm.providers.sglang.ascend``), ``sglang_layer`` (sglang's CUDA KDA layer: ``KDAAttnBackend`` with its conv,
-state tracking, verify commit and the model's o_norm -> ``prewarm.providers.sglang.cuda``), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure``
+``prewarm.providers.sglang.ascend``), ``sglang_ascend_model`` (Kimi K3's step around its KDA layers on sglang's
+Ascend path: scheduler, runner, model, DSPARK worker -> the same provider), ``sglang_layer`` (sglang's CUDA KDA layer: ``KDAAttnBackend`` with its conv,
+state tracking, verify commit and the model's o_norm -> ``prewarm.providers.sglang.cuda``), ``sglang_cuda_model``
+(Kimi-Linear's MoE under sglang's Triton MoE runner at the token counts the model runner's modes hand it -> the same
+provider's ``moe`` component), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure``
 runs traffic and names what it requested that the plan lacks. (This project's own kernels' traffic is
 ``prewarm_kernels.kda.traffic``, in their package.)
 

@@ -44,8 +44,11 @@ PATHS = {"cuda": ("extend", "packed_decode", "decode", "target_verify"),
 # recompute, state and output kernels)
 PREFILLS = ("cann", "triton")
 # [spec.sglang] keys each backend reads, beside paths and track_state
-BACKEND_KEYS = {"cuda": ("beta_row_strides", "eagle_tree", "sampling_backend", "mamba_pool_slots", "conv_kernel"),
-                "npu": ("beta_row_strides", "prefill", "mamba_pool_slots", "conv_kernel")}
+# (cuda "model": the model's widths, [spec.sglang.model], read by the model components: prewarm.providers.sglang.model)
+BACKEND_KEYS = {"cuda": ("beta_row_strides", "eagle_tree", "sampling_backend", "mamba_pool_slots", "conv_kernel",
+                         "model"),
+                "npu": ("beta_row_strides", "prefill", "mamba_pool_slots", "conv_kernel",
+                        "model")}  # npu "model": Kimi K3's widths, read by prewarm.providers.sglang.ascend_model
 ROLES = ("activation", "gate", "beta", "gate_params", "state", "index")  # [spec.dtypes] roles, in label order
 # cuda: sglang's --sampling-backend values; "flashinfer" (sglang's default where FlashInfer is installed) builds
 # FlashInfer's sampling module at the first request with temperature > 0, after the server says ready
