@@ -17,7 +17,9 @@ cd "$(dirname "$0")/.."
 verb=${1:-}
 keep=/tmp/prewarm-carry
 out=${OUT:-bench/results}
-site() { echo "/work/real/$1/lib/python3.12/site-packages"; }
+# the build venvs' root on the CPU box: .ci/setup's server venvs (.venv-sglang, .venv-vllm) in the checkout, /work/main
+# here (PREWARM_BUILD_ROOT=/work/real with PREWARM_VENV_PREFIX= for the 2026-12-05 runs' /work/real/{vllm,sglang})
+site() { echo "${PREWARM_BUILD_ROOT:-/work/main}/${PREWARM_VENV_PREFIX-.venv-}$1/lib/python3.12/site-packages"; }
 case $verb in
   receive)
     mkdir -p "$keep"
@@ -27,10 +29,13 @@ case $verb in
   unpack)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 11
     export PYTHONPATH=/tmp/site
-    for venv in vllm sglang; do bash bench/carry_triton.sh unpack 3.8.0 "$(site $venv)" || exit 1; done
-    (cd "$keep" && cat sglang.tar.part-* > sglang.tar && sha256sum -c sglang.SHA256SUMS --ignore-missing &&
-      mkdir -p /tmp/bundles/sglang && tar -xf sglang.tar -C /tmp/bundles/sglang && mv /tmp/bundles/sglang/sglang /tmp/bundles/sglang/bundle) || exit 1
-    cp -r "$keep/kimi-linear-h200" "$keep/kimi-linear-h200-vllm" /tmp/bundles/
+    for venv in ${PREWARM_CARRY_VENVS:-vllm sglang}; do bash bench/carry_triton.sh unpack 3.8.0 "$(site $venv)" || exit 1; done
+    if compgen -G "$keep/sglang.tar.part-*" >/dev/null; then  # the sglang bundle, in parts (over one call's 64 MiB)
+      (cd "$keep" && cat sglang.tar.part-* > sglang.tar && sha256sum -c sglang.SHA256SUMS --ignore-missing &&
+        mkdir -p /tmp/bundles/sglang && tar -xf sglang.tar -C /tmp/bundles/sglang &&
+        mv /tmp/bundles/sglang/sglang /tmp/bundles/sglang/bundle) || exit 1
+    fi
+    for b in kimi-linear-h200 kimi-linear-h200-vllm; do [ -d "$keep/$b" ] && cp -r "$keep/$b" /tmp/bundles/; done
     ls /tmp/bundles/*
     ;;
   run)

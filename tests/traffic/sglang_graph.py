@@ -233,17 +233,14 @@ class _GraphServer(_Server):
     def graph_verify(self, d: dict):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        torch, width = self.torch, d["width"]
+        width = d["width"]
 
         def spec_for(drawn):
             """get_spec_info at capture (no retrieve tables); the live EagleVerifyInput at replay (int64 tables)."""
             spec = SimpleNamespace(draft_token_num=width, ragged_verify_layout=None, retrieve_next_token=None,
                                    retrieve_next_sibling=None)
             if drawn is not None and d["tree"]:
-                rows = len(drawn["slots"])
-                spec.retrieve_next_token = self.index([[j + 1 if j + 1 < width else -1 for j in range(width)]] * rows,
-                                                      torch.int64)
-                spec.retrieve_next_sibling = self.index([[-1] * width] * rows, torch.int64)
+                spec.retrieve_next_token, spec.retrieve_next_sibling = self.retrieve_tables(len(drawn["slots"]), width)
             return spec
 
         def forward(bs: int):

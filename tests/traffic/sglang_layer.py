@@ -9,12 +9,13 @@ forward gets the ``ForwardMetadata`` that ``MambaAttnBackendBase._forward_metada
 ``query_start_loc`` and mamba slots; the radix cache's track rows as ``_init_track_conv_indices`` and
 ``_init_track_ssm_indices`` compute them, int64 destinations), the pool as ``MambaPool.__init__`` allocates it on
 CUDA (conv ``[layers, size + 1, kernel - 1, dim]``, temporal ``[layers, size + 1, H, V, K]``, the verify scratch
-``[layers, requests + 1, draft, H, V, K]``, the per-step conv windows deduplicated for a chain and dense for an EAGLE
-tree), and the inputs Kimi-Linear's ``KimiDeltaAttention.forward`` hands over (``models/kimi_linear.py``: q/k/v and
-beta column slices of the fused projection or their own outputs, the forget gate and the o_norm gate the two halves
-of one batched matmul), then ``o_norm`` (``FusedRMSNormGated``) on the output. After a verify:
-``fused_commit_track_indices`` and ``update_mamba_state_after_mtp_verify`` (``speculative/spec_utils.py``) with
-accept tables as EAGLE's verify fills them (int32).
+``[layers, requests + 1, draft, H, V, K]``, the per-step conv windows dense ``[layers, requests + 1, draft, kernel - 1,
+dim]`` for a chain and a tree: ``conv_window_dedup_enabled`` never deduplicates KDA's), and the inputs Kimi-Linear's
+``KimiDeltaAttention.forward`` hands over (``models/kimi_linear.py``: q/k/v and beta column slices of the fused
+projection or their own outputs, the forget gate and the o_norm gate the two halves of one batched matmul), then
+``o_norm`` (``FusedRMSNormGated``) on the output. After a verify: ``fused_commit_track_indices`` and
+``update_mamba_state_after_mtp_verify`` (``speculative/spec_utils.py``) with accept tables as EAGLE's verify fills
+them (int32).
 
 Every call draws on its own, within the manifest's envelope (``read_spec``): the forward mode; each role's dtype;
 beta's layout; for a prefill the number of sequences, every length up to the token budget, which sequences
@@ -158,12 +159,10 @@ class _Server:
         inter_ssm = inter_conv = None
         if width:  # MambaPool's SpeculativeState
             inter_ssm = zeros(L, requests + 1, width, h, V, K, dtype=self.dt("state"))
-            if tree:  # EAGLE tree verify keeps the dense windows
-                inter_conv = zeros(L, requests + 1, width, s.conv_kernel - 1, self.dim, dtype=self.dt("activation"))
-            else:  # _allocate_deduplicated_conv_window: [dim, D+K-2] per slot, window axis first for KDA
-                phys = zeros(L, requests + 1, width + s.conv_kernel - 2, self.dim, dtype=self.dt("activation"))
-                inter_conv = phys.as_strided((L, requests + 1, width, s.conv_kernel - 1, self.dim),
-                                             (phys.stride(0), phys.stride(1), phys.stride(2), *phys.stride()[2:]))
+            # dense windows, chain and tree: conv_window_dedup_enabled(..., is_kda=True) is False (KDA transposes
+            # the window before its conv), so MambaPool takes its "original dense layout" branch over the conv
+            # shape (kernel - 1, dim)
+            inter_conv = zeros(L, requests + 1, width, s.conv_kernel - 1, self.dim, dtype=self.dt("activation"))
 
         def cache(layer=None):
             at = (lambda t: t) if layer is None else (lambda t: None if t is None else t[layer])
@@ -312,9 +311,9 @@ class _Server:
                                ragged_verify_layout=SimpleNamespace(qo_indptr_device=cu) if ragged else None)
         fields = dict(query_start_loc=cu, mamba_cache_indices=self.index(d["slots"]), is_target_verify=True,
                       draft_token_num=width)
-        if d["tree"]:  # eagle_info's retrieve tables (int64), a chain-shaped tree; the parent table empty_like
-            nxt = self.index([[j + 1 if j + 1 < width else -1 for j in range(width)]] * bs, torch.int64)
-            fields.update(retrieve_next_token=nxt, retrieve_next_sibling=self.index([[-1] * width] * bs, torch.int64),
+        if d["tree"]:  # the EAGLE verify input's retrieve tables, a chain-shaped tree; the parent table empty_like
+            nxt, sibling = self.retrieve_tables(bs, width)
+            fields.update(retrieve_next_token=nxt, retrieve_next_sibling=sibling,
                           retrieve_parent_token=torch.empty_like(nxt))
         self.backend.forward_metadata = self.metadata(**fields)
         mixed, beta, f, g = self.projections(d, tokens)
@@ -323,6 +322,15 @@ class _Server:
         out = self.finish(self.backend.forward_extend(self.layer, batch, mixed, f, beta.unsqueeze(0)), g)
         self.commit(d)
         return out
+
+    def retrieve_tables(self, bs: int, width: int):
+        """``eagle_utils.build_tree_kernel_efficient``'s retrieve_next_token and retrieve_next_sibling: rows 1 and 2 of
+        one int64 ``[3, bs, width]`` buffer (row 0 is retrieve_index), so row 1 starts bs x width x 8 bytes in (not
+        16-byte aligned where bs x width is odd); filled as its tree kernel fills a chain-shaped tree."""
+        buf = self.torch.full((3, bs, width), -1, dtype=self.torch.int64, device=self.device)
+        _, nxt, sibling = buf
+        nxt[:, :-1].copy_(self.index([list(range(1, width))] * bs, self.torch.int64))
+        return nxt, sibling
 
     def commit(self, d: dict):
         """The state commit after a verify (spec_utils): the accepted steps, then the backend's scatter."""

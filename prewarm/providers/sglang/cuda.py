@@ -61,8 +61,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
-from ..capture import TensorCache, batch_sizes, index_tensor, launches_of, misaligned
+from ..capture import TensorCache, batch_sizes, index_tensor, launches_of
 from .common import Batch, MambaPoolView, SglangSpec, fake_device, hybrid_backend, published_parallel, read_spec
+from . import model
 
 CHUNK = 64  # chunk_kda_fwd's chunk size (tokens)
 SMALL_GRID_CTAS = 256  # chunk_kda_fwd fuses diagonal + recompute when batch * chunks * heads <= this
@@ -85,13 +86,15 @@ def launches(spec: dict) -> list:
     with published_parallel(s), fake_device(s.device) as device:
         for label, call in _calls(s, s.device):
             for launch in launches_of(call):
-                bad = [name for name, v in _arguments(launch) if misaligned(v)]
-                if bad:  # the plan encodes tensors as dtype + shape (aligned): say so rather than plan wrong
-                    raise ValueError(f"{label}: {_kernel_name(launch)} gets {', '.join(bad)} at a pointer that is "
-                                     f"not 16-byte aligned, which a plan cannot encode")
                 launch.label = f"{label}/{_kernel_name(launch)}"
                 out.append(launch)
-    return out + list(dict.fromkeys(device.jit)) + sampling_modules(s)
+    return model.launches(spec, s, out) + list(dict.fromkeys(device.jit)) + sampling_modules(s)
+
+
+def coverage(spec: dict) -> list[dict]:
+    """The provider's coverage hook (:mod:`prewarm.providers.contract`): the model's components
+    (:func:`prewarm.providers.sglang.model.coverage`), the KDA layer's options not planned among them."""
+    return model.coverage(spec, NOT_PLANNED)
 
 
 def sampling_modules(s: SglangSpec) -> list:
@@ -217,10 +220,10 @@ def geometry(s: SglangSpec) -> list[tuple[str, object, str]]:
              f"{pool}.conv[0][layer].stride(0) ((kernel - 1) x 2hK + hV; KDA keeps the window first): "
              f"stride_istate_seq / stride_conv_state_seq"),
             ("state pool slot stride", h * V * K, f"{pool}.temporal[layer].stride(0): the KDA kernels' state stride")]
-    rows += [(f"verify conv window slot stride, draft {d}", (d + window - 1) * channels,
-              f"{pool}.intermediate_conv_window[0][layer].stride(0) with --speculative-num-draft-tokens {d} and "
-              f"--speculative-eagle-topk 1 (deduplicated windows; a tree keeps {d * window * channels}): "
-              f"the conv update's stride_inter_seq") for d in s.draft_widths]
+    rows += [(f"verify conv window slot stride, draft {d}", d * window * channels,
+              f"{pool}.intermediate_conv_window[0][layer].stride(0) with --speculative-num-draft-tokens {d}, chain "
+              f"or tree (KDA keeps a dense [kernel - 1, channels] window per draft step: {window * channels}, the "
+              f"conv update's stride_inter_step): the conv update's stride_inter_seq") for d in s.draft_widths]
     return rows
 
 
@@ -409,9 +412,9 @@ class _Builder(TensorCache):
 
 class _Layer(TensorCache):
     """One rank's last KDA layer as sglang 0.5.23 serves it on CUDA, for one dtype combination, one draft width and
-    one verify shape (chain or tree: the pools are laid out by them): ``KDAAttnBackend`` (``kda_backend.py``) made
-    without its constructor (which reads the server's published configuration) and given the attributes the
-    constructors of ``MambaAttnBackendBase`` and ``KDAAttnBackend`` set with the Triton kernels
+    one verify shape (chain or tree: the backend's topk and retrieve tables): ``KDAAttnBackend``
+    (``kda_backend.py``) made without its constructor (which reads the server's published configuration) and given
+    the attributes the constructors of ``MambaAttnBackendBase`` and ``KDAAttnBackend`` set with the Triton kernels
     (``--linear-attn-backend triton``), the hybrid backend around it (the state commit after a verify), the mamba pool
     as ``MambaPool`` lays it out on CUDA (:class:`_Pool`), the layer object (``RadixLinearAttention``) and the
     layer's ``o_norm`` (``FusedRMSNormGated``, Kimi-Linear's ``KimiDeltaAttention``). Each forward gets the
@@ -429,7 +432,7 @@ class _Layer(TensorCache):
         self.dt = {role: getattr(torch, name) for role, name in combo.items()}
         h, K, V = s.heads, s.head_k_dim, s.head_v_dim
         self.channels = 2 * h * K + h * V  # the conv's q | k | v
-        self.pool = _Pool.allocate(self, draft, tree)
+        self.pool = _Pool.allocate(self, draft)
         self.layer = RadixLinearAttention(
             layer_id=s.layers - 1, num_q_heads=h, num_k_heads=h, num_v_heads=h, head_q_dim=K, head_k_dim=K,
             head_v_dim=V, conv_weights=self.zeros(self.channels, s.conv_kernel, dtype=torch.float32), bias=None,
@@ -572,9 +575,11 @@ class _Layer(TensorCache):
                     spec = SimpleNamespace(draft_token_num=width, ragged_verify_layout=layout)
                     extra = {}
                     if self.tree:  # EAGLE tree (topk > 1): the spec info's retrieve tables, and the parent table
-                        nxt = self.zeros(batch_size, width, dtype=torch.int64)
-                        extra = dict(retrieve_next_token=nxt, retrieve_next_sibling=self.zeros(
-                            batch_size, width, dtype=torch.int64), retrieve_parent_token=torch.empty_like(nxt))
+                        # build_tree_kernel_efficient's: rows 1 and 2 of one int64 [3, bs, draft] buffer (row 1 is
+                        # not 16-byte aligned where bs x draft is odd); the parent table its own (empty_like)
+                        _, nxt, sibling = self.zeros(3, batch_size, width, dtype=torch.int64)
+                        extra = dict(retrieve_next_token=nxt, retrieve_next_sibling=sibling,
+                                     retrieve_parent_token=torch.empty_like(nxt))
                     for _, mixed, a, b in self.inputs(tokens, per_head_gate=False):
                         batch = _Batch(ForwardMode.TARGET_VERIFY, batch_size, spec_info=spec,
                                        req_pool_indices=self.index(range(batch_size), torch.int64))
@@ -735,9 +740,11 @@ class _Pool(MambaPoolView):
     in the activation dtype, temporal ``[layers, slots, H, V, K]`` in the state dtype (``slots`` =
     ``spec.sglang.mamba_pool_slots``: the pool's size + its padding slot, which the conv kernels take as the
     constexpr ``num_cache_lines``), and with speculation the verify scratch ``[layers, requests + 1, draft, H, V,
-    K]`` and the per-step conv windows: for a linear draft chain the deduplicated sliding-window view
-    (``_allocate_deduplicated_conv_window``: one ``[draft + kernel - 2, channels]`` buffer per slot, step t's window
-    at row t), for EAGLE tree verify the dense ``[layers, requests + 1, draft, kernel - 1, channels]``."""
+    K]`` and the per-step conv windows, dense ``[layers, requests + 1, draft, kernel - 1, channels]`` for a linear
+    draft chain and an EAGLE tree alike: ``MambaPool`` deduplicates the windows only where
+    ``conv_window_dedup_enabled`` allows it, never for KDA (``KimiLinearCacheParams.is_kda``; its
+    ``KimiLinearStateShape`` also sets ``disable_conv_window_dedup``), whose backend transposes the window before the
+    conv ("the deduplicated overlapping layout cannot be transposed", ``kda_backend._forward_target_verify``)."""
 
     size: int  # requests (the scratch rows, the verify index table)
     conv: Any
@@ -751,7 +758,7 @@ class _Pool(MambaPoolView):
     ngram_pool: Any = field(default_factory=lambda: SimpleNamespace(context=None, intermediate_context=None))
 
     @classmethod
-    def allocate(cls, layer: "_Layer", draft: int, tree: bool) -> "_Pool":
+    def allocate(cls, layer: "_Layer", draft: int) -> "_Pool":
         import torch
 
         s, dt = layer.s, layer.dt
@@ -764,14 +771,8 @@ class _Pool(MambaPoolView):
                    temporal=layer.zeros(L, s.mamba_pool_slots, h, V, K, dtype=dt["state"]))
         if draft:
             pool.intermediate_ssm = layer.zeros(L, requests + 1, draft, h, V, K, dtype=dt["state"])
-            if tree:
-                pool.intermediate_conv_window = layer.zeros(L, requests + 1, draft, window, layer.channels,
-                                                            dtype=dt["activation"])
-            else:
-                phys = layer.zeros(L, requests + 1, draft + window - 1, layer.channels, dtype=dt["activation"])
-                pool.intermediate_conv_window = phys.as_strided(
-                    (L, requests + 1, draft, window, layer.channels),
-                    (phys.stride(0), phys.stride(1), layer.channels, layer.channels, 1))
+            pool.intermediate_conv_window = layer.zeros(L, requests + 1, draft, window, layer.channels,
+                                                        dtype=dt["activation"])
         return pool
 
     def _cache_extras(self, pick) -> dict:
@@ -840,11 +841,6 @@ def _fp32():
     import torch
 
     return torch.float32
-
-
-def _arguments(launch) -> Iterator[tuple[str, object]]:
-    yield from ((str(i), a) for i, a in enumerate(launch.args))
-    yield from launch.kwargs.items()
 
 
 def _kernel_name(launch) -> str:

@@ -32,6 +32,13 @@ these three is planned (the causal conv, prefill and update; the gathered and sc
 ``o_norm``) with the layouts the layer hands over. The entry points are also planned over the API's wider envelope
 (each index dtype per pointer, the beta layouts) for callers other than the layer.
 
+The model around the layer, one module per component, where ``[spec.vllm]`` gives its widths: ``moe``
+(:mod:`prewarm.providers.vllm.moe`: the MoE's ``fused_moe_kernel`` at every config vLLM's lookup picks over the
+step's token counts) and ``runner`` (:mod:`prewarm.providers.vllm.runner`: the V2 model runner's input preparation,
+block tables and slot mappings, the Gumbel sampler, the rejection sampler). Each launch's label starts with its
+component (``kda/``, ``moe/``, ``runner/``, ``sampler/``, ``rejection_sampler/``); :func:`coverage` says per
+component what is planned and what the model reaches that is not, with why.
+
 Not planned (another kernel library): Kimi-K3's FlashKDA / FlashInfer / native fused decode, RecoverSSM.
 :func:`options` lists what is narrowed and the server geometry planned with; ``prewarm plan`` prints both.
 """
@@ -56,6 +63,19 @@ ROLES = ("activation", "gate", "beta", "gate_params", "state")  # [spec.dtypes] 
 INDEX_POINTERS = {"prefill": ("cu_seqlens",), "decode": ("state_indices",),
                   "spec_verify": ("cu_seqlens", "ssm_state_indices", "num_accepted_tokens")}
 HEAD_SEQUENCE_BOUNDS = (48, 96, 192)  # fused_recurrent_kda_fwd's launch config switches at heads x requests
+# The kernels the Kimi-Linear layer launches on the H200 (module:kernel), for the coverage hook
+LAYER_KERNELS = [f"{KDA}.chunk:{k}" for k in ("chunk_gla_fwd_kernel_o", "kda_gate_chunk_cumsum_vector_kernel",
+                                                "recompute_w_u_fwd_kernel")] + [
+    f"{KDA}.chunk_intra:chunk_kda_fwd_kernel_inter_solve_fused",
+    f"{KDA}.chunk_intra_token_parallel:chunk_kda_fwd_kernel_intra_token_parallel",
+    f"{KDA}.fused_recurrent:fused_recurrent_kda_fwd_kernel",
+    f"{KDA}.fused_recurrent:fused_recurrent_kda_packed_decode_kernel",
+    f"{FLA_OPS}.chunk_delta_h:chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+    f"{FLA_OPS}.kda:layer_norm_gated_fwd_kernel", f"{FLA_OPS}.l2norm:l2norm_fwd_kernel2",
+    "vllm.model_executor.layers.mamba.ops.causal_conv1d:_causal_conv1d_fwd_kernel",
+    "vllm.model_executor.layers.mamba.ops.causal_conv1d:_causal_conv1d_update_kernel",
+    "vllm.model_executor.layers.mamba.ops.gather_initial_states:_gather_initial_states_kernel",
+    "vllm.model_executor.layers.mamba.ops.scatter_states:_scatter_states_kernel"]
 # Every parameter of the entry points vLLM's Kimi-Linear layer calls, and how the plan covers it (tests/test_vllm.py
 # reads the installed vLLM's signatures and fails on a parameter this table does not account for)
 LAYER_DEFAULT = "the default: the layer never passes it"
@@ -88,6 +108,8 @@ API = {
 }
 MAX_PREFILL_TOKENS = 8192  # vLLM's max_num_batched_tokens when the spec gives none
 VLLM_KEYS = ("paths", "beta_row_strides", "state_slot_strides")
+# the model's other components' keys (prewarm.providers.vllm.moe, .runner): absent, the component is not planned
+MODEL_KEYS = ("moe_experts", "moe_top_k", "moe_hidden_size", "moe_intermediate_size", "max_model_len", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -132,11 +154,11 @@ def read_spec(spec: dict) -> VllmSpec:
         spec, "vllm", "vLLM", (None, "cuda"), "cuda ([target] backend): vLLM's KDA kernels for NVIDIA GPUs",
         {"qk_l2norm": "vLLM's Kimi-Linear layer always L2-normalises q and k in-kernel",
          "fused_gate": "vLLM's Kimi-Linear layer always hands the raw gate with A_log and dt_bias"})
-    extra = {k: v for k, v in table.items() if k not in LAYER_KEYS}
+    extra = {k: v for k, v in table.items() if k not in LAYER_KEYS + MODEL_KEYS}
     unknown = sorted(set(extra) - set(VLLM_KEYS))
     if unknown:
         raise SpecError(f"vllm.{unknown[0]}", extra[unknown[0]],
-                        f"no such key (known: {', '.join(VLLM_KEYS + LAYER_KEYS)})")
+                        f"no such key (known: {', '.join(VLLM_KEYS + LAYER_KEYS + MODEL_KEYS)})")
     h, K, V = read["heads"], read["head_k_dim"], read["head_v_dim"]
     paths = extra.get("paths", [p for p in PATHS if p != "prefill" or read["prefill"]])
     if not isinstance(paths, list) or not paths or len(set(paths)) != len(paths) or any(p not in PATHS for p in paths):
@@ -166,20 +188,26 @@ def read_spec(spec: dict) -> VllmSpec:
 
 
 def launches(spec: dict) -> list:
-    """Every kernel launch vLLM's Kimi-Linear layer makes within ``spec``'s envelope, on fake tensors (nothing
-    runs)."""
+    """Every kernel launch vLLM's Kimi-Linear layer makes within ``spec``'s envelope, then (where ``[spec.vllm]``
+    names them) the model's MoE and the model runner's kernels, on fake tensors (nothing runs). Each launch's label
+    starts with its component (``kda/``, ``moe/``, ``runner/``, ``sampler/``, ``rejection_sampler/``)."""
+    from . import runner
+
     s = read_spec(spec)
     _import_vllm()
     out = []
     with fake_cuda():
-        for label, call in _all_calls(spec, s, "cuda"):
+        for label, call in _component_calls(spec, s, "cuda"):
             for launch in launches_of(call):
                 bad = [str(i) for i, v in enumerate(launch.args) if misaligned(v)] + \
                       [k for k, v in launch.kwargs.items() if misaligned(v)]
                 if bad:
                     raise ValueError(f"{label}: {_kernel_name(launch)} gets {', '.join(bad)} at a pointer that is "
                                      "not 16-byte aligned, which a plan cannot encode")
-                launch.label = f"{label}/{_kernel_name(launch)}"
+                where = label  # the runner's step holds its sampler's and rejection sampler's launches too
+                if label.startswith("runner/"):
+                    where = f"{runner.component(_kernel_module(launch))}/{label.removeprefix('runner/')}"
+                launch.label = f"{where}/{_kernel_name(launch)}"
                 out.append(launch)
     return out
 
@@ -191,7 +219,7 @@ def run(spec: dict, device: str = "cuda") -> None:
 
     s = read_spec(spec)
     _import_vllm()
-    for _, call in _all_calls(spec, s, device):
+    for _, call in _component_calls(spec, s, device):
         call()
     torch.cuda.synchronize()
 
@@ -259,6 +287,61 @@ def _import_vllm():
     if not sys.modules["vllm.triton_utils"].HAS_TRITON:
         raise ValueError("vLLM was imported in this process where Triton had no active GPU driver (its triton is a "
                          "placeholder): plan in a fresh process, which imports vLLM under the target's device profile")
+
+
+def model_components(spec: dict, s: VllmSpec):
+    """(the MoE's spec or None, the runner's spec or None) from ``[spec.vllm]``'s model keys (:data:`MODEL_KEYS`)."""
+    from . import moe, runner
+
+    table = spec.get("vllm") or {}
+    tp = (spec.get("parallel") or {}).get("tensor_parallel", 1)
+    m = moe.read_spec(table, tp, s.dtypes["activation"][0], s.max_prefill_tokens)
+    r = runner.read_spec(table, s.max_batch, s.max_prefill_tokens, max(s.draft_widths, default=1) - 1)
+    return m, r
+
+
+def _component_calls(spec: dict, s: VllmSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """Every component's calls, each label prefixed with its component."""
+    from . import moe, runner
+
+    for label, call in _all_calls(spec, s, device):
+        yield f"kda/{label}", call
+    m, r = model_components(spec, s)
+    if m is not None:
+        for label, call in moe.calls(m, device):
+            yield f"moe/{label}", call
+    if r is not None:
+        for label, call in runner.calls(r, device):
+            yield f"runner/{label}", call
+
+
+def coverage(spec: dict) -> list[dict]:
+    """Per model component, what this provider plans and what Kimi-Linear's model on vLLM reaches that it does not
+    plan, with why (the per-component coverage hook)."""
+    from . import moe, runner
+
+    s = read_spec(spec)
+    m, r = model_components(spec, s)
+    kda = {"component": "kda", "planned": LAYER_KERNELS,
+           "not_planned": [{"what": "Kimi-K3's FlashKDA / FlashInfer / native fused decode, RecoverSSM",
+                            "why": "another kernel library or --use-kda-recoverssm: not Kimi-Linear's default path"}]}
+    def absent(keys, what):
+        return [{"what": what, "why": f"[spec.vllm] {'/'.join(keys)} absent: not planned"}]
+
+    rows = [kda,
+            {"component": "moe", "planned": moe.PLANNED if m else [],
+             "not_planned": moe.NOT_PLANNED if m else absent(moe.KEYS, moe.PLANNED[0])},
+            *({"component": name, "planned": runner.PLANNED[name] if r else [],
+               "not_planned": runner.NOT_PLANNED[name] if r else absent(runner.KEYS, ", ".join(runner.PLANNED[name]))}
+              for name in runner.PLANNED),
+            {"component": "mla", "planned": [],
+             "not_planned": [{"what": "the MLA layers: attention backend, KV-cache writes, their metadata",
+                              "why": "not yet examined at model level (FlashMLA and the KV-cache writes are CUDA C; "
+                                     "a Triton helper the backend may reach is not planned)"}]},
+            {"component": "dense_mlp", "planned": [],
+             "not_planned": [{"what": "RMSNorm, silu_and_mul, the linear layers, the logits matmul",
+                              "why": "vLLM's CUDA C ops and cuBLAS: no Triton compile"}]}]
+    return rows
 
 
 def _all_calls(spec: dict, s: VllmSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
@@ -396,3 +479,9 @@ def _kernel_name(launch) -> str:
     from prewarm.building import tritoncompat
 
     return tritoncompat.jit_function(launch.kernel).fn.__name__
+
+
+def _kernel_module(launch) -> str:
+    from prewarm.building import tritoncompat
+
+    return tritoncompat.jit_function(launch.kernel).fn.__module__

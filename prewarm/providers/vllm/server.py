@@ -39,6 +39,7 @@ class Vllm(Server):
         parser.add_argument("--tensor-parallel-size", "-tp", type=positive_int_arg)
         parser.add_argument("--max-num-seqs", type=positive_int_arg)
         parser.add_argument("--max-num-batched-tokens", type=positive_int_arg)
+        parser.add_argument("--max-model-len", type=positive_int_arg)
         parser.add_argument("--cudagraph-capture-sizes", type=positive_int_arg, nargs="+")
         parser.add_argument("--max-cudagraph-capture-size", type=positive_int_arg)
         parser.add_argument("--compilation-config", "-cc", type=json_object_arg)
@@ -317,4 +318,36 @@ def _layer_spec(args, argv, cfg, tp: int) -> dict:
                                     (flag_source(argv, "--enable-prefix-caching") if args.enable_prefix_caching else
                                      f"{VERSION} enables prefix caching for a hybrid model by default")),
     }
+    layer.update(_model_spec(args, argv, cfg))
     return {"dtypes": dtypes, "vllm": layer}
+
+
+# vLLM 0.34.0's max_model_len from a model config (ModelArchConfigConvertor.derive_max_model_len_and_key): the
+# smallest of these keys present, model_max_length winning where set
+MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def _model_spec(args, argv, cfg) -> dict:
+    """The model around the KDA layers (``prewarm.providers.vllm.moe``, ``.runner``): the MoE's widths from
+    config.json (where it has routed experts), the runner's max_model_len (--max-model-len, else config.json's as
+    vLLM derives it) and vocabulary."""
+    out = {}
+    if positive_int(cfg.doc.get("num_experts")):
+        for key, field in (("moe_experts", "num_experts"), ("moe_top_k", "num_experts_per_token"),
+                           ("moe_hidden_size", "hidden_size"), ("moe_intermediate_size", "moe_intermediate_size")):
+            if not positive_int(cfg.doc.get(field)):
+                raise ManifestError(f"{cfg.path}: {cfg.prefix}{field} = {cfg.doc.get(field)!r}: expected a positive "
+                                    "integer (the MoE's widths)")
+            out[key] = Sourced(cfg.doc[field], cfg.source(field))
+    lengths = {k: cfg.doc[k] for k in MAX_LEN_KEYS if positive_int(cfg.doc.get(k))}
+    if args.max_model_len:
+        out["max_model_len"] = Sourced(args.max_model_len, flag_source(argv, "--max-model-len"))
+    elif lengths:
+        key = "model_max_length" if "model_max_length" in lengths else min(lengths, key=lengths.get)
+        out["max_model_len"] = Sourced(lengths[key], f"no --max-model-len: {cfg.source(key)}")
+    if "max_model_len" in out and positive_int(cfg.doc.get("vocab_size")):
+        out["vocab_size"] = Sourced(cfg.doc["vocab_size"], cfg.source("vocab_size"))
+    else:
+        out.pop("max_model_len", None)  # the runner's kernels need both
+    return out

@@ -1,0 +1,246 @@
+"""vLLM 0.34.0's V2 model runner (``vllm/v1/worker/gpu/model_runner.py``) around the model: the component
+``runner`` of ``prewarm.providers.vllm.kda``.
+
+Each step the runner prepares its inputs and, after sampling, updates its request state with the Triton kernels of
+``vllm/v1/worker/gpu/input_batch.py``, planned here by calling that module's functions as ``GPUModelRunner`` calls
+them (``prepare_inputs``, ``postprocess_sampled``, ``postprocess_num_computed_tokens``; the sampler's and the
+rejection sampler's ``get_num_sampled_and_rejected``), on the buffers the runner allocates
+(``InputBuffers``, ``RequestState``: their shapes and dtypes; a UVA-backed host buffer stands as a device tensor of
+the same dtype: the kernel gets a pointer either way): ``expand_idx_mapping`` (steps with drafts),
+``prepare_prefill_inputs`` (steps with a prefill), ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``,
+``get_num_sampled_and_rejected``, ``post_update`` (with the penalties' ``output_bin_counts``, as the last pipeline
+rank passes it), ``post_update_num_computed_tokens``; and the V2 ``Sampler``'s Gumbel-max sampling
+(``sample/gumbel.py``: ``gumbel_sample`` as ``Sampler._sample_random`` calls it, greedy and sampled requests alike:
+temperature 0 is an argmax in the same kernel) on the model's bf16 logits, or their fp32 copy where a request needs
+logits processing (temperature, min-p, penalties); on a step with drafts the rejection sampler's
+``rejection_sample`` (``spec_decode/rejection_sampler_utils.py``, the default method) as ``RejectionSampler._verify``
+calls it: on those logits, with no draft-logits cache (greedy drafts) or the speculator's ``DraftLogitsCache`` in
+the head dtype (bf16, or fp32 where the head is), masked vocabulary blocks skipped or not (a request with top-k,
+top-p or min-p).
+
+Then, as ``prepare_attn`` does, ``BlockTables.gather_block_tables`` and ``compute_slot_mappings``
+(``block_table.py``): a ``BlockTables`` built by its own ``__init__`` for the model's two KV-cache groups (MLA
+attention, the KDA state), its staged-write and UVA-backed members standing as device tensors of the same shapes and
+dtypes (their host staging needs vLLM's UVA op); group count and widths size grids and pointer tables only.
+
+What specializes these kernels is the deployment's geometry, not the batch: ``max_num_seqs`` (the buffers' rows),
+``max_model_len`` (``all_token_ids``' row stride), the vocabulary (``output_bin_counts``' row), the speculative
+steps (the draft table's row, the sampled-token row, the block constexprs); request counts only size grids.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from prewarm_kernels.spec import SpecError
+
+from ..capture import batch_sizes
+
+INPUT_BATCH = "vllm.v1.worker.gpu.input_batch"
+GUMBEL = "vllm.v1.worker.gpu.sample.gumbel"
+REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
+BLOCK_TABLE = "vllm.v1.worker.gpu.block_table"
+DRAFT_LOGITS = "vllm.v1.worker.gpu.spec_decode.draft_logits"
+REJECTION_KERNELS = ("_compute_local_logits_stats_kernel", "_rejection_kernel", "_resample_kernel",
+                     "_insert_resampled_kernel")
+KEYS = ("max_model_len", "vocab_size")
+KERNELS = ("_prepare_prefill_inputs_kernel", "_prepare_pos_seq_lens_kernel", "_combine_sampled_and_draft_tokens_kernel",
+           "_get_num_sampled_and_rejected_kernel", "_post_update_kernel", "_post_update_num_computed_tokens_kernel",
+           "_expand_idx_mapping_kernel")
+# the components a runner step's launches belong to, by the kernel's module (the rest: "runner")
+COMPONENT_OF_MODULE = {GUMBEL: "sampler", REJECTION: "rejection_sampler"}
+PLANNED = {"runner": [f"{INPUT_BATCH}:{k}" for k in KERNELS] + [f"{BLOCK_TABLE}:_gather_block_tables_kernel",
+                                                                f"{BLOCK_TABLE}:_compute_slot_mappings_kernel"],
+           "sampler": [f"{GUMBEL}:_gumbel_sample_kernel", f"{GUMBEL}:_gumbel_combine_kernel"],
+           "rejection_sampler": [f"{REJECTION}:{k}" for k in REJECTION_KERNELS]}
+WORKER = "vllm.v1.worker.gpu"
+# per component, what the runner, its sampler and its speculative path launch that is not planned yet, and why
+NOT_PLANNED = {"runner": [
+    {"what": f"{WORKER}.buffer_utils:_apply_write_kernel (and FusedStagedWriter's): the staged writes of the block "
+             "tables and request state",
+     "why": "not yet driven: StagedWriteTensor stages through UVA host buffers (a vLLM C op over pinned memory)"},
+    {"what": f"{WORKER}.model_states.mamba_hybrid:_scatter_num_accepted_kernel, _fill_num_accepted_kernel; "
+             "vllm.v1.worker.mamba_utils: get_aligned_state_indices_multi_group_kernel, "
+             "preprocess_mamba_align_fused_kernel, precopy_mamba_align_fused_kernel, postprocess_mamba_fused_kernel "
+             "(mamba_cache_mode align); vllm.v1.attention.backends.utils:_mamba_align_block_table_kernel",
+     "why": "not yet driven: the mamba bookkeeping runs inside MambaHybridModelState, built from a KV-cache config"}],
+    "sampler": [
+    {"what": f"{WORKER}.sample: the penalties, logit-bias, min-p, bad-words, thinking-budget, logprob kernels; "
+             f"{GUMBEL}:_gumbel_sample_kernel with use_fp64_gumbel",
+     "why": "not yet driven: per-request sampling options (penalties, logit bias, min-p, logprobs) and "
+            "--use-fp64-gumbel beyond the Gumbel-max sampling every step runs"},
+    {"what": f"{WORKER}.metrics.logits:_num_nans_kernel",
+     "why": "only with VLLM_COMPUTE_NANS_IN_LOGITS=1 (off by default)"},
+    {"what": "FlashInfer's top-k/top-p sampling (the V2 Sampler's fused path)",
+     "why": "a FlashInfer module past Triton, reached by sampled requests with top-k/top-p: not planned for vLLM"}],
+    "rejection_sampler": [
+    {"what": f"{WORKER}.spec_decode.rejection_sampler:_gather_draft_sampled_kernel, _flatten_sampled_kernel; "
+             f"{REJECTION}: the block-verification, synthetic-rate, FLy and watermarking variants",
+     "why": "not yet driven: RejectionSampler's module imports the whole V2 Sampler; the variants are other "
+            "--speculative-config rejection_sample_method values or watermarking, not the default"},
+    {"what": "the speculator's kernels (MTP / EAGLE drafting: greedy_argmax, draft-logits writes, its input "
+             "preparation)",
+     "why": "not yet driven: the speculator (the launch line's drafter) runs its draft model and its own input "
+            "preparation"}]}
+
+
+def component(kernel_module: str) -> str:
+    """The component a runner step's launch of a kernel in ``kernel_module`` belongs to."""
+    return COMPONENT_OF_MODULE.get(kernel_module, "runner")
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """The model runner's geometry on one rank."""
+
+    max_num_reqs: int
+    max_num_tokens: int
+    max_model_len: int
+    vocab_size: int
+    num_spec: int
+
+
+def read_spec(table: dict, max_num_reqs: int, max_num_tokens: int, num_spec: int) -> RunnerSpec | None:
+    """``[spec.vllm]`` ``max_model_len`` (--max-model-len, else config.json's length as vLLM derives it) and
+    ``vocab_size`` (config.json); None where neither is given (the runner's kernels not planned)."""
+    if not any(k in table for k in KEYS):
+        return None
+    for key in KEYS:
+        value = table.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SpecError(f"vllm.{key}", value if key in table else ..., "a positive integer: max_model_len and "
+                            "vocab_size are given together (the server's max_model_len, config.json vocab_size)")
+    return RunnerSpec(max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_spec=num_spec,
+                      max_model_len=table["max_model_len"], vocab_size=table["vocab_size"])
+
+
+def calls(r: RunnerSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """(label, call): one step's input preparation and post-sampling update per step kind and request count."""
+    import importlib
+
+    import torch
+
+    ib = importlib.import_module(INPUT_BATCH)
+    gumbel = importlib.import_module(GUMBEL)
+    rejection = importlib.import_module(REJECTION)
+    draft_logits = importlib.import_module(DRAFT_LOGITS)
+    i32, i64 = torch.int32, torch.int64
+    made = {}
+
+    def buffers():
+        if "b" not in made:
+            z = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+            made["b"] = dict(
+                # InputBuffers
+                input_ids=z(r.max_num_tokens, dtype=i32), positions=z(r.max_num_tokens, dtype=i64),
+                query_start_loc=z(r.max_num_reqs + 1, dtype=i32), seq_lens=z(r.max_num_reqs, dtype=i32),
+                # RequestState
+                all_token_ids=z(r.max_num_reqs, r.max_model_len, dtype=i32), prefill_len=z(r.max_num_reqs, dtype=i32),
+                total_len=z(r.max_num_reqs, dtype=i32), num_computed_tokens=z(r.max_num_reqs, dtype=i32),
+                last_sampled_tokens=z(r.max_num_reqs, 1, dtype=i64),
+                draft_tokens=z(r.max_num_reqs, r.num_spec, dtype=i64),
+                next_prefill_tokens=z(1, r.max_num_reqs, dtype=i32),
+                # PenaltiesState
+                output_bin_counts=z(r.max_num_reqs, r.vocab_size, dtype=i32),
+                # SamplingStates
+                temperature=z(r.max_num_reqs, dtype=torch.float32), seeds=z(r.max_num_reqs, dtype=i64))
+        return made["b"]
+
+    def caches():
+        """The speculator's draft-logits cache (``Speculator._init_draft_logits``) in each head dtype."""
+        if "caches" not in made:
+            made["caches"] = [draft_logits.DraftLogitsCache(r.max_num_reqs, r.num_spec, r.vocab_size, dtype=dtype,
+                                                            fill=0.0, device=device)
+                              for dtype in (torch.bfloat16, torch.float32)]
+        return made["caches"]
+
+    def block_tables():
+        if "bt" not in made:
+            made["bt"] = _block_tables(importlib.import_module(BLOCK_TABLE), r, device)
+        return made["bt"]
+
+    kinds = ["prefill", "decode"] + (["spec"] if r.num_spec else [])
+    for kind in kinds:
+        for reqs in batch_sizes(r.max_num_reqs):
+            def call(kind=kind, reqs=reqs):
+                b = buffers()
+                drafts = r.num_spec if kind == "spec" else 0
+                idx_mapping = torch.zeros(reqs, dtype=i64, device=device)
+                logits = reqs * (1 + drafts)
+                cu_num_logits = torch.zeros(reqs + 1, dtype=i32, device=device)
+                query_start_loc = b["query_start_loc"][:reqs + 1]
+                expanded_idx_mapping = idx_mapping
+                if kind == "spec":  # num_draft_tokens_per_req is not None
+                    expanded_idx_mapping, expanded_local_pos = ib.expand_idx_mapping(
+                        idx_mapping, logits, cu_num_logits, 1 + r.num_spec)
+                if kind == "prefill":
+                    ib.prepare_prefill_inputs(b["input_ids"], b["next_prefill_tokens"], idx_mapping, query_start_loc,
+                                              b["all_token_ids"], b["prefill_len"], b["num_computed_tokens"])
+                ib.prepare_pos_seq_lens(idx_mapping, query_start_loc, b["num_computed_tokens"], b["positions"],
+                                        b["seq_lens"])
+                seq_lens = b["seq_lens"][:reqs]
+                tables = block_tables()  # prepare_attn
+                tables.gather_block_tables(idx_mapping, num_reqs_padded=reqs,
+                                           num_computed_tokens=b["num_computed_tokens"])
+                tables.compute_slot_mappings(idx_mapping, query_start_loc, b["positions"],
+                                             num_tokens_padded=reqs * (1 + drafts))
+                logits_indices = ib.combine_sampled_and_draft_tokens(
+                    b["input_ids"], idx_mapping, b["last_sampled_tokens"], query_start_loc, seq_lens, b["prefill_len"],
+                    b["draft_tokens"], cu_num_logits, logits, 1)
+                if kind != "spec":  # Sampler.__call__ -> _sample_random (the rejection sampler samples on its own)
+                    pos = b["positions"][logits_indices]
+                    for dtype in (torch.bfloat16, torch.float32):  # the model's logits, or their processed fp32 copy
+                        gumbel.gumbel_sample(torch.zeros(logits, r.vocab_size, dtype=dtype, device=device),
+                                             idx_mapping, b["temperature"], b["seeds"], pos, apply_temperature=False,
+                                             is_drafting=False, use_fp64=False)
+                # the sampler (no drafts: ones) or the rejection sampler (its own counts) -> the runner's update
+                num_sampled = seq_lens.new_ones(reqs)
+                sampled = torch.zeros(reqs, 1, dtype=i64, device=device)
+                if kind == "spec":  # RejectionSampler.__call__ -> gather_draft_sampled's outputs -> _verify
+                    draft_sampled = b["input_ids"].new_empty(logits)
+                    pos = b["positions"].new_empty(logits)
+                    for dtype, cache, skip in itertools.product((torch.bfloat16, torch.float32), (None, *caches()),
+                                                                (False, True)):
+                        sampled, num_sampled = rejection.rejection_sample(
+                            torch.zeros(logits, r.vocab_size, dtype=dtype, device=device), cache, draft_sampled,
+                            cu_num_logits, pos, idx_mapping, expanded_idx_mapping, expanded_local_pos,
+                            b["temperature"], b["seeds"], r.num_spec, None, use_fp64=False,
+                            use_block_verification=False, skip_masked_vocab_blocks=skip)
+                num_sampled, num_rejected = ib.get_num_sampled_and_rejected(
+                    num_sampled, seq_lens, cu_num_logits, idx_mapping, b["prefill_len"])
+                ib.post_update(idx_mapping, b["num_computed_tokens"], b["last_sampled_tokens"], b["output_bin_counts"],
+                               sampled, num_sampled, num_rejected, query_start_loc, b["all_token_ids"], b["total_len"],
+                               None, b["draft_tokens"])
+                ib.post_update_num_computed_tokens(idx_mapping, b["num_computed_tokens"], query_start_loc)
+
+            yield f"runner[{kind},reqs={reqs},num_spec={r.num_spec}]", call
+
+
+def _block_tables(module, r: RunnerSpec, device: str):
+    """``BlockTables`` as ``GPUModelRunner`` builds it for Kimi-Linear (an MLA attention group, a KDA state group:
+    block size, then max blocks per request), its ``__init__`` run with ``StagedWriteTensor`` / ``UvaBackedTensor``
+    standing as device tensors of the same shapes and dtypes (what the kernels read is ``.gpu``)."""
+    import contextlib
+    import types
+
+    import torch
+
+    def staged(size, dtype, device=device, **kwargs):
+        return types.SimpleNamespace(gpu=torch.zeros(size, dtype=dtype, device=device))
+
+    def uva_backed(size, dtype, **kwargs):
+        return types.SimpleNamespace(gpu=torch.zeros(size, dtype=dtype, device=device))
+
+    block = 2048  # the attention block (the hybrid page); no launch key depends on it
+    with contextlib.ExitStack() as stack:
+        for name, value in (("StagedWriteTensor", staged), ("UvaBackedTensor", uva_backed),
+                            ("FusedStagedWriter", lambda *a, **k: None)):
+            original = getattr(module, name)
+            setattr(module, name, value)
+            stack.callback(setattr, module, name, original)
+        return module.BlockTables(block_sizes=[block, block], max_num_reqs=r.max_num_reqs,
+                                  max_num_batched_tokens=r.max_num_tokens,
+                                  max_num_blocks_per_group=[-(-r.max_model_len // block), 1 + r.num_spec],
+                                  device=torch.device(device), slot_mapping_enabled=[True, False],
+                                  dcp_sharded=[True, True], sliding_window_reach=[0, 0])
