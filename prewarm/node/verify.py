@@ -69,6 +69,12 @@ def _check(job: _Check, key: str, entry: Entry | None | str) -> tuple:
     owner = job.owners.get(key)
     files = entry.files if entry is not None else owner.files(key)
     c = job.cache.entry_state(key, files)
+    layout = job.cache.layout
+    if entry is not None and layout.payload:  # a JIT build's own dir against its bundle: the build's leftovers
+        # (ninja files, objects), which pack left out and no loader reads, are stray there; an installed dir holds
+        # none (install refuses them), so there they stay unexpected
+        c.unexpected = [p for p in c.unexpected if "/" in p[len(key) + 1:] or not layout.leftovers.fullmatch(
+            p[len(key) + 1:]) or not os.path.isfile(job.cache.root / p) or os.path.islink(job.cache.root / p)]
     as_built = False
     if not c.intact and is_runtime_module(files):
         recorded = files if entry is None else owner.files(key) if owner is not None else None
