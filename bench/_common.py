@@ -536,10 +536,32 @@ def run_calls(traffic, n: int, probes: Probes | None, sync) -> list[str]:
     return labels
 
 
+def made_by() -> dict:
+    """What made a measuring process's figures: the tree's commit (``PREWARM_COMMIT`` where the tree travelled without
+    its git dir, else ``git rev-parse``), Python, torch, Triton and the device."""
+    import platform
+
+    import torch
+    import triton
+
+    commit = os.environ.get("PREWARM_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    timeout=10).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
+    return {"commit": commit, "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
 def child_main(fn, args) -> int:
-    """Run a child's measurement; always leave a JSON result (with ``error`` on failure)."""
+    """Run a child's measurement; always leave a JSON result (with ``error`` on failure; else with
+    :func:`made_by`)."""
     try:
         data = fn(args)
+        data["made_by"] = made_by()
         code = 0
     except BaseException as e:  # noqa: BLE001 - the parent needs the reason, whatever it is
         traceback.print_exc()

@@ -9,6 +9,8 @@
 #   bash bench/h200_proof.sh vllm-layer [BUNDLE] # nvidia-h200: ~6 min (~5 with a carried BUNDLE)
 #   bash bench/h200_proof.sh sglang-layer DIR   # nvidia-h200: ~5 min
 #   bash bench/h200_proof.sh sglang-graph DIR   # nvidia-h200: ~5 min
+#   bash bench/h200_proof.sh sglang-model DIR   # nvidia-h200: sglang-graph with the model's components (--model)
+#   bash bench/h200_proof.sh vllm-model [BUNDLE] # nvidia-h200: vllm-layer with the model's (bench/vllm_model_traffic.py)
 #   bash bench/h200_proof.sh keys               # nvidia-h200: ~1 min
 #   bash bench/h200_proof.sh tune MANIFEST...   # nvidia-h200: ~1-3 min a manifest
 #
@@ -71,7 +73,7 @@ work=${PREWARM_BENCH_WORK:-/tmp/prewarm-proof}
 py=${PYTHON:-python3}
 export PREWARM_BENCH_WORK=$work PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || ($mode == sglang-layer && -n $bundle) ||
-        ($mode == sglang-graph && -n $bundle) ||
+        ($mode == sglang-graph && -n $bundle) || ($mode == sglang-model && -n $bundle) || $mode == vllm-model ||
         $mode == dp-stall || $mode == fla-tune || $mode == fla-offline || $mode == vllm-layer || $mode == keys ||
         ($mode == tune && -n $bundle) ]]; then
   echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | sglang-layer DIR | dp-stall [BUNDLE] | fla-tune |" \
@@ -182,11 +184,12 @@ case $mode in
     echo "h200_proof: jit traffic exit $rc, the control exit ${PIPESTATUS[0]}, $SECONDS s" | tee -a "$log"
     exit $rc
     ;;
-  vllm-layer)
+  vllm-layer|vllm-model)
     mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
     export PYTHONPATH=$PWD/build/vllm:$work/shim:$PWD${PYTHONPATH:+:$PYTHONPATH}
     vllm=manifests/kimi-linear-h200-vllm.toml
-    log=$out/vllm_layer_traffic.log
+    name=${mode/-/_}_traffic
+    log=$out/$name.log
     if [ -n "$bundle" ]; then  # a bundle built elsewhere (the CPU box, in vLLM's own venv)
       rm -rf "$work/vllm-bundle" && cp -r "$bundle" "$work/vllm-bundle"
       echo "== the carried bundle $bundle" | tee "$log"
@@ -200,15 +203,17 @@ case $mode in
     [ -f "$work/vllm-bundle/index.json" ] || exit 1
     seeds=$(( $(date +%s) % 100000 ))
     seeds=$(seq -s, "$seeds" $((seeds + 4)))
-    $py bench/vllm_layer_traffic.py --manifest $vllm --bundle "$work/vllm-bundle" --vllm-path build/vllm \
-      --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/vllm_layer_traffic.json" 2>&1 | tee -a "$log"
+    $py bench/$name.py --manifest $vllm --bundle "$work/vllm-bundle" --vllm-path build/vllm \
+      --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/$name.json" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
-    echo "h200_proof: vllm layer traffic exit $rc, $SECONDS s" | tee -a "$log"
+    echo "h200_proof: $mode traffic exit $rc, $SECONDS s" | tee -a "$log"
     exit $rc
     ;;
-  sglang-layer|sglang-graph)
+  sglang-layer|sglang-graph|sglang-model)
     graph=() && name=sglang_layer_traffic
     [ "$mode" = sglang-graph ] && graph=(--graph) && name=sglang_graph_traffic
+    [ "$mode" = sglang-model ] && graph=(--model) && name=sglang_model_traffic  # PREWARM_GRAPH=0: eager layer
+    [ "$mode" = sglang-model ] && [ "${PREWARM_GRAPH:-1}" = 1 ] && graph+=(--graph)
     mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
     export PYTHONPATH=$PWD/build/sglang:$work/shim:$PYTHONPATH
     log=$out/$name.log
@@ -221,8 +226,9 @@ case $mode in
     } 2>&1 | tee "$log"
     seeds=$(( $(date +%s) % 100000 ))
     seeds=$(seq -s, "$seeds" $((seeds + 4)))
+    calls=96 && [ "$mode" = sglang-model ] && calls=48  # --model: as many model calls again a step
     $py bench/sglang_layer_traffic.py "${graph[@]}" --bundle "$bundle/bundle" --jit-bundle "sglang-jit=$work/bundle.sglang-jit" \
-      --calls 96 --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/$name.json" 2>&1 | tee -a "$log"
+      --calls "${PREWARM_CALLS:-$calls}" --seeds "$seeds" --expect-zero --work-dir "$work" --out "$out/$name.json" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     echo "h200_proof: layer traffic exit $rc, $SECONDS s" | tee -a "$log"
     exit $rc

@@ -51,11 +51,12 @@ case $verb in
             --work-dir /tmp/prewarm-proof --out "$out/serving_traffic_triton38.json" 2>&1 | tee "$out/serving_traffic_triton38.log"
           r=${PIPESTATUS[0]}
           ;;
-        vllm)
-          PREWARM_TRITON_SITE=$(site vllm) bash bench/h200_proof.sh vllm-layer /tmp/bundles/kimi-linear-h200-vllm
+        vllm|vllm-model)
+          PREWARM_TRITON_SITE=$(site vllm) bash bench/h200_proof.sh "$([ "$proof" = vllm ] && echo vllm-layer || echo "$proof")" \
+            $([ -d /tmp/bundles/kimi-linear-h200-vllm ] && echo /tmp/bundles/kimi-linear-h200-vllm)
           r=$?
           ;;
-        sglang-layer|sglang-graph)
+        sglang-layer|sglang-graph|sglang-model)
           PREWARM_TRITON_SITE=$(site sglang) bash bench/h200_proof.sh "$proof" /tmp/bundles/sglang
           r=$?
           ;;

@@ -34,6 +34,8 @@ benchmarked, ran unguarded, or the runs missed a batch size, a draft width or a 
 """
 from __future__ import annotations
 
+import importlib
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -49,10 +51,12 @@ from sglang_traffic import _counting_jit, _install_jit, _jit_builds, _jit_bundle
 DEFAULT_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
 KINDS = ("extend", "decode", "target_verify")
 GRAPH_KINDS = ("extend", "graph_decode", "graph_verify", "target_verify")  # --graph
+# --model: the model-level generators interleaved with the layer's (tests/traffic: each has calls() and kinds())
+MODEL_TRAFFIC = ("sglang_cuda_model",)
 
 
 def child(args) -> dict:
-    from traffic import sglang_graph, sglang_layer
+    from traffic import interleave, sglang_graph, sglang_layer
 
     torch = init_device()
     probes = Probes()
@@ -74,12 +78,23 @@ def child(args) -> dict:
     def traffic():
         n = args.calls * args.steps
         if args.graph:
-            return sglang_graph.calls(spec, args.seed, n, "cuda", graphs=True)
-        return sglang_layer.calls(spec, args.seed, n, "cuda")
+            layer = sglang_graph.calls(spec, args.seed, n, "cuda", graphs=True)
+        else:
+            layer = sglang_layer.calls(spec, args.seed, n, "cuda")
+        if not args.model:
+            return layer
+        return interleave(random.Random(args.seed), layer=layer, **{
+            name: importlib.import_module(f"traffic.{name}").calls(spec, args.seed, n, "cuda")
+            for name in MODEL_TRAFFIC})
 
     first_step, _ = timed_steps(traffic,
-                                lambda traffic: step(traffic, args.calls), args.steps, probes)
-    return {"seed": args.seed, **first_step, "calls": len(drawn),
+                                lambda traffic: step(traffic, args.calls * (1 + len(MODEL_TRAFFIC) * args.model)),
+                                args.steps, probes)
+    model = [d for d in drawn if d.get("traffic", "layer") != "layer"]
+    drawn = [d for d in drawn if d.get("traffic", "layer") == "layer"]
+    return {"seed": args.seed, **first_step, "calls": len(drawn) + len(model),
+            "model_calls_by_kind": {name: dict(Counter(d["kind"] for d in model if d["traffic"] == name))
+                                    for name in MODEL_TRAFFIC if args.model},
             "calls_by_kind": dict(Counter(d["kind"] for d in drawn)),
             "batch_sizes": {kind: sorted({d["batch"] for d in drawn if d["kind"] == kind})
                             for kind in (GRAPH_KINDS if args.graph else KINDS)[1:]},
@@ -106,10 +121,23 @@ def coverage(runs: list[dict], spec: dict, graph: bool = False) -> dict:
     most = {kind: capture_buckets(spec)[-1] if kind.startswith("graph_") else s.max_batch for kind in seen}
     widths = set().union(*(r.get("draft_widths", []) for r in runs))
     kinds = set().union(*(r.get("calls_by_kind", {}) for r in runs))
+    model_kinds = {name: set().union(*(r.get("model_calls_by_kind", {}).get(name, {}) for r in runs))
+                   for name in MODEL_TRAFFIC if any("model_calls_by_kind" in r for r in runs)}
     return {"max_batch": s.max_batch, "draft_widths": list(s.draft_widths),
+            **({"model_kinds_seen": {name: sorted(k) for name, k in model_kinds.items()},
+                "model_kinds_missed": {name: sorted(set(_model_kinds(name, spec)) - k)
+                                       for name, k in model_kinds.items() if set(_model_kinds(name, spec)) - k}}
+               if model_kinds else {}),
             "kinds_missed": sorted(set(kinds_run) - kinds),
             "batch_sizes_missed": {kind: sorted(set(range(1, most[kind] + 1)) - seen[kind]) for kind in seen},
             "draft_widths_missed": sorted(set(s.draft_widths) - widths)}
+
+
+def _model_kinds(name: str, spec: dict) -> list[str]:
+    """The kinds a model-level generator draws within the manifest's envelope (its ``kinds``)."""
+    import importlib
+
+    return list(importlib.import_module(f"traffic.{name}").kinds(spec))
 
 
 def main() -> int:
@@ -117,6 +145,9 @@ def main() -> int:
     p.add_argument("--jit-bundle", action="append", default=[], metavar="LAYOUT=BUNDLE",
                    help="a bundle of modules past Triton (sglang-jit), installed per seed; the process runs under "
                         "the guard, which counts their builds")
+    p.add_argument("--model", action="store_true",
+                   help="the model's step around the layer: the layer's calls interleaved with each model-level "
+                        "generator's (MODEL_TRAFFIC: the MoE, the logits cast, ...), as many of each")
     p.add_argument("--graph", action="store_true",
                    help="drive the serving path around the layer (tests/traffic/sglang_graph.py): real CUDA graphs "
                         "captured and replayed, the runner's and the EAGLE worker's kernels")
@@ -140,10 +171,12 @@ def main() -> int:
 
     traffic_runs(Path(__file__), args, bundle, work, out, env,
                  lambda runs: coverage(runs, load_spec(manifest), args.graph), said,
-                 tuple(x for pair in args.jit_bundle for x in ("--jit-bundle", pair)) + ("--graph",) * args.graph)
+                 tuple(x for pair in args.jit_bundle for x in ("--jit-bundle", pair)) + ("--graph",) * args.graph +
+                 ("--model",) * args.model)
     cov = out["coverage"]
     failed = any("error" in r for r in out["runs"])
-    missed = bool(cov["kinds_missed"] or any(cov["batch_sizes_missed"].values()) or cov["draft_widths_missed"])
+    missed = bool(cov["kinds_missed"] or any(cov["batch_sizes_missed"].values()) or cov["draft_widths_missed"] or
+                  cov.get("model_kinds_missed"))
     built = any(r.get("compiles") or r.get("jit_builds") or r.get("autotune_benchmarks") or not r.get("guarded")
                 for r in out["runs"])
     return 1 if failed or (args.expect_zero and (missed or built)) else 0

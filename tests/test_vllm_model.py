@@ -1,9 +1,11 @@
-"""Kimi-Linear on vLLM 0.34.0 planned at model level around its KDA layers: the shipped H200 manifest's plan holds
-the MoE's ``fused_moe_kernel`` at the configs vLLM's own lookup picks over every token count the deployment reaches,
-and the V2 model runner's input-preparation and state-update kernels; checked against independent model-level
-traffic (``tests/traffic/vllm_model.py``: written from ``TritonExperts.apply`` and ``GPUModelRunner``, not from the
-provider) by the key Triton computes for each compile request on fake tensors. The coverage hook says per component
-what is planned and what the model reaches unplanned."""
+"""Kimi-Linear on vLLM 0.34.0 planned at model level around its KDA layers: the shipped H200 manifest's plan holds the
+MoE's ``fused_moe_kernel`` at the configs vLLM's own lookup picks over every token count the deployment reaches, the V2
+model runner's input-preparation and state-update kernels, its staged writes, the hybrid model state's mamba bookkeeping
+and the MTP drafter's kernels; checked against independent model-level traffic (``tests/traffic/vllm_model.py``: written
+from ``TritonExperts.apply`` and ``GPUModelRunner``; ``tests/traffic/vllm_step.py``: from ``RequestState``,
+``BlockTables``, ``MambaHybridModelState`` and ``MTPSpeculator.propose``, with vLLM's own KV-cache grouping; neither
+from the provider) by the key Triton computes for each compile request on fake tensors. The coverage hook says per
+component what is planned and what the model reaches unplanned."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,6 +19,7 @@ from prewarm.planning.manifest import load
 from prewarm.planning.plan import plan_for
 from test_vllm import not_planned, runtime_compiles
 from traffic import vllm_model as traffic
+from traffic import vllm_step as step_traffic
 from traffic.closure import fresh_seed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,11 +114,12 @@ def test_coverage_names_each_component_and_what_it_does_not_plan(planned):
 
     m, p, _ = planned
     rows = {r["component"]: r for r in kda.coverage(m.spec())}
-    assert set(rows) == {"kda", "moe", "runner", "sampler", "rejection_sampler", "mla", "dense_mlp"}
+    assert set(rows) == {"kda", "moe", "runner", "sampler", "rejection_sampler", "staged", "mamba", "speculator", "mla",
+                         "dense_mlp"}
     by_component = {}
     for c in p.compiles:  # each compile's component: its label's first part
         by_component.setdefault(c.label.split("/")[0], set()).add(c.kernel)
-    for name in ("kda", "moe", "runner", "sampler", "rejection_sampler"):
+    for name in ("kda", "moe", "runner", "sampler", "rejection_sampler", "staged", "mamba", "speculator"):
         assert rows[name]["planned"] and set(rows[name]["planned"]) == by_component[name], name
     assert all(item["what"] and item["why"] for r in rows.values() for item in r["not_planned"])
     # without the model tables only the layer is planned, and coverage says so
@@ -169,3 +173,51 @@ def test_a_model_key_vllm_cannot_serve_is_refused_naming_it(change, key):
     with pytest.raises(SpecError) as e:
         kda.model_components(spec, kda.read_spec(spec))
     assert e.value.key == key
+
+
+# --- the runner step beyond input preparation: staged writes, mamba bookkeeping (tests/traffic/vllm_step.py) ---
+
+STEP_STEPS_PER_SEED = 20
+STEP_SEED = 3  # a seed whose steps reach every kernel below (a fresh seed's reach a subset)
+STEP_KERNELS = {"_apply_write_kernel", "_scatter_num_accepted_kernel", "preprocess_mamba_align_fused_kernel",
+                "precopy_mamba_align_fused_kernel", "get_aligned_state_indices_multi_group_kernel",
+                "postprocess_mamba_fused_kernel", "_prepare_prefill_inputs_kernel", "_argmax_partial", "_argmax_finish",
+                "_prepare_decode_inputs_kernel", "_update_draft_inputs_kernel", "_temperature_kernel", "_min_p_kernel",
+                "_penalties_kernel", "_bincount_kernel", "_gather_draft_sampled_kernel"}
+
+
+@pytest.mark.parametrize("seed", [STEP_SEED, fresh_seed()], ids=lambda s: f"seed{s}")
+def test_step_traffic_requests_nothing_the_plan_lacks(planned, seed):
+    m, _, _ = planned
+    calls = list(step_traffic.calls(m.spec(), seed, STEP_STEPS_PER_SEED, "cuda"))
+    compiles = runtime_compiles(calls)
+    missing = not_planned(list(compiles.values()), planned)
+    assert not missing, f"seed {seed} (rerun: PREWARM_CLOSURE_SEED={seed}): not planned:\n{missing}"
+    assert {c.options["kind"] for c in calls} == {"staged", "mamba", "draft", "sampling", "verify"}
+    kernels = {c.kernel.split(":")[1] for c in compiles.values()}
+    assert kernels <= STEP_KERNELS and (seed != STEP_SEED or kernels == STEP_KERNELS), STEP_KERNELS ^ kernels
+
+
+def test_the_kda_groups_vllm_makes_are_the_manifests(planned):
+    """vLLM's hybrid allocator (its own grouping over config.json's 7 MLA and 20 KDA layers) makes 3 KDA groups,
+    which the aligned-index kernel takes as a constexpr: the manifest's mamba_groups and the plan's NUM_GROUPS."""
+    m, p, _ = planned
+    steps = step_traffic._Steps(m.spec(), __import__("random").Random(0), "cuda")
+    kv = steps.kv_cache_config()
+    kda = [g for g in kv.kv_cache_groups if type(g.kv_cache_spec).__name__ == "MambaSpec"]
+    assert len(kda) == m.spec()["vllm"]["mamba_groups"] == 3 and len(kv.kv_cache_groups) == 4
+    groups = {tritoncompat.parse_specialization(c.specialization).args["NUM_GROUPS"].value for c in p.compiles
+              if c.kernel.endswith(":get_aligned_state_indices_multi_group_kernel")}
+    assert groups == {3}
+
+
+def test_the_traffic_would_catch_a_block_table_width_the_plan_lacks(planned):
+    """The comparison can fail: the mamba block table's row stride (cdiv(max_model_len, block) + the speculative
+    blocks: 515) is an int the state-copy kernels specialize on; a deployment whose max_model_len makes it a multiple
+    of 16 requests keys this plan lacks."""
+    m, _, _ = planned
+    spec = m.spec()
+    other = {**spec, "vllm": {**spec["vllm"], "max_model_len": (512 + 13) * 2048}}  # width 528 = 16 x 33
+    calls = [c for c in step_traffic.calls(other, 1, 8, "cuda") if c.options["kind"] == "mamba"]
+    assert calls
+    assert not_planned(list(runtime_compiles(calls).values()), planned)

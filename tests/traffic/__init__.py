@@ -7,7 +7,9 @@ One module per provider: ``vllm_kda`` (vLLM's Kimi-Linear layer -> ``prewarm.pro
 Ascend path: scheduler, runner, model, DSPARK worker -> the same provider), ``sglang_layer`` (sglang's CUDA KDA layer: ``KDAAttnBackend`` with its conv,
 state tracking, verify commit and the model's o_norm -> ``prewarm.providers.sglang.cuda``), ``sglang_cuda_model``
 (Kimi-Linear's MoE under sglang's Triton MoE runner at the token counts the model runner's modes hand it -> the same
-provider's ``moe`` component), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure``
+provider's ``moe`` component), ``sglang_cuda_step`` (Kimi-Linear's steps around those layers: the scheduler's
+``req_to_token`` writes, the MLA layers on FA3, the EAGLE v2 worker and its graph runners, the grammar mask, the JIT
+modules they reach -> the same provider's other components), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure``
 runs traffic and names what it requested that the plan lacks. (This project's own kernels' traffic is
 ``prewarm_kernels.kda.traffic``, in their package.)
 
@@ -62,3 +64,44 @@ def short(value) -> str:
     if isinstance(value, list) and len(value) > 6:
         return f"[{len(value)} values]"
     return str(value).replace(" ", "")
+
+
+def fill_expert_alignment(topk_ids, block_size: int, num_experts: int, sorted_ids, expert_ids, num_post_pad) -> None:
+    """What a server's CUDA ``moe_align_block_size`` op writes into the buffers its wrapper sized (sgl-kernel's,
+    vLLM's ``_moe_C``), in torch: where the traffic runs on a GPU whose image lacks the server's compiled extensions
+    (the device's torch is not the one they were built for). Each expert's token slots (flattened ``topk_ids``
+    positions, in order) padded to ``block_size`` with the sentinel ``topk_ids.numel()``, the expert of each block,
+    the padded total: valid contents, so the Triton GEMMs after it read in range. Keys do not depend on it (the
+    buffers' shapes and dtypes are the wrapper's)."""
+    import torch
+
+    flat = topk_ids.flatten().long()
+    numel = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    padded = (counts + block_size - 1) // block_size * block_size
+    starts = torch.cumsum(padded, 0) - padded
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    rank = torch.arange(numel, device=flat.device) - (torch.cumsum(counts, 0) - counts)[experts]
+    total = int(padded.sum())
+    sorted_ids.fill_(numel)
+    sorted_ids[starts[experts] + rank] = order.to(sorted_ids.dtype)
+    blocks = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), padded // block_size)
+    expert_ids.fill_(-1)
+    expert_ids[:blocks.numel()] = blocks.to(expert_ids.dtype)
+    num_post_pad[0] = total
+
+
+def interleave(rng: random.Random, **streams: Iterator[Call]) -> Iterator[Call]:
+    """The calls of several generators (a layer's, the model components' around it) in a seeded order, as one
+    server's steps reach every component in turn; each call's options gain ``traffic`` = its generator's name. Ends
+    when every generator is spent."""
+    live = dict(streams)
+    while live:
+        name = rng.choice(sorted(live))
+        call = next(live[name], None)
+        if call is None:
+            del live[name]
+            continue
+        call.options = {**call.options, "traffic": name}
+        yield call

@@ -17,15 +17,25 @@ Written from sglang's own sources, never from the provider:
   BLOCK_SIZE_M, E)``), ``_fused_moe_kernel_sequence`` (the gate/up ``invoke_fused_moe_kernel`` into
   ``[T * topk, 2I]``, the activation into ``[T * topk, I]``, the down one into ``[T, topk, H]`` with the routed
   weights, ``router_topk``), ``moe_combine_topk`` (top-k > 2: ``moe_sum_reduce_triton`` where
-  ``_use_moe_sum_reduce_torch_compile`` (<= 32 tokens) and the GPU supports PDL, else sgl-kernel's CUDA sum). The
-  router's outputs as ``biased_grouped_topk_gpu`` allocates them (fp32 weights, int32 ids, ``[T, topk]``).
+  ``_use_moe_sum_reduce_torch_compile`` (<= 32 tokens) and the GPU supports PDL, else sgl-kernel's CUDA sum), on the
+  router's outputs (fp32 weights, int32 ids, ``[T, topk]``).
+
+- The router ahead of the experts (``srt/models/kimi_linear.py`` ``KimiMoE``: the gate, a bf16 ``ReplicatedLinear``,
+  then ``TopK(use_grouped_topk=True, num_expert_group, topk_group, correction_bias=e_score_correction_bias,
+  renormalize=moe_renormalize, apply_routed_scaling_factor_on_output=should_fuse_routed_scaling_factor_in_topk)``,
+  False for the Triton runner's unquantized method), through ``TopK.forward_cuda``, ``select_experts`` and
+  ``srt/layers/moe/topk.py`` ``biased_grouped_topk_gpu``: with one group, one kept and top-8, FlashInfer's
+  ``fused_topk_deepseek`` is out (groups x kept < top-k) and so is the Kimi K2/K3 branch (256 experts, top-8), which
+  leaves the ungrouped ``jit_gate`` call on the logits as the gate wrote them, the bias cast to fp32. Its ids feed the
+  experts.
 
 - The logits under the graph runners (``layers/logits_processor.py`` ``_copy_logits_to_buffer``): the lm_head's bf16
   logits cast into the runner's shared fp32 buffer (``cast_to_float32_logits``).
 
 sgl-kernel's CUDA align (batches past the Triton align) is an ahead-of-time op: on fake tensors it is made a no-op
 (the buffers sglang sizes still reach the GEMMs; on a GPU it runs); the activation is sglang's JIT module (not a
-Triton launch), left out. Expert ids are drawn in range, so the same calls run on a GPU.
+Triton launch), left out. The expert ids are the router's own (in range on a GPU: its logits and bias are drawn
+there), so the same calls run on a GPU.
 """
 from __future__ import annotations
 
@@ -50,6 +60,11 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
         yield traffic.draw(i)
 
 
+def kinds(spec: dict) -> list[str]:
+    """The forward modes :func:`calls` draws within ``spec``'s envelope."""
+    return _Traffic(spec, random.Random(0), "cpu").kinds
+
+
 class _Traffic:
     def __init__(self, spec: dict, rng: random.Random, device: str):
         s = read_spec(spec)
@@ -59,6 +74,13 @@ class _Traffic:
         self.E, self.topk, self.H = model["num_experts"], model["experts_per_token"], model["hidden_size"]
         self.I = model["moe_intermediate_size"] // tp
         self.scale = float(model.get("routed_scaling_factor", 1.0))
+        # KimiMoE's TopK: Kimi-Linear's router is ungrouped (1 group, 1 kept) and its top-k above 1
+        groups, kept = model.get("num_expert_group", 1), model.get("topk_group", 1)
+        if (groups, kept) != (1, 1) or self.topk == 1:
+            raise ValueError(f"this traffic drives Kimi-Linear's ungrouped router, not {groups} groups x {kept} kept, "
+                             f"top-{self.topk}")
+        self.renormalize = model.get("moe_renormalize", True)
+        self.bias = None
         self.chunk, self.running = s.max_prefill_tokens, s.max_batch
         self.widths, self.buckets = list(s.draft_widths), sorted(s.graph_buckets)
         self.batches = cycle(rng, range(1, self.running + 1))
@@ -116,6 +138,22 @@ class _Traffic:
         logits = torch.empty(T, self.vocab, dtype=torch.bfloat16, device=self.device)
         cast_to_float32_logits(logits, self.logits_buffer[:T])
 
+    def router(self, T: int):
+        """KimiMoE.forward's ``self.gate`` then ``self.topk``: biased_grouped_topk_gpu's ungrouped call,
+        ``jit_gate(gating_output, correction_bias.to(torch.float32), topk, scoring_func="sigmoid",
+        renormalize=renormalize, routed_scaling_factor=..., apply_routed_scaling_factor_on_output=False)``; the
+        bias is the gate's ``nn.Parameter(torch.empty(num_experts))`` in the model's default dtype (bf16)."""
+        import torch
+
+        from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate as jit_gate
+
+        if self.bias is None:
+            self.bias = torch.randn(self.E, dtype=torch.bfloat16, device=self.device)
+        router_logits = torch.randn(T, self.E, dtype=torch.bfloat16, device=self.device)  # the gate's output
+        return jit_gate(router_logits, self.bias.to(torch.float32), self.topk, scoring_func="sigmoid",
+                        renormalize=self.renormalize, routed_scaling_factor=self.scale,
+                        apply_routed_scaling_factor_on_output=False)
+
     def moe(self, T: int) -> None:
         """TritonRunnerCore.run for bf16 experts: fused_moe.py's prepare, kernel sequence and combine."""
         import torch
@@ -131,15 +169,14 @@ class _Traffic:
                             torch.empty(self.E, self.H, self.I, dtype=bf16, device=dev))
         w1, w2 = self.weights
         hidden = torch.empty(T, self.H, dtype=bf16, device=dev)
-        topk_weights = torch.empty(T, self.topk, dtype=torch.float32, device=dev)
-        topk_ids = torch.randint(0, self.E, (T, self.topk), dtype=torch.int32, device=dev)  # valid expert ids
+        topk_weights, topk_ids = self.router(T)
         with _server_exec(config_module):
             config, (down_config, _) = config_module.try_get_optimal_moe_config(
                 w1.shape, (w2.shape[0], w2.shape[1], w2.shape[2]), topk_ids.shape[1], None, T, block_shape=None,
                 per_channel_quant=False, return_down_config=True)
         config = dict(config)
         config.pop("USE_TMA", False)  # no tuned file for these widths: neither GEMM takes TMA
-        with _aot_align_off(align) if _is_fake(topk_ids) else contextlib.nullcontext():
+        with _aot_align_off(align) if _is_fake(topk_ids) else _aot_align_in_torch(align):
             sorted_ids, expert_ids, padded = align.moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], w1.shape[0])
         flags = dict(compute_type=tl.bfloat16, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
                      use_int4_w4a16=False, per_channel_quant=False, block_shape=None,
@@ -159,6 +196,28 @@ class _Traffic:
             torch.add(cache3[:, 0], cache3[:, 1], out=out)
         elif T <= SUM_REDUCE_TORCH_COMPILE_TOKENS and is_arch_support_pdl():
             moe_sum_reduce_triton(cache3.view(*cache3.shape), out, self.scale)
+
+
+@contextlib.contextmanager
+def _aot_align_in_torch(align):
+    """On a GPU whose image lacks sgl-kernel (built for the server's torch), its CUDA align's contents in torch
+    (``traffic.fill_expert_alignment``); with sgl-kernel present, sgl-kernel's own."""
+    import importlib.util
+
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        yield
+        return
+    from traffic import fill_expert_alignment
+
+    saved = getattr(align, "sgl_moe_align_block_size", None)
+    # sglang passes num_experts + 1 buckets (the last for EP's filtered -1 ids, which no call here draws)
+    align.sgl_moe_align_block_size = lambda ids, buckets, block, sorted_ids, expert_ids, post_pad, *a, **k: \
+        fill_expert_alignment(ids, block, buckets - 1, sorted_ids, expert_ids, post_pad)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            align.sgl_moe_align_block_size = saved
 
 
 def _is_fake(t) -> bool:

@@ -11,7 +11,9 @@ backend under ``HybridLinearAttnBackend``, Kimi-Linear's projections and o_norm)
   max_bs * width)`` once, then per bucket of ``--cuda-graph-bs`` (``decode_batch_buckets``, capped at
   ``max_running_requests`` as ``get_batch_sizes_to_capture`` caps them) captures ``init_forward_metadata_out_graph(
   in_capture=True)`` and the forward at the bucket's full size; a replay pads the batch to the smallest bucket that
-  holds it (``_pad_to_bucket``) and calls ``init_forward_metadata_out_graph`` on ``build_replay_fb_view``'s view
+  holds it (``_pad_to_bucket``), fills the static buffers as ``fill_from`` does (the padded rows of the index
+  buffers zeroed: a padded row's slot is -1, its track mask must be False; all of them zeroed before a capture, as
+  ``reset_index_buffers``) and calls ``init_forward_metadata_out_graph`` on ``build_replay_fb_view``'s view
   (``req_pool_indices`` the static int64 buffer's first ``bucket`` rows, ``num_padding`` = bucket - batch, the
   static track buffer), whose ``_replay_metadata`` launches ``fused_replay_state_indices`` (the mapping table
   int32, the per-bucket int32 slot buffer) outside the graph. Decode captures ``DECODE``; with EAGLE the target
@@ -177,6 +179,14 @@ class _GraphServer(_Server):
                 mamba_track_mask=self.zeros(most, dtype=torch.bool) if self.s.track_state else None)
         return self.graph_state
 
+    def zero_index_buffers(self, rows: slice):
+        """Zero ``rows`` of the runner's index-semantic buffers (``input_buffers.INDEX_SEMANTIC_BUFFERS``: request
+        rows, track destinations, track mask), as ``reset_index_buffers`` (before a capture) and ``fill_from``'s
+        padding reset (the padded tail before a replay) do."""
+        for buffer in vars(self.buffers()).values():
+            if buffer is not None:
+                buffer[rows].zero_()
+
     def view(self, mode, bs: int, padding: int, spec=None):
         """build_replay_fb_view's fields that the mamba backend reads."""
         b = self.buffers()
@@ -192,6 +202,9 @@ class _GraphServer(_Server):
         b = self.buffers()
         key = (bucket, d["beta_row"], d["beta"], d["gate"])  # a deployment's layout: its own captures
         if key not in self.graphs:
+            # _capture's reset_index_buffers: a capture runs real forwards, so a recapture mid-serving (here each
+            # bucket is captured at its first batch) would index through the previous batch's live rows
+            self.zero_index_buffers(slice(None))
             self.hybrid.init_forward_metadata_out_graph(self.view(mode, bucket, 0, spec_for(None)), in_capture=True)
             run = forward(bucket)
             graph = None
@@ -204,7 +217,10 @@ class _GraphServer(_Server):
             else:
                 run()
             self.graphs[key] = (graph, run)
-        # ScheduleBatch -> buffers (fill_from): the live rows, their slots in the mapping, the track rows
+        # ScheduleBatch -> buffers (fill_from): the padded rows reset (the index slots' ZERO padding policy: a padded
+        # row's state slot is -1, which the captured track-save would read through a stale track mask), then the
+        # live rows, their slots in the mapping, the track rows
+        self.zero_index_buffers(slice(batch, bucket))
         mapping = self.pool.req_index_to_mamba_index_mapping
         rows = self.index(d["rows"], torch.int64)
         mapping[rows] = self.index(d["slots"])

@@ -116,14 +116,19 @@ class _Steps:
         ic1 = utils._resize_cache(ws2, (M, top_k, N))
         ic2 = utils._resize_cache(ws13, (M * top_k, N // 2))
         ic3 = utils._resize_cache(ws2, (M, top_k, K))
+        from torch._subclasses.fake_tensor import is_fake
+
+        from traffic import fill_expert_alignment
+
         ops = align.ops
 
         class FilledByCudaOp:  # moe_align_block_size's C op writes into the wrapper's buffers; nothing to run here
             def __getattr__(self, name):
                 return getattr(ops, name)
 
-            def moe_align_block_size(self, *args):
-                return None
+            def moe_align_block_size(self, ids, experts, block, sorted_ids, expert_ids, post_pad, *rest):
+                if not is_fake(ids):  # on a GPU whose image lacks vLLM's _moe_C: its contents, in torch
+                    fill_expert_alignment(ids, block, experts, sorted_ids, expert_ids, post_pad)
 
         align.ops = FilledByCudaOp()
         try:
@@ -187,14 +192,30 @@ class _Steps:
         next_prefill = self.tensor("next_prefill_tokens", 1, R, dtype=i32)
         bin_counts = self.tensor("output_bin_counts", R, V, dtype=i32)
 
-        idx_mapping = torch.zeros(reqs, dtype=i64, device=self.device)
+        # the scheduler's batch, valid as a server's is (the same calls then run on a GPU): distinct request rows;
+        # each request's new tokens (a prefill's chunk, a decode's one, a verify's 1 + drafts) within max_model_len
+        rows = self.rng.sample(range(R), reqs)
+        idx_mapping = torch.tensor(rows, dtype=i64, device=self.device)
+        if kind == "prefill":
+            lens = [self.rng.randint(1, max(1, self.max_tokens // reqs)) for _ in range(reqs)]
+        else:
+            lens = [1 + (drafts[j] if drafts else 0) for j in range(reqs)]
+        done = [self.rng.randint(0, L - n - 2 - S) for n in lens]  # post_update appends up to 1 + S sampled
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
         query_start_loc = qsl_buf[:reqs + 1]
+        query_start_loc.copy_(torch.tensor(starts, dtype=i32))
+        computed[idx_mapping] = torch.tensor(done, dtype=i32, device=self.device)
+        prefill_len[idx_mapping] = torch.tensor([c + n if kind == "prefill" else c for c, n in zip(done, lens)],
+                                                dtype=i32, device=self.device)
+        total_len[idx_mapping] = torch.tensor([c + n for c, n in zip(done, lens)], dtype=i32, device=self.device)
         if drafts is None:
             total_logits = reqs
             cu_num_logits = torch.arange(reqs + 1, device=self.device, dtype=i32)
         else:
             total_logits = reqs + sum(drafts)
-            cu_num_logits = torch.zeros(reqs + 1, dtype=i32, device=self.device)
+            cu_num_logits = torch.tensor([starts[j] for j in range(reqs + 1)], dtype=i32, device=self.device)
             expanded_idx_mapping, expanded_local_pos = ib.expand_idx_mapping(idx_mapping, total_logits,
                                                                              cu_num_logits, 1 + S)
         if kind == "prefill":
@@ -225,8 +246,8 @@ class _Steps:
             sampled = torch.zeros(reqs, 1, dtype=i64, device=self.device)
         else:  # RejectionSampler.__call__: gather_draft_sampled, then _verify -> rejection_sample
             rs = importlib.import_module("vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils")
-            draft_sampled = input_ids.new_empty(total_logits)  # gather_draft_sampled's outputs
-            pos = positions.new_empty(total_logits)
+            draft_sampled = input_ids.new_zeros(total_logits)  # gather_draft_sampled's outputs: token ids
+            pos = positions.new_zeros(total_logits)
             logits = torch.zeros(total_logits, V, dtype=self.dtype, device=self.device)
             if processed:
                 logits = torch.empty_like(logits, dtype=torch.float32).copy_(logits)

@@ -263,8 +263,40 @@ def fake_device(device: str) -> Iterator[FakeDevice]:
     from .jit import capture_requests
 
     state = FakeDevice(device)
-    with capture_requests() as state.jit, fake_tensors(CHUNK_INDEX_HOMES):
+    with capture_requests() as state.jit, fake_tensors(CHUNK_INDEX_HOMES), _platform_of_this_block():
         yield state
+
+
+@contextlib.contextmanager
+def _platform_of_this_block() -> Iterator[None]:
+    """sglang's ``current_platform`` (a lazy per-process singleton, which modules also bind by name at import)
+    resolved anew within the block, as the device profile answers it, and rebound in every loaded sglang module that
+    holds another: a process that touched it before, outside a profile (no CUDA here), keeps a platform without
+    Triton, whose capabilities steer sglang's dispatch (``support_triton``: the req_to_token writes, the MLA KV
+    store) away from what a GPU node runs. Put back after the block."""
+    import sys
+
+    try:
+        import sglang.srt.platforms as platforms
+        from sglang.srt.platforms.interface import SRTPlatform
+    except ImportError:  # an sglang without the platform layer (the stand-in tree's answers as CUDA's)
+        yield
+        return
+    saved = getattr(platforms, "_current_platform", None)
+    platforms._current_platform = None
+    here = platforms.current_platform
+    bound = {name: module for name, module in list(sys.modules.items())
+             if name.startswith("sglang.") and isinstance(getattr(module, "current_platform", None), SRTPlatform)
+             and module.current_platform is not here}
+    olds = {name: module.current_platform for name, module in bound.items()}
+    for module in bound.values():
+        module.current_platform = here
+    try:
+        yield
+    finally:
+        platforms._current_platform = saved
+        for name, module in bound.items():
+            module.current_platform = olds[name]
 
 
 @contextlib.contextmanager

@@ -4,17 +4,24 @@ KDA backend's launches, and its coverage hook (:mod:`prewarm.providers.contract`
 Each component past the KDA layer is one module beside the provider (``model_<component>.py``) with ``calls(spec, s,
 device)`` (label, thunk) pairs that drive sglang's own functions as its runner calls them, and ``coverage(spec)``
 (its entry: the kernels it plans, what the model reaches that it does not, with why). Planned so far: ``moe``
-(:mod:`.model_moe`) and ``logits`` (:mod:`.model_logits`). The KDA provider's own launches are labelled by the
-component they belong to (:func:`component_of`): ``kda`` (``TritonKDAKernel`` and ``KDAAttnBackend`` with its conv,
-tracking and graph metadata), ``runner`` (the model runner's extend positions), ``allocator`` (the mamba pool's slot
-clear / copy), ``spec_worker`` (the EAGLE worker's verify commit). :data:`NOT_PLANNED` names what the model reaches
-that no module plans yet, per component, each with why.
+(:mod:`.model_moe`), ``logits`` (:mod:`.model_logits`), ``mla`` (:mod:`.model_mla`), ``spec_worker``
+(:mod:`.model_spec_worker`), the scheduler's req_to_token writes in ``runner`` (:mod:`.model_scheduler`) and
+``sampler`` (:mod:`.model_sampler`). The KDA provider's own launches are labelled by the component they belong to
+(:func:`component_of`): ``kda`` (``TritonKDAKernel`` and ``KDAAttnBackend`` with its conv, tracking and graph
+metadata), ``runner`` (the model runner's extend positions), ``allocator`` (the mamba pool's slot clear / copy),
+``spec_worker`` (the EAGLE worker's verify commit). :data:`NOT_PLANNED` names what the model reaches that no module
+plans yet, per component, each with why. A component may have two modules (its Triton kernels, its JIT modules past
+Triton: ``dense_mlp`` and the MoE's activations in :mod:`.model_mlp`, the EAGLE verify's in :mod:`.model_spec_jit`;
+the KDA provider's launches and a module's, as ``runner``): the coverage hook merges them.
 """
 from __future__ import annotations
 
-from . import model_logits, model_moe
+from . import (model_logits, model_mla, model_mlp, model_moe, model_sampler, model_scheduler, model_spec_jit,
+               model_spec_worker)
 
-COMPONENTS = (model_moe, model_logits)  # the modules whose calls launches() adds, in plan order
+# the modules whose calls launches() adds, in plan order
+COMPONENTS = (model_moe, model_logits, model_mla, model_spec_worker, model_scheduler, model_sampler, model_mlp,
+              model_spec_jit)
 # the KDA provider's label prefixes (before "[") -> their component
 KDA_PROVIDER_COMPONENTS = {"runner.extend_positions": "runner", "runner.mamba_slot_warmup": "allocator",
                            "runner.mamba_slot_clear": "allocator", "runner.mamba_slot_copy": "allocator",
@@ -25,28 +32,16 @@ PROVIDER_KERNELS = {
     "runner": ["sglang.kernels.ops.attention.position:compute_position_kernel"],
     "allocator": ["sglang.srt.mem_cache.mamba_slot_fused:_fused_slot_clear_kernel",
                   "sglang.srt.mem_cache.mamba_slot_fused:_fused_slot_copy_kernel"],
-    "spec_worker": ["sglang.kernels.ops.speculative.eagle:_verify_commit_outputs_kernel"],
 }
 # components of Kimi-Linear's step under sglang 0.5.23 that launch kernels nothing here plans yet: (component, what,
 # why), from an independent read of the 0.5.23 wheel (issue 59)
 NOT_PLANNED = [
-    ("mla", "sglang's FA3 graph metadata, KV store (on Hopper sglang's JIT set_mla_kv_buffer where it takes the row "
-            "widths, else the Triton set_mla_kv_buffer_kernel) and prefill concat kernels (MLA layers)",
-     "the MLA layers (Kimi-Linear's full-attention layers) are not driven yet"),
-    ("mla", "FlashAttention-3 (sgl-kernel's flash_attn) for the MLA layers",
-     "ahead-of-time CUDA: nothing to compile"),
-    ("dense_mlp", "sglang.kernels.ops.activation.activation:silu_and_mul (sglang JIT module 'activation')",
-     "the dense MLP's activation: an sglang JIT module past Triton, not yet planned"),
-    ("norm", "sglang's JIT RMSNorm / fused add RMSNorm (input and post-attention norms)",
-     "sglang JIT modules past Triton, not yet planned"),
-    ("runner", "the scheduler's req_to_token writes (write_req_to_token_pool_triton)",
-     "the scheduler's batch preparation is not driven yet"),
-    ("spec_worker", "the EAGLE worker's cache-location, draft top-1, chain-tree, draft-extend and overlap-gather "
-                    "kernels", "the EAGLE draft worker is not driven yet"),
-    ("spec_worker", "sglang's JIT EAGLE tree verify / tree speculative sampling",
-     "sglang JIT modules past Triton, not yet planned"),
-    ("sampler", "the sampler's Triton kernels (greedy and sampled requests)",
-     "the sampler is not driven yet (FlashInfer's sampling module, past Triton, is planned: the plan's JIT modules)"),
+    ("norm", "the RMSNorms (input, post-attention, final; MLA's kv_a_layernorm): sgl_kernel's rmsnorm / "
+             "fused_add_rmsnorm, which hand bf16/fp16 to FlashInfer's norm, whose CuTe DSL kernels (rmsnorm_cute, "
+             "fused_add_rmsnorm_cute) cute.compile at first call in each process (nvidia-cutlass-dsl is installed "
+             "with sglang; without it, or with FLASHINFER_USE_CUDA_NORM=1: FlashInfer's JIT module 'norm')",
+     "CuTe DSL compiles are a kernel library prewarm does not build or ship; sglang's own JIT rmsnorm / "
+     "fused_add_rmsnorm modules are not what these norms reach (only cast_x_before_out_mul norms, not Kimi-Linear's)"),
 ]
 
 
@@ -82,8 +77,14 @@ def coverage(spec: dict, kda_not_planned: dict[str, str]) -> list[dict]:
         {"what": f"spec.sglang.{key}", "why": why} for key, why in kda_not_planned.items()]}]
     out += [{"component": name, "planned": list(kernels), "not_planned": []}
             for name, kernels in PROVIDER_KERNELS.items()]
-    out += [module.coverage(spec) for module in COMPONENTS]
     by_name = {entry["component"]: entry for entry in out}
+    for entry in (module.coverage(spec) for module in COMPONENTS):  # a component may have two modules (Triton, JIT)
+        if entry["component"] in by_name:
+            by_name[entry["component"]]["planned"] += entry["planned"]
+            by_name[entry["component"]]["not_planned"] += entry["not_planned"]
+        else:
+            by_name[entry["component"]] = entry
+            out.append(entry)
     collectives = [("collectives", "sglang's custom all-reduce (JIT) after the attention and MoE/MLP blocks",
                     "an sglang JIT module past Triton, not yet planned")] if spec_tp(spec) > 1 else []
     for name, what, why in NOT_PLANNED + collectives:

@@ -14,9 +14,23 @@ router writes them, the intermediate caches it allocates), at every token count 
 (:func:`token_counts`). The config lookup reads the device's name (the target's device profile answers it) and the
 running Triton's version (a tuned file for one Triton is not another's): the plan takes what the node's sglang takes.
 
-What the MoE reaches that is not planned here (:data:`NOT_PLANNED`): the router (FlashInfer's ``fused_topk_deepseek``,
-a JIT module), sglang's JIT ``silu_and_mul`` (routed and shared experts), sgl-kernel's CUDA align and sum (ahead of
-time: nothing to compile), the shared expert's GEMMs (cuBLAS).
+The router ahead of the experts (:func:`router_route`, :meth:`_Moe.route`): Kimi-Linear's ``KimiMoE`` builds its
+``TopK`` with ``use_grouped_topk=True`` and the gate's ``e_score_correction_bias``, so on CUDA ``select_experts`` calls
+``biased_grouped_topk_gpu`` (sigmoid scoring whatever config.json's ``moe_router_activation_func``) with the bf16
+router logits of the gate (a ``ReplicatedLinear`` in the model's dtype), and with the Triton runner
+``apply_routed_scaling_factor_on_output`` is off. For Kimi-Linear's ungrouped top-8 of 256 (``num_expert_group`` =
+``topk_group`` = 1) FlashInfer's ``fused_topk_deepseek`` is out (it needs ``topk_group x num_expert_group >= top_k``),
+and the route is sglang's Triton ``moe_fused_gate`` on the logits as they are; ``moe_fused_gate`` first asks the
+native-CUDA radix router (``moe_route_radix``, an sglang ``load_jit`` module), whose ``covered()`` takes only ``[M,
+896]`` top-16 (Kimi K3), then launches ``_router_triton_kernel`` (every width a constexpr, the token count ``M`` an int
+Triton specializes: 1, a multiple of 16, other; none at 0 tokens). sglang's own ``moe_fused_gate`` makes the call here,
+radix check included. The dispatch in ``biased_grouped_topk_gpu`` itself is not importable without sglang's serving
+stack, so :func:`router_route` states its CUDA conditions; the routes it does not plan are named in the coverage.
+
+What the MoE reaches that is not planned here (:data:`NOT_PLANNED`): sgl-kernel's CUDA align and sum (ahead of time:
+nothing to compile), the shared expert's and the router's GEMMs (cuBLAS), ``select_experts``' post-processing of the
+ids (``torch.compile``, which on this deployment traces no op: :data:`POSTPROCESS`). The activation between the GEMMs
+and the shared experts' (sglang's JIT ``silu_and_mul``) is planned by :mod:`.model_mlp`.
 """
 from __future__ import annotations
 
@@ -34,17 +48,22 @@ KERNELS = ("sglang.kernels.ops.moe.fused_moe_triton_kernels:fused_moe_kernel",
 SUM_REDUCE_TRITON_TOKENS = 32
 # invoke_fused_moe_kernel: GDC_EARLY = A.shape[0] <= 512 (A: the tokens in the gate/up GEMM, tokens x top_k in down)
 GDC_EARLY_ROWS = 512
+# the router's kernel (planned where :func:`router_route` finds sglang's Triton router)
+ROUTER_KERNEL = "sglang.kernels.ops.moe.moe_fused_gate:_router_triton_kernel"
 NOT_PLANNED = [
-    {"what": "flashinfer.fused_moe:fused_topk_deepseek",
-     "why": "the router (biased grouped top-k): a FlashInfer JIT module built at first use, not yet planned"},
-    {"what": "sglang.kernels.ops.activation.activation:silu_and_mul (sglang JIT module 'activation')",
-     "why": "the routed and shared experts' activation: an sglang JIT module past Triton, not yet planned"},
     {"what": "sgl_kernel:moe_align_block_size, sgl_kernel:moe_sum_reduce",
      "why": "the align above the Triton kernel's batch limit and the sum above 32 tokens: sgl-kernel's ahead-of-time "
             "CUDA ops, nothing to compile"},
-    {"what": "shared expert gate_up_proj / down_proj, router gate",
-     "why": "bf16 GEMMs through torch (cuBLAS): nothing to compile"},
+    {"what": "shared expert gate_up_proj / down_proj, router gate, the correction bias's fp32 cast",
+     "why": "bf16 GEMMs and an elementwise cast through torch (cuBLAS, ATen): nothing to compile"},
 ]
+# select_experts' post-processing on CUDA, compiled in the serving process
+POSTPROCESS = {
+    "what": "sglang.srt.layers.moe.topk:_biased_grouped_topk_postprocess (torch.compile, Inductor)",
+    "why": "select_experts' id remap and padded-row mask, compiled by Dynamo/Inductor in the serving process: with no "
+           "EPLB dispatch (--ep-dispatch-algorithm unset) and no padded-token bound (no expert parallelism, no DP "
+           "attention) it returns the router's ids unchanged, so the traced graph holds no op and Inductor generates "
+           "no Triton kernel; with EPLB or EP it would generate its kernels in-process, which prewarm does not plan"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +112,76 @@ def read(spec: dict, s) -> MoeSpec | None:
                                   s.max_batch * max(s.draft_widths or (1,))))  # a decode or verify batch
 
 
+@dataclass(frozen=True)
+class RouterSpec:
+    """Kimi-Linear's router (``[spec.sglang.model]``, from config.json): ``KimiMoE``'s ``TopK`` arguments."""
+
+    num_experts: int
+    top_k: int
+    num_expert_group: int
+    topk_group: int
+    renormalize: bool  # config.json moe_renormalize
+    routed_scaling_factor: float
+
+
+# [spec.sglang.model] keys of the router -> where config.json has them
+ROUTER_KEYS = {"num_expert_group": "config.json num_expert_group", "topk_group": "config.json topk_group",
+               "moe_renormalize": "config.json moe_renormalize"}
+
+
+def read_router(spec: dict) -> RouterSpec | None:
+    """The router's arguments of ``[spec.sglang.model]`` (None where it states none of :data:`ROUTER_KEYS`: the
+    router is not planned); one stated without the others, or a bad value, is a SpecError naming the key."""
+    from prewarm_kernels.spec import SpecError
+
+    model = (spec.get("sglang") or {}).get("model")
+    if not isinstance(model, dict) or not any(key in model for key in ROUTER_KEYS):
+        return None
+    values = {}
+    for key in ("num_expert_group", "topk_group"):
+        v = model.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise SpecError(f"sglang.model.{key}", v if key in model else ...,
+                            f"a positive integer: {ROUTER_KEYS[key]}")
+        values[key] = v
+    renormalize = model.get("moe_renormalize")
+    if not isinstance(renormalize, bool):
+        raise SpecError("sglang.model.moe_renormalize", renormalize if "moe_renormalize" in model else ...,
+                        "true or false: config.json moe_renormalize (the router renormalizes the top-k weights)")
+    experts, groups = model.get("num_experts"), values["num_expert_group"]
+    if isinstance(experts, int) and experts % groups:
+        raise SpecError("sglang.model.num_expert_group", groups, f"a divisor of num_experts ({experts})")
+    if values["topk_group"] > groups:
+        raise SpecError("sglang.model.topk_group", values["topk_group"], f"at most num_expert_group ({groups})")
+    return RouterSpec(num_experts=experts, top_k=model.get("experts_per_token"), num_expert_group=groups,
+                      topk_group=values["topk_group"], renormalize=renormalize,
+                      routed_scaling_factor=float(model.get("routed_scaling_factor", 1.0)))
+
+
+def router_route(r: RouterSpec) -> str | None:
+    """None where sglang's CUDA router for ``r`` is its Triton ``moe_fused_gate`` (planned), else why it is not.
+
+    ``biased_grouped_topk_gpu``'s CUDA routes for a static correction bias, no fused shared experts and sglang's
+    defaults (no ROCm aiter; ``SGLANG_OPT_USE_JIT_KERNEL_GROUPED_TOPK`` off), in its order: FlashInfer's
+    ``fused_topk_deepseek``; the grouped Triton router (logits upcast to fp32); the ungrouped Triton router through
+    ``route_quant_handoff`` (384 experts, or more than 512, or top-k above 8: Kimi K2 / K3); the ungrouped Triton router
+    on the logits as they are (up to 512 experts, top-k up to 32: Kimi-Linear); else ``biased_grouped_topk_impl``."""
+    E, k, G, TG = r.num_experts, r.top_k, r.num_expert_group, r.topk_group
+    per_group = E // G
+    if (r.renormalize and E & (E - 1) == 0 and k <= 8 and TG * G >= k
+            and ((per_group <= 32 and per_group * TG <= 128) if G > 1 else E <= 384)):
+        return ("FlashInfer's fused_topk_deepseek (a FlashInfer JIT module built at first use): not planned by "
+                "prewarm")
+    if G > 1:
+        return None
+    if E == 384 or (E <= 1024 and (E > 512 or k > 8)):
+        return ("the ungrouped Triton router behind route_quant_handoff (and the radix JIT router for [M, 896] "
+                "top-16): not yet driven")
+    if TG == 1 and E <= 512 and k <= 32:
+        return None
+    return "biased_grouped_topk_impl (torch.compile: Inductor generates its kernels in-process): not planned"
+
+
 def token_counts(m: MoeSpec, config_of: Callable[[int], dict], small_numel: int) -> list[int]:
     """The token counts whose launches stand for every count 1..``m.max_tokens``: what the launches take from the
     count is the kernel config (``config_of``: sglang's lookup, asked at every count; each change point and its
@@ -119,12 +208,17 @@ def token_counts(m: MoeSpec, config_of: Callable[[int], dict], small_numel: int)
 
 
 def calls(spec: dict, s, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
-    """(label, thunk) of the MoE forward at each of :func:`token_counts` (none without ``[spec.sglang.model]``)."""
+    """(label, thunk) of the router (where :func:`router_route` plans it) and the MoE forward at each of
+    :func:`token_counts` (none without ``[spec.sglang.model]``)."""
     m = read(spec, s)
     if m is None:
         return
+    router = read_router(spec)
+    routed = router is not None and router_route(router) is None
     moe = _Moe(m, device)
     for tokens in token_counts(m, moe.config, moe.small_numel()):
+        if routed:  # the router takes the same tokens (its int M: 1, multiples of 16, others all among them)
+            yield f"{COMPONENT}/router[T={tokens}]", lambda tokens=tokens: moe.route(router, tokens)
         yield f"{COMPONENT}/fused_experts[T={tokens}]", lambda tokens=tokens: moe.forward(tokens)
 
 
@@ -167,12 +261,29 @@ class _Moe:
                                          device=self.device))
         return self._weights
 
+    def route(self, r: RouterSpec, tokens: int) -> None:
+        """``biased_grouped_topk_gpu``'s Triton route over ``tokens`` tokens, as it calls sglang's ``moe_fused_gate``:
+        the gate's bf16 logits ``[tokens, E]`` (upcast to fp32 where grouped), the correction bias cast to fp32,
+        sigmoid scoring, no fused shared experts, the routed scaling factor left to the MoE sum (the Triton runner)."""
+        import torch
+
+        from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate
+
+        logits = torch.empty(tokens, r.num_experts, dtype=torch.bfloat16, device=self.device)
+        bias = torch.empty(r.num_experts, dtype=torch.float32, device=self.device)  # correction_bias.to(float32)
+        grouped = {"num_expert_group": r.num_expert_group, "topk_group": r.topk_group} \
+            if r.num_expert_group > 1 else {}
+        moe_fused_gate(logits.to(torch.float32) if grouped else logits, bias, r.top_k, scoring_func="sigmoid",
+                       num_fused_shared_experts=0, renormalize=r.renormalize,
+                       routed_scaling_factor=r.routed_scaling_factor, apply_routed_scaling_factor_on_output=False,
+                       **grouped)
+
     def forward(self, tokens: int) -> None:
         """``_prepare_fused_moe_run`` then ``_fused_moe_kernel_sequence`` for bf16 without quantization, bias, hooks
         or TMA (no tuned config asks for it), as ``TritonRunnerCore.run`` calls them: the config, the align, the
         gate/up GEMM into ``[tokens x top_k, 2I]``, the down GEMM (routed weights applied) into ``[tokens, top_k,
         H]``, the sum into the output (``routed_scaling_factor``); the activation between the GEMMs is sglang's JIT
-        module (not planned)."""
+        module (:mod:`.model_mlp` plans it)."""
         import torch
         import triton.language as tl
 
@@ -247,4 +358,9 @@ def coverage(spec: dict) -> dict:
     if model is None:
         return {"component": COMPONENT, "planned": [], "not_planned": [
             {"what": "the model's MoE", "why": "no [spec.sglang.model] table: the model's widths are not stated"}]}
-    return {"component": COMPONENT, "planned": list(KERNELS), "not_planned": [dict(d) for d in NOT_PLANNED]}
+    router = read_router(spec)
+    why = "no num_expert_group / topk_group / moe_renormalize in [spec.sglang.model]: the router's arguments are " \
+          "not stated" if router is None else router_route(router)
+    routed = [{"what": "the router (biased_grouped_topk_gpu)", "why": why}] if why else []
+    return {"component": COMPONENT, "planned": list(KERNELS) + ([] if why else [ROUTER_KERNEL]),
+            "not_planned": routed + [dict(d) for d in NOT_PLANNED] + [dict(POSTPROCESS)]}

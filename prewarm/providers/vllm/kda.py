@@ -33,11 +33,14 @@ these three is planned (the causal conv, prefill and update; the gathered and sc
 (each index dtype per pointer, the beta layouts) for callers other than the layer.
 
 The model around the layer, one module per component, where ``[spec.vllm]`` gives its widths: ``moe``
-(:mod:`prewarm.providers.vllm.moe`: the MoE's ``fused_moe_kernel`` at every config vLLM's lookup picks over the
-step's token counts) and ``runner`` (:mod:`prewarm.providers.vllm.runner`: the V2 model runner's input preparation,
-block tables and slot mappings, the Gumbel sampler, the rejection sampler). Each launch's label starts with its
-component (``kda/``, ``moe/``, ``runner/``, ``sampler/``, ``rejection_sampler/``); :func:`coverage` says per
-component what is planned and what the model reaches that is not, with why.
+(:mod:`prewarm.providers.vllm.moe`: the MoE's ``fused_moe_kernel`` at every config vLLM's lookup picks over the step's
+token counts), ``runner`` (:mod:`prewarm.providers.vllm.runner`: the V2 model runner's input preparation, block tables
+and slot mappings, the Gumbel sampler, the rejection sampler), ``staged`` (:mod:`.staged`: the runner's staged writes of
+the request state and block tables), ``mamba`` (:mod:`.mamba`: the hybrid model state's accepted counts and, under
+prefix caching, its state pre-copy, aligned indices and post-copy) and ``speculator`` (:mod:`.speculator`: the MTP
+drafter's input preparation and greedy draft sampling). Each launch's label starts with its component (``kda/``,
+``moe/``, ``runner/``, ``sampler/``, ``rejection_sampler/``, ``staged/``, ``mamba/``, ``speculator/``); :func:`coverage`
+says per component what is planned and what the model reaches that is not, with why.
 
 Not planned (another kernel library): Kimi-K3's FlashKDA / FlashInfer / native fused decode, RecoverSSM.
 :func:`options` lists what is narrowed and the server geometry planned with; ``prewarm plan`` prints both.
@@ -109,7 +112,9 @@ API = {
 MAX_PREFILL_TOKENS = 8192  # vLLM's max_num_batched_tokens when the spec gives none
 VLLM_KEYS = ("paths", "beta_row_strides", "state_slot_strides")
 # the model's other components' keys (prewarm.providers.vllm.moe, .runner): absent, the component is not planned
-MODEL_KEYS = ("moe_experts", "moe_top_k", "moe_hidden_size", "moe_intermediate_size", "max_model_len", "vocab_size")
+# (and .mamba: the attention block, the KDA layers' KV-cache groups; .speculator: the MTP drafter's width)
+MODEL_KEYS = ("moe_experts", "moe_top_k", "moe_hidden_size", "moe_intermediate_size", "max_model_len", "vocab_size",
+              "block_size", "mamba_groups", "draft_hidden_size")
 
 
 @dataclass(frozen=True)
@@ -313,15 +318,37 @@ def _component_calls(spec: dict, s: VllmSpec, device: str) -> Iterator[tuple[str
     if r is not None:
         for label, call in runner.calls(r, device):
             yield f"runner/{label}", call
+        yield from _step_calls(spec, s, r, device)
+
+
+def _step_calls(spec: dict, s: VllmSpec, r, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The runner's staged writes and the hybrid model state's mamba bookkeeping (where ``[spec.vllm]`` gives the
+    KV-cache groups), each label prefixed with its component."""
+    from . import layer, mamba, speculator, staged
+
+    mm = mamba.read_spec(spec.get("vllm") or {})
+    # the KV-cache groups: the MLA group and the KDA groups (at least one: a hybrid model's fused writer)
+    for label, call in staged.calls(r, 1 + (mm.groups if mm else 1), device):
+        yield f"staged/{label}", call
+    if mm is not None:
+        for g in layer.geometries(spec)[0]:
+            for label, call in mamba.calls(mm, r, g, device):
+                yield f"mamba/{label}", call
+    d = speculator.read_spec(spec.get("vllm") or {}, s.dtypes["activation"][0])
+    if d is not None and r.num_spec:
+        for label, call in speculator.calls(d, r, device):
+            yield f"speculator/{label}", call
 
 
 def coverage(spec: dict) -> list[dict]:
     """Per model component, what this provider plans and what Kimi-Linear's model on vLLM reaches that it does not
     plan, with why (the per-component coverage hook)."""
-    from . import moe, runner
+    from . import mamba, moe, runner, speculator, staged
 
     s = read_spec(spec)
     m, r = model_components(spec, s)
+    mm = mamba.read_spec(spec.get("vllm") or {})
+    d = speculator.read_spec(spec.get("vllm") or {}, s.dtypes["activation"][0])
     kda = {"component": "kda", "planned": LAYER_KERNELS,
            "not_planned": [{"what": "Kimi-K3's FlashKDA / FlashInfer / native fused decode, RecoverSSM",
                             "why": "another kernel library or --use-kda-recoverssm: not Kimi-Linear's default path"}]}
@@ -334,6 +361,14 @@ def coverage(spec: dict) -> list[dict]:
             *({"component": name, "planned": runner.PLANNED[name] if r else [],
                "not_planned": runner.NOT_PLANNED[name] if r else absent(runner.KEYS, ", ".join(runner.PLANNED[name]))}
               for name in runner.PLANNED),
+            {"component": "staged", "planned": staged.PLANNED if r else [],
+             "not_planned": staged.NOT_PLANNED if r else absent(runner.KEYS, staged.PLANNED[0])},
+            {"component": "mamba", "planned": mamba.planned(mm) if r and mm else [],
+             "not_planned": mamba.NOT_PLANNED if r and mm else absent(
+                 (*runner.KEYS, *mamba.KEYS), ", ".join(mamba.PLANNED + mamba.ALIGN_PLANNED))},
+            {"component": "speculator", "planned": speculator.PLANNED if r and d and r.num_spec else [],
+             "not_planned": speculator.NOT_PLANNED if r and d and r.num_spec else absent(
+                 (*runner.KEYS, "draft_hidden_size"), ", ".join(speculator.PLANNED))},
             {"component": "mla", "planned": [],
              "not_planned": [{"what": "the MLA layers: attention backend, KV-cache writes, their metadata",
                               "why": "not yet examined at model level (FlashMLA and the KV-cache writes are CUDA C; "

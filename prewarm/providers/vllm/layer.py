@@ -485,9 +485,10 @@ def derived(spec: dict) -> list[dict]:
          "the server's compilation_config.enabled_custom_ops holds fused_rms_norm_gated"),
         ("vllm.mamba_cache_mode", [(spec.get("vllm") or {}).get("mamba_cache_mode", "align")], "mamba_cache_mode",
          "align with prefix caching on (vLLM's default for a hybrid model), none with --no-enable-prefix-caching: "
-         "the layer sees a [requests, 1 + num_speculative_tokens] state table either way. With align the metadata "
-         "builder gathers it with its own Triton kernel (_mamba_align_block_table_kernel, "
-         "vllm/v1/attention/backends/utils.py), a kernel of the model runner, not of the layer: NOT planned"),
+         "the layer sees a [requests, 1 + num_speculative_tokens] state table either way. With align the runner "
+         "computes it (get_aligned_state_indices_multi_group_kernel) and pre- / post-copies the states across "
+         "blocks: kernels of the model runner, not of the layer, planned by the component mamba where [spec.vllm] "
+         "block_size and mamba_groups are given"),
     ]
     return [{"key": f"spec.{key}", "planned": value, "accepted": None, "given": name in given, "narrowed": False,
              "derived": why} for key, value, name, why in rows]

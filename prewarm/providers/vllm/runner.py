@@ -9,12 +9,16 @@ rejection sampler's ``get_num_sampled_and_rejected``), on the buffers the runner
 the same dtype: the kernel gets a pointer either way): ``expand_idx_mapping`` (steps with drafts),
 ``prepare_prefill_inputs`` (steps with a prefill), ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``,
 ``get_num_sampled_and_rejected``, ``post_update`` (with the penalties' ``output_bin_counts``, as the last pipeline
-rank passes it), ``post_update_num_computed_tokens``; and the V2 ``Sampler``'s Gumbel-max sampling
+rank passes it), ``post_update_num_computed_tokens``; the logits processing ``Sampler.apply_sampling_params`` runs
+(for the rejection sampler too) on the fp32 copy: the penalties processor's ``apply_penalties`` (and its
+``bincount`` of a new request's tokens), ``apply_temperature`` and ``apply_min_p``; and the V2
+``Sampler``'s Gumbel-max sampling
 (``sample/gumbel.py``: ``gumbel_sample`` as ``Sampler._sample_random`` calls it, greedy and sampled requests alike:
 temperature 0 is an argmax in the same kernel) on the model's bf16 logits, or their fp32 copy where a request needs
 logits processing (temperature, min-p, penalties); on a step with drafts the rejection sampler's
 ``rejection_sample`` (``spec_decode/rejection_sampler_utils.py``, the default method) as ``RejectionSampler._verify``
-calls it: on those logits, with no draft-logits cache (greedy drafts) or the speculator's ``DraftLogitsCache`` in
+calls it (after ``gather_draft_sampled``, whose logit count is an int Triton specializes: one logit is planned
+too): on those logits, with no draft-logits cache (greedy drafts) or the speculator's ``DraftLogitsCache`` in
 the head dtype (bf16, or fp32 where the head is), masked vocabulary blocks skipped or not (a request with top-k,
 top-p or min-p).
 
@@ -39,7 +43,10 @@ from ..capture import batch_sizes
 
 INPUT_BATCH = "vllm.v1.worker.gpu.input_batch"
 GUMBEL = "vllm.v1.worker.gpu.sample.gumbel"
+MIN_P = "vllm.v1.worker.gpu.sample.min_p"
+PENALTIES = "vllm.v1.worker.gpu.sample.penalties"
 REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
+REJECTION_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 BLOCK_TABLE = "vllm.v1.worker.gpu.block_table"
 DRAFT_LOGITS = "vllm.v1.worker.gpu.spec_decode.draft_logits"
 REJECTION_KERNELS = ("_compute_local_logits_stats_kernel", "_rejection_kernel", "_resample_kernel",
@@ -49,40 +56,40 @@ KERNELS = ("_prepare_prefill_inputs_kernel", "_prepare_pos_seq_lens_kernel", "_c
            "_get_num_sampled_and_rejected_kernel", "_post_update_kernel", "_post_update_num_computed_tokens_kernel",
            "_expand_idx_mapping_kernel")
 # the components a runner step's launches belong to, by the kernel's module (the rest: "runner")
-COMPONENT_OF_MODULE = {GUMBEL: "sampler", REJECTION: "rejection_sampler"}
+COMPONENT_OF_MODULE = {GUMBEL: "sampler", MIN_P: "sampler", PENALTIES: "sampler", REJECTION: "rejection_sampler",
+                       REJECTION_SAMPLER: "rejection_sampler"}
 PLANNED = {"runner": [f"{INPUT_BATCH}:{k}" for k in KERNELS] + [f"{BLOCK_TABLE}:_gather_block_tables_kernel",
                                                                 f"{BLOCK_TABLE}:_compute_slot_mappings_kernel"],
-           "sampler": [f"{GUMBEL}:_gumbel_sample_kernel", f"{GUMBEL}:_gumbel_combine_kernel"],
-           "rejection_sampler": [f"{REJECTION}:{k}" for k in REJECTION_KERNELS]}
+           "sampler": [f"{GUMBEL}:_gumbel_sample_kernel", f"{GUMBEL}:_gumbel_combine_kernel",
+                       f"{GUMBEL}:_temperature_kernel", f"{MIN_P}:_min_p_kernel",
+                       f"{PENALTIES}:_penalties_kernel", f"{PENALTIES}:_bincount_kernel"],
+           "rejection_sampler": [f"{REJECTION}:{k}" for k in REJECTION_KERNELS] +
+           [f"{REJECTION_SAMPLER}:_gather_draft_sampled_kernel"]}
 WORKER = "vllm.v1.worker.gpu"
 # per component, what the runner, its sampler and its speculative path launch that is not planned yet, and why
 NOT_PLANNED = {"runner": [
-    {"what": f"{WORKER}.buffer_utils:_apply_write_kernel (and FusedStagedWriter's): the staged writes of the block "
-             "tables and request state",
-     "why": "not yet driven: StagedWriteTensor stages through UVA host buffers (a vLLM C op over pinned memory)"},
-    {"what": f"{WORKER}.model_states.mamba_hybrid:_scatter_num_accepted_kernel, _fill_num_accepted_kernel; "
-             "vllm.v1.worker.mamba_utils: get_aligned_state_indices_multi_group_kernel, "
-             "preprocess_mamba_align_fused_kernel, precopy_mamba_align_fused_kernel, postprocess_mamba_fused_kernel "
-             "(mamba_cache_mode align); vllm.v1.attention.backends.utils:_mamba_align_block_table_kernel",
-     "why": "not yet driven: the mamba bookkeeping runs inside MambaHybridModelState, built from a KV-cache config"}],
+    {"what": f"{WORKER}.structured_outputs:_apply_grammar_bitmask_kernel",
+     "why": "reached only by requests with structured output (a grammar's token bitmask): not planned"},
+    {"what": f"{WORKER}.cp_utils:_dcp_local_seq_lens_kernel, {WORKER}.mm.rope:_prepare_rope_positions_kernel, "
+             f"{WORKER}.model_states.prompt_embeds:_apply_prompt_embeds_kernel",
+     "why": "decode context parallelism, multimodal rope, prompt embeddings: not this deployment's (TP 1, a text "
+            "model, token ids)"}],
     "sampler": [
-    {"what": f"{WORKER}.sample: the penalties, logit-bias, min-p, bad-words, thinking-budget, logprob kernels; "
+    {"what": f"{WORKER}.sample: the logit-bias, bad-words, thinking-budget and logprob kernels; vllm.v1.sample.ops: "
+             "the Triton top-k / top-p masking (apply_top_k_top_p_triton); "
              f"{GUMBEL}:_gumbel_sample_kernel with use_fp64_gumbel",
-     "why": "not yet driven: per-request sampling options (penalties, logit bias, min-p, logprobs) and "
-            "--use-fp64-gumbel beyond the Gumbel-max sampling every step runs"},
+     "why": "not yet driven: requests with logit bias / min-tokens, bad words, a thinking budget, logprobs or "
+            "top-k / top-p (in a batch the fused FlashInfer sampler does not take: a greedy request or an explicit "
+            "seed beside them), and --use-fp64-gumbel; temperature, min-p and the penalties are planned"},
     {"what": f"{WORKER}.metrics.logits:_num_nans_kernel",
      "why": "only with VLLM_COMPUTE_NANS_IN_LOGITS=1 (off by default)"},
     {"what": "FlashInfer's top-k/top-p sampling (the V2 Sampler's fused path)",
      "why": "a FlashInfer module past Triton, reached by sampled requests with top-k/top-p: not planned for vLLM"}],
     "rejection_sampler": [
-    {"what": f"{WORKER}.spec_decode.rejection_sampler:_gather_draft_sampled_kernel, _flatten_sampled_kernel; "
-             f"{REJECTION}: the block-verification, synthetic-rate, FLy and watermarking variants",
-     "why": "not yet driven: RejectionSampler's module imports the whole V2 Sampler; the variants are other "
-            "--speculative-config rejection_sample_method values or watermarking, not the default"},
-    {"what": "the speculator's kernels (MTP / EAGLE drafting: greedy_argmax, draft-logits writes, its input "
-             "preparation)",
-     "why": "not yet driven: the speculator (the launch line's drafter) runs its draft model and its own input "
-            "preparation"}]}
+    {"what": f"{REJECTION_SAMPLER}:_flatten_sampled_kernel; {REJECTION}: the block-verification, synthetic-rate, "
+             "FLy and watermarking variants",
+     "why": "the flattening runs only for requests with logprobs; the variants are other --speculative-config "
+            "rejection_sample_method values or watermarking, not the default"}]}
 
 
 def component(kernel_module: str) -> str:
@@ -123,7 +130,10 @@ def calls(r: RunnerSpec, device: str) -> Iterator[tuple[str, Callable[[], object
 
     ib = importlib.import_module(INPUT_BATCH)
     gumbel = importlib.import_module(GUMBEL)
+    min_p = importlib.import_module(MIN_P)
+    penalties = importlib.import_module(PENALTIES)
     rejection = importlib.import_module(REJECTION)
+    rejection_sampler = importlib.import_module(REJECTION_SAMPLER)
     draft_logits = importlib.import_module(DRAFT_LOGITS)
     i32, i64 = torch.int32, torch.int64
     made = {}
@@ -144,7 +154,13 @@ def calls(r: RunnerSpec, device: str) -> Iterator[tuple[str, Callable[[], object
                 # PenaltiesState
                 output_bin_counts=z(r.max_num_reqs, r.vocab_size, dtype=i32),
                 # SamplingStates
-                temperature=z(r.max_num_reqs, dtype=torch.float32), seeds=z(r.max_num_reqs, dtype=i64))
+                temperature=z(r.max_num_reqs, dtype=torch.float32), seeds=z(r.max_num_reqs, dtype=i64),
+                min_p=z(r.max_num_reqs, dtype=torch.float32),
+                # PenaltiesState (its UVA-backed per-request tables as device tensors of their dtype)
+                prompt_bin_mask=z(r.max_num_reqs, -(-r.vocab_size // 32), dtype=i32),
+                **{f"{k}_penalty": z(r.max_num_reqs, dtype=torch.float32) for k in ("repetition", "frequency",
+                                                                                    "presence")},
+                prompt_len=z(r.max_num_reqs, dtype=i32))
         return made["b"]
 
     def caches():
@@ -188,6 +204,18 @@ def calls(r: RunnerSpec, device: str) -> Iterator[tuple[str, Callable[[], object
                 logits_indices = ib.combine_sampled_and_draft_tokens(
                     b["input_ids"], idx_mapping, b["last_sampled_tokens"], query_start_loc, seq_lens, b["prefill_len"],
                     b["draft_tokens"], cu_num_logits, logits, 1)
+                # Sampler.apply_sampling_params (the rejection sampler's too, on the verify rows): the logits' fp32
+                # copy, then temperature (a request's neither 0 nor 1) and min-p in place
+                processed = torch.zeros(logits, r.vocab_size, dtype=torch.float32, device=device)
+                if kind == "prefill":  # PenaltiesState.apply_staged_writes: the new requests' token counts
+                    penalties.bincount(idx_mapping, b["all_token_ids"], b["prompt_len"], b["prefill_len"],
+                                       b["prompt_bin_mask"], b["output_bin_counts"], 1)
+                local_pos = expanded_local_pos if kind == "spec" else torch.zeros(reqs, dtype=i32, device=device)
+                penalties.apply_penalties(processed, expanded_idx_mapping, b["input_ids"], local_pos,
+                                          b["repetition_penalty"], b["frequency_penalty"], b["presence_penalty"],
+                                          b["prompt_bin_mask"], b["output_bin_counts"])
+                gumbel.apply_temperature(processed, expanded_idx_mapping, b["temperature"])
+                min_p.apply_min_p(processed, expanded_idx_mapping, b["min_p"])
                 if kind != "spec":  # Sampler.__call__ -> _sample_random (the rejection sampler samples on its own)
                     pos = b["positions"][logits_indices]
                     for dtype in (torch.bfloat16, torch.float32):  # the model's logits, or their processed fp32 copy
@@ -197,9 +225,10 @@ def calls(r: RunnerSpec, device: str) -> Iterator[tuple[str, Callable[[], object
                 # the sampler (no drafts: ones) or the rejection sampler (its own counts) -> the runner's update
                 num_sampled = seq_lens.new_ones(reqs)
                 sampled = torch.zeros(reqs, 1, dtype=i64, device=device)
-                if kind == "spec":  # RejectionSampler.__call__ -> gather_draft_sampled's outputs -> _verify
-                    draft_sampled = b["input_ids"].new_empty(logits)
-                    pos = b["positions"].new_empty(logits)
+                if kind == "spec":  # RejectionSampler.__call__ -> gather_draft_sampled -> _verify
+                    draft_sampled, pos = rejection_sampler.gather_draft_sampled(
+                        b["input_ids"], b["positions"], logits_indices, expanded_idx_mapping, expanded_local_pos,
+                        b["prefill_len"])
                     for dtype, cache, skip in itertools.product((torch.bfloat16, torch.float32), (None, *caches()),
                                                                 (False, True)):
                         sampled, num_sampled = rejection.rejection_sample(
@@ -215,6 +244,16 @@ def calls(r: RunnerSpec, device: str) -> Iterator[tuple[str, Callable[[], object
                 ib.post_update_num_computed_tokens(idx_mapping, b["num_computed_tokens"], query_start_loc)
 
             yield f"runner[{kind},reqs={reqs},num_spec={r.num_spec}]", call
+    if r.num_spec:
+        # gather_draft_sampled's num_logits is an int Triton specializes (1, divisible by 16, other): a verify step of
+        # one request with no drafts has one logit row
+        def one_logit():
+            b, i64 = buffers(), torch.int64
+            rows = torch.zeros(1, dtype=i64, device=device)
+            rejection_sampler.gather_draft_sampled(b["input_ids"], b["positions"], rows, rows,
+                                                   torch.zeros(1, dtype=i32, device=device), b["prefill_len"])
+
+        yield f"runner[spec,logits=1,num_spec={r.num_spec}]", one_logit
 
 
 def _block_tables(module, r: RunnerSpec, device: str):

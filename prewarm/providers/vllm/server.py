@@ -318,8 +318,34 @@ def _layer_spec(args, argv, cfg, tp: int) -> dict:
                                     (flag_source(argv, "--enable-prefix-caching") if args.enable_prefix_caching else
                                      f"{VERSION} enables prefix caching for a hybrid model by default")),
     }
+    if positive_int(lora) and positive_int(rope):  # the hybrid state's bookkeeping (prewarm.providers.vllm.mamba)
+        layer["block_size"] = Sourced(tokens, f"the attention block vLLM sets for the hybrid page (check: vLLM logs "
+                                      f"'Setting attention block size to {tokens} tokens')")
+        layer["mamba_groups"] = _mamba_groups(cfg)
+    if (args.speculative_config or {}).get("method") == "mtp" and positive_int(cfg.doc.get("hidden_size")):
+        layer["draft_hidden_size"] = Sourced(cfg.doc["hidden_size"], f"{cfg.source('hidden_size')} (--speculative-"
+                                             "config method mtp: the MTP layer's width, prewarm.providers.vllm."
+                                             "speculator)")
     layer.update(_model_spec(args, argv, cfg))
     return {"dtypes": dtypes, "vllm": layer}
+
+
+def _mamba_groups(cfg) -> Sourced:
+    """The KV-cache groups vLLM's hybrid allocator makes of the KDA layers (``_get_kv_cache_groups_uniform_page_size``,
+    ``v1/core/kv_cache_planning.py``: each layer type split into groups of the smaller type's layer count, or of the
+    larger's where it is under 1.5 times the smaller)."""
+    kda = len(cfg.linear("kda_layers", lambda v: isinstance(v, list) and v, "a non-empty list (the KDA layers)"))
+    total = cfg.doc.get("num_hidden_layers")
+    attention = total - kda if positive_int(total) and total > kda else 0
+    if not attention:
+        return Sourced(1, f"{cfg.source('linear_attn_config.kda_layers')}: {kda} KDA layers, no attention layer: one "
+                       "group")
+    small, large = min(kda, attention), max(kda, attention)
+    size = large if large < small * 1.5 else small
+    groups = -(-kda // size)
+    return Sourced(groups, f"vLLM's hybrid allocator: {kda} KDA layers ({cfg.source('linear_attn_config.kda_layers')}"
+                   f") in KV-cache groups of {size} (the {attention} attention layers of "
+                   f"{cfg.source('num_hidden_layers')} {total}): {groups} (check: the KV cache groups vLLM logs)")
 
 
 # vLLM 0.34.0's max_model_len from a model config (ModelArchConfigConvertor.derive_max_model_len_and_key): the
