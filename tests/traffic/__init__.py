@@ -9,8 +9,13 @@ state tracking, verify commit and the model's o_norm -> ``prewarm.providers.sgla
 (Kimi-Linear's MoE under sglang's Triton MoE runner at the token counts the model runner's modes hand it -> the same
 provider's ``moe`` component), ``sglang_cuda_step`` (Kimi-Linear's steps around those layers: the scheduler's
 ``req_to_token`` writes, the MLA layers on FA3, the EAGLE v2 worker and its graph runners, the grammar mask, the JIT
-modules they reach -> the same provider's other components), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure``
-runs traffic and names what it requested that the plan lacks. (This project's own kernels' traffic is
+modules they reach -> the same provider's other components), ``sglang_graph`` (sglang's serving path around the KDA
+layer under CUDA graphs), ``vllm_layer`` (vLLM's Kimi-Linear layer forward), ``vllm_model`` and ``vllm_step`` (the
+MoE, the V2 runner, samplers, staged writes, mamba bookkeeping and MTP drafter -> ``prewarm.providers.vllm``'s model
+components), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure`` runs traffic and names
+what it requested that the plan lacks. :func:`interleave` mixes several generators' calls into one server's steps (the
+benches' model-level runs); :func:`fill_expert_alignment` writes, on a GPU without the server's compiled extensions,
+what its CUDA MoE align writes. (This project's own kernels' traffic is
 ``prewarm_kernels.kda.traffic``, in their package.)
 
 Imported as ``traffic.<module>`` with ``tests/`` on ``sys.path``: pytest puts it there for every test (tests/ is a
