@@ -123,21 +123,15 @@ def coverage(runs: list[dict], spec: dict, graph: bool = False) -> dict:
     kinds = set().union(*(r.get("calls_by_kind", {}) for r in runs))
     model_kinds = {name: set().union(*(r.get("model_calls_by_kind", {}).get(name, {}) for r in runs))
                    for name in MODEL_TRAFFIC if any("model_calls_by_kind" in r for r in runs)}
+    model_missed = {name: sorted(set(importlib.import_module(f"traffic.{name}").kinds(spec)) - k)
+                    for name, k in model_kinds.items()}
     return {"max_batch": s.max_batch, "draft_widths": list(s.draft_widths),
             **({"model_kinds_seen": {name: sorted(k) for name, k in model_kinds.items()},
-                "model_kinds_missed": {name: sorted(set(_model_kinds(name, spec)) - k)
-                                       for name, k in model_kinds.items() if set(_model_kinds(name, spec)) - k}}
+                "model_kinds_missed": {name: kinds for name, kinds in model_missed.items() if kinds}}
                if model_kinds else {}),
             "kinds_missed": sorted(set(kinds_run) - kinds),
             "batch_sizes_missed": {kind: sorted(set(range(1, most[kind] + 1)) - seen[kind]) for kind in seen},
             "draft_widths_missed": sorted(set(s.draft_widths) - widths)}
-
-
-def _model_kinds(name: str, spec: dict) -> list[str]:
-    """The kinds a model-level generator draws within the manifest's envelope (its ``kinds``)."""
-    import importlib
-
-    return list(importlib.import_module(f"traffic.{name}").kinds(spec))
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ compiled, built or benchmarked, ran unguarded, or the runs missed a layer step k
 """
 from __future__ import annotations
 
+import importlib
 import random
 import sys
 from collections import Counter
@@ -33,14 +34,12 @@ from vllm_layer_traffic import coverage as layer_coverage  # noqa: E402
 from vllm_traffic import drawn_steps, vllm_bench  # noqa: E402
 
 
-# the model-level generators interleaved with the layer's (tests/traffic: each has calls() and _Steps(...).kinds)
+# the model-level generators interleaved with the layer's (tests/traffic: each has calls() and kinds())
 MODEL_TRAFFIC = ("vllm_model", "vllm_step")
 
 
 def calls(spec: dict, seed: int, n: int, device: str):
     """The layer's ``n`` steps and each model-level generator's ``n``, interleaved."""
-    import importlib
-
     from traffic import interleave, vllm_layer
 
     return interleave(random.Random(seed), layer=vllm_layer.calls(spec, seed, n, device), **{
@@ -61,13 +60,9 @@ def child(args) -> dict:
 
 def coverage(runs: list[dict], spec: dict) -> dict:
     """The layer's coverage (``vllm_layer_traffic.coverage``) and the model kinds the runs saw and missed."""
-    import importlib
-    import random as _random
-
     out = layer_coverage(runs, spec)
     seen = set().union(*(r.get("model_calls_by_kind", {}) for r in runs))
-    wanted = {k for name in MODEL_TRAFFIC
-              for k in importlib.import_module(f"traffic.{name}")._Steps(spec, _random.Random(0), "cpu").kinds}
+    wanted = {k for name in MODEL_TRAFFIC for k in importlib.import_module(f"traffic.{name}").kinds(spec)}
     missed = sorted(wanted - seen)
     out["model_kinds"] = sorted(seen)
     if missed:

@@ -48,6 +48,11 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
         yield steps.draw(i)
 
 
+def kinds(spec: dict) -> list[str]:
+    """The kinds :func:`calls` draws within ``spec``'s envelope."""
+    return _Steps(spec, random.Random(0), "cpu").kinds
+
+
 class _Steps:
     def __init__(self, spec: dict, rng: random.Random, device: str):
         import torch

@@ -63,6 +63,11 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
         yield steps.draw(i)
 
 
+def kinds(spec: dict) -> list[str]:
+    """The kinds :func:`calls` draws within ``spec``'s envelope."""
+    return _Steps(spec, random.Random(0), "cpu").kinds
+
+
 @contextlib.contextmanager
 def host_views(device: str):
     """vLLM's ``UvaBuffer`` (pinned host memory mapped into the device, ``buffer_utils.py``) as a real CPU array
