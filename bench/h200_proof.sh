@@ -9,7 +9,9 @@
 #   bash bench/h200_proof.sh vllm-layer [BUNDLE] # nvidia-h200: ~6 min (~5 with a carried BUNDLE)
 #   bash bench/h200_proof.sh sglang-layer DIR   # nvidia-h200: ~5 min
 #   bash bench/h200_proof.sh sglang-graph DIR   # nvidia-h200: ~5 min
-#   bash bench/h200_proof.sh sglang-model DIR   # nvidia-h200: sglang-graph with the model's components (--model)
+#   bash bench/h200_proof.sh sglang-jit DIR     # nvidia-h200: the model manifest's sglang modules built here (~3 min)
+#   bash bench/h200_proof.sh sglang-model DIR   # nvidia-h200: sglang-graph with the model's components (--model), on
+#                                               # the modules sglang-jit built (first if not yet)
 #   bash bench/h200_proof.sh vllm-model [BUNDLE] # nvidia-h200: vllm-layer with the model's (bench/vllm_model_traffic.py)
 #   bash bench/h200_proof.sh keys               # nvidia-h200: ~1 min
 #   bash bench/h200_proof.sh tune MANIFEST...   # nvidia-h200: ~1-3 min a manifest
@@ -74,6 +76,7 @@ py=${PYTHON:-python3}
 export PREWARM_BENCH_WORK=$work PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || ($mode == sglang-layer && -n $bundle) ||
         ($mode == sglang-graph && -n $bundle) || ($mode == sglang-model && -n $bundle) || $mode == vllm-model ||
+        ($mode == sglang-jit && -n $bundle) ||
         $mode == dp-stall || $mode == fla-tune || $mode == fla-offline || $mode == vllm-layer || $mode == keys ||
         ($mode == tune && -n $bundle) ]]; then
   echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | sglang-layer DIR | dp-stall [BUNDLE] | fla-tune |" \
@@ -96,6 +99,23 @@ if [[ $bundle == *.tar ]]; then  # a bundle that came back from an earlier run a
   rm -rf "$work/carried" && mkdir -p "$work/carried" && tar -xf "$bundle" -C "$work/carried" || exit 1
   bundle=$work/carried/bundle
 fi
+
+# sglang-jit / sglang-model: every sglang module manifests/kimi-linear-h200-sglang.toml plans, built in this node's
+# image with no GPU visible (sglang keys them on its host compiler) and packed into $work/bundle.sglang-jit. The
+# build dir starts as an install of $1 (the manifest's Triton bundle, built on the CPU box): its compiles are
+# present, so only what the bundle lacks is built here. FlashInfer's sampling module is left out (sampling_backend
+# pytorch: this image has no FlashInfer; bench/h200_proof.sh jit proves that module).
+node_jit() {
+  local manifest=manifests/kimi-linear-h200-sglang.toml
+  echo "== the sglang modules of $manifest built in this node's image, no GPU visible"
+  sed 's/^sampling_backend = "flashinfer"/sampling_backend = "pytorch"/' $manifest > manifests/.node-sglang.toml
+  rm -rf "$work/node-build"* "$work/bundle.sglang-jit"*
+  $py -m prewarm.cli install "$1" --cache-dir "$work/node-build" &&
+    CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build manifests/.node-sglang.toml --cache-dir "$work/node-build" \
+      --workers 16 && $py -m prewarm.cli pack "$work/node-build.sglang-jit" -o "$work/bundle.sglang-jit" &&
+    touch "$work/bundle.sglang-jit.model"
+  echo "exit $?, $SECONDS s"
+}
 
 fla=manifests/kimi-linear-h200-fla.toml
 table=$work/kimi-linear-h200-fla.tuned.toml
@@ -209,6 +229,10 @@ case $mode in
     echo "h200_proof: $mode traffic exit $rc, $SECONDS s" | tee -a "$log"
     exit $rc
     ;;
+  sglang-jit)
+    node_jit "$bundle/bundle" 2>&1 | tee "$out/sglang_node_jit.log"
+    [ -f "$work/bundle.sglang-jit.model" ]
+    ;;
   sglang-layer|sglang-graph|sglang-model)
     graph=() && name=sglang_layer_traffic
     [ "$mode" = sglang-graph ] && graph=(--graph) && name=sglang_graph_traffic
@@ -217,13 +241,18 @@ case $mode in
     mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
     export PYTHONPATH=$PWD/build/sglang:$work/shim:$PYTHONPATH
     log=$out/$name.log
-    { echo "== sglang's JIT module built in this node's image, no GPU visible"
-      sed 's/^sampling_backend = "flashinfer"/sampling_backend = "pytorch"/' bench/jit-h200.toml > "$work/jit-node.toml"
-      rm -rf "$work/node-build"*
-      CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build "$work/jit-node.toml" --cache-dir "$work/node-build" &&
-        $py -m prewarm.cli pack "$work/node-build.sglang-jit" -o "$work/bundle.sglang-jit"
-      echo "exit $?"
-    } 2>&1 | tee "$log"
+    if [ "$mode" = sglang-model ]; then  # every sglang module the model's plan builds (sglang-jit: kept in $work)
+      [ -f "$work/bundle.sglang-jit.model" ] || node_jit "$bundle/bundle" 2>&1 | tee "$log"
+      [ -f "$work/bundle.sglang-jit.model" ] || exit 1
+    else
+      { echo "== sglang's JIT module built in this node's image, no GPU visible"
+        sed 's/^sampling_backend = "flashinfer"/sampling_backend = "pytorch"/' bench/jit-h200.toml > "$work/jit-node.toml"
+        rm -rf "$work/node-build"* "$work/bundle.sglang-jit"*
+        CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build "$work/jit-node.toml" --cache-dir "$work/node-build" &&
+          $py -m prewarm.cli pack "$work/node-build.sglang-jit" -o "$work/bundle.sglang-jit"
+        echo "exit $?"
+      } 2>&1 | tee "$log"
+    fi
     seeds=$(( $(date +%s) % 100000 ))
     seeds=$(seq -s, "$seeds" $((seeds + 4)))
     calls=96 && [ "$mode" = sglang-model ] && calls=48  # --model: as many model calls again a step

@@ -56,7 +56,7 @@ case $verb in
             $([ -d /tmp/bundles/kimi-linear-h200-vllm ] && echo /tmp/bundles/kimi-linear-h200-vllm)
           r=$?
           ;;
-        sglang-layer|sglang-graph|sglang-model)
+        sglang-layer|sglang-graph|sglang-model|sglang-jit)
           PREWARM_TRITON_SITE=$(site sglang) bash bench/h200_proof.sh "$proof" /tmp/bundles/sglang
           r=$?
           ;;
@@ -73,7 +73,7 @@ case $verb in
     exit $rc
     ;;
   *)
-    echo "usage: bash bench/h200_triton38.sh receive PATH... | unpack | run vllm|own|sglang-layer|sglang-graph|tune..." >&2
+    echo "usage: bash bench/h200_triton38.sh receive PATH... | unpack | run vllm|vllm-model|own|sglang-layer|sglang-graph|sglang-jit|sglang-model|tune..." >&2
     exit 2
     ;;
 esac

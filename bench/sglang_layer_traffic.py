@@ -22,6 +22,12 @@ positions before a prefill, the EAGLE verify commit (``prepare_verify_commit_out
 sizes are seeded permutations of 1..the largest bucket; ``coverage`` then says which sizes (per graph kind) were
 missed.
 
+With ``--model`` the layer's calls are interleaved with the model-level generators' (``MODEL_TRAFFIC``, as many
+calls of each): ``tests/traffic/sglang_cuda_model.py`` (the MoE at every token count, its router, the logits cast)
+and ``tests/traffic/sglang_cuda_step.py`` (the scheduler's slot writes, an MLA layer's KV store, read-back and concat
+with FA3's graph metadata, the EAGLE v2 worker's kernels, the grammar mask, sglang's JIT ``silu_and_mul``, KV store
+and tree verify); ``coverage`` then also names each generator's kinds no run drew.
+
 Per seed (as ``bench/sglang_traffic.py`` does, whose installers this reuses): ``prewarm install BUNDLE`` into a fresh
 node dir, each ``--jit-bundle`` into a fresh dir beside it (sglang's JIT dir: ``SGLANG_JIT_CACHE_DIR``), then a fresh
 process with ``TRITON_CACHE_DIR`` = the node dir and ``TRITON_CACHE_AUTOTUNING=1`` under ``prewarm guard`` (warn,
@@ -52,7 +58,7 @@ DEFAULT_MANIFEST = REPO / "manifests" / "kimi-linear-h200-sglang.toml"
 KINDS = ("extend", "decode", "target_verify")
 GRAPH_KINDS = ("extend", "graph_decode", "graph_verify", "target_verify")  # --graph
 # --model: the model-level generators interleaved with the layer's (tests/traffic: each has calls() and kinds())
-MODEL_TRAFFIC = ("sglang_cuda_model",)
+MODEL_TRAFFIC = ("sglang_cuda_model", "sglang_cuda_step")
 
 
 def child(args) -> dict:
@@ -141,7 +147,9 @@ def main() -> int:
                         "the guard, which counts their builds")
     p.add_argument("--model", action="store_true",
                    help="the model's step around the layer: the layer's calls interleaved with each model-level "
-                        "generator's (MODEL_TRAFFIC: the MoE, the logits cast, ...), as many of each")
+                        "generator's (MODEL_TRAFFIC: the MoE, the router and the logits cast; the scheduler, MLA, "
+                        "EAGLE worker, sampler and JIT modules' steps), as many of each; the --jit-bundle must then "
+                        "hold every sglang module the manifest plans (bench/h200_proof.sh sglang-model builds them)")
     p.add_argument("--graph", action="store_true",
                    help="drive the serving path around the layer (tests/traffic/sglang_graph.py): real CUDA graphs "
                         "captured and replayed, the runner's and the EAGLE worker's kernels")

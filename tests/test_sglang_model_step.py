@@ -46,6 +46,7 @@ def test_step_traffic_requests_nothing_the_plan_lacks(planned, seed):  # noqa: F
     reached = {c.kernel.split(":")[1] for c in compiles.values()}
     assert STEP_KERNELS <= reached, f"seed {seed}: the traffic reached no {sorted(STEP_KERNELS - reached)}"
     assert {c.options["mode"] for c in calls} == {"extend", "spec"}
+    assert {c.options["kind"] for c in calls} <= set(sglang_cuda_step.kinds(m.spec()))  # what the benches count
     missing = [c for key, c in planned_keys(list(compiles.values())).items() if key not in keys]
     by_kernel = Counter(c.kernel.split(":")[1] for c in missing)
     assert not missing, (f"seed {seed} (rerun: PREWARM_CLOSURE_SEED={seed}): {len(missing)} of {len(compiles)} "

@@ -174,6 +174,20 @@ def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
         yield traffic.draw(i)
 
 
+def kinds(spec: dict) -> list[str]:
+    """The kinds of step :func:`calls` draws within ``spec``'s envelope (a call's ``kind``): ``extend``, and an
+    EAGLE step per verify shape (a chain; a tree where the launch line runs one) replayed from the graphs (a batch
+    up to the largest ``--cuda-graph-bs`` bucket) or eager (a batch above it)."""
+    m = Model.of(spec)
+    top = m.buckets[-1] if m.buckets else 0
+    return ["extend"] + [_spec_kind(topk, graph) for topk in ((1, TREE_TOPK) if m.tree else (1,))
+                         for graph in (True, False) if (graph and top) or (not graph and m.max_running > top)]
+
+
+def _spec_kind(topk: int, graph: bool) -> str:
+    return f"spec_{'tree' if topk > 1 else 'chain'}_{'graph' if graph else 'eager'}"
+
+
 class _Traffic:
     def __init__(self, m: Model, rng: random.Random, device: str):
         self.m, self.rng, self.device = m, rng, device
@@ -218,8 +232,9 @@ class _Traffic:
             d["bucket"] = next((b for b in m.buckets if b >= bs), None) if bs <= top else None
             d["seq_lens"] = [rng.randint(1, MAX_SEQ) for _ in range(bs)]
             d["greedy"] = next(self.greedy)  # all greedy, or any request sampled (temperature > 0)
+        d["kind"] = mode if mode == "extend" else _spec_kind(d["topk"], d["bucket"] is not None)
         d["grammar"] = next(self.grammars)  # any constrained request in the batch (xgrammar, the default)
-        label = f"{mode}#{i}[" + ",".join(f"{k}={short(v)}" for k, v in d.items() if k != "mode") + "]"
+        label = f"{mode}#{i}[" + ",".join(f"{k}={short(v)}" for k, v in d.items() if k not in ("mode", "kind")) + "]"
         return Call(label, lambda: self.step(d), d)
 
     def step(self, d: dict) -> None:
