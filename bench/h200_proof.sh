@@ -80,7 +80,8 @@ if ! [[ ($mode == traffic && -n $bundle) || ($mode == jit && -n $bundle) || ($mo
         $mode == dp-stall || $mode == fla-tune || $mode == fla-offline || $mode == vllm-layer || $mode == keys ||
         ($mode == tune && -n $bundle) ]]; then
   echo "usage: bash bench/h200_proof.sh traffic BUNDLE | jit DIR | sglang-layer DIR | dp-stall [BUNDLE] | fla-tune |" \
-    "fla-offline | vllm-layer [BUNDLE] | sglang-graph DIR | keys | tune MANIFEST..." >&2
+    "fla-offline | vllm-layer [BUNDLE] | sglang-graph DIR | keys | tune MANIFEST... | sglang-jit DIR | sglang-model DIR |" \
+    "vllm-model [BUNDLE]" >&2
   exit 2
 fi
 mkdir -p "$out" "$work"
