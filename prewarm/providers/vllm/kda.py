@@ -307,7 +307,7 @@ def model_components(spec: dict, s: VllmSpec):
 
 def _component_calls(spec: dict, s: VllmSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
     """Every component's calls, each label prefixed with its component."""
-    from . import moe, runner
+    from . import layer, moe, runner
 
     for label, call in _all_calls(spec, s, device):
         yield f"kda/{label}", call
@@ -317,6 +317,10 @@ def _component_calls(spec: dict, s: VllmSpec, device: str) -> Iterator[tuple[str
             yield f"moe/{label}", call
     if r is not None:
         for label, call in runner.calls(r, device):
+            yield f"runner/{label}", call
+        # the hybrid's uniform page (the KDA state's, padded to the attention page): what the KV-block zeroer clears
+        pages = sorted({g.page_bytes for g in layer.geometries(spec)[0]})
+        for label, call in runner.zero_calls(pages, device):
             yield f"runner/{label}", call
         yield from _step_calls(spec, s, r, device)
 

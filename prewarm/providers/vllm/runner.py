@@ -27,6 +27,9 @@ Then, as ``prepare_attn`` does, ``BlockTables.gather_block_tables`` and ``comput
 attention, the KDA state), its staged-write and UVA-backed members standing as device tensors of the same shapes and
 dtypes (their host staging needs vLLM's UVA op); group count and widths size grids and pointer tables only.
 
+And the KV-block zeroer a hybrid model's runner holds (:func:`zero_calls`): each step it zeroes the attention blocks
+the scheduler newly allocated, and block 0 at start-up (``vllm/v1/worker/utils.py`` ``KVBlockZeroer``).
+
 What specializes these kernels is the deployment's geometry, not the batch: ``max_num_seqs`` (the buffers' rows),
 ``max_model_len`` (``all_token_ids``' row stride), the vocabulary (``output_bin_counts``' row), the speculative
 steps (the draft table's row, the sampled-token row, the block constexprs); request counts only size grids.
@@ -49,6 +52,7 @@ REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
 REJECTION_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 BLOCK_TABLE = "vllm.v1.worker.gpu.block_table"
 DRAFT_LOGITS = "vllm.v1.worker.gpu.spec_decode.draft_logits"
+WORKER_UTILS = "vllm.v1.worker.utils"
 REJECTION_KERNELS = ("_compute_local_logits_stats_kernel", "_rejection_kernel", "_resample_kernel",
                      "_insert_resampled_kernel")
 KEYS = ("max_model_len", "vocab_size")
@@ -59,7 +63,8 @@ KERNELS = ("_prepare_prefill_inputs_kernel", "_prepare_pos_seq_lens_kernel", "_c
 COMPONENT_OF_MODULE = {GUMBEL: "sampler", MIN_P: "sampler", PENALTIES: "sampler", REJECTION: "rejection_sampler",
                        REJECTION_SAMPLER: "rejection_sampler"}
 PLANNED = {"runner": [f"{INPUT_BATCH}:{k}" for k in KERNELS] + [f"{BLOCK_TABLE}:_gather_block_tables_kernel",
-                                                                f"{BLOCK_TABLE}:_compute_slot_mappings_kernel"],
+                                                                f"{BLOCK_TABLE}:_compute_slot_mappings_kernel",
+                                                                f"{WORKER_UTILS}:_zero_kv_blocks_kernel"],
            "sampler": [f"{GUMBEL}:_gumbel_sample_kernel", f"{GUMBEL}:_gumbel_combine_kernel",
                        f"{GUMBEL}:_temperature_kernel", f"{MIN_P}:_min_p_kernel",
                        f"{PENALTIES}:_penalties_kernel", f"{PENALTIES}:_bincount_kernel"],
@@ -254,6 +259,42 @@ def calls(r: RunnerSpec, device: str) -> Iterator[tuple[str, Callable[[], object
                                                    torch.zeros(1, dtype=i32, device=device), b["prefill_len"])
 
         yield f"runner[spec,logits=1,num_spec={r.num_spec}]", one_logit
+
+
+def zero_calls(page_bytes: list[int], device: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """(label, call): the KV-block zeroing a hybrid model's runner launches (``vllm/v1/worker/utils.py``
+    ``KVBlockZeroer``): a model with mamba layers sets ``KVCacheConfig.needs_kv_cache_zeroing``, the worker builds
+    the runner's ``kv_block_zeroer``, its ``warmup`` zeroes block 0 at start-up and ``GPUModelRunner.update_requests``
+    zeroes the attention blocks the scheduler newly allocated, each step. ``zero_block_ids`` runs here on a zeroer
+    whose segment table is what ``init_meta`` builds for the attention layers (one segment per layer buffer: its
+    address, block stride and page in int32 words, the hybrid's uniform page ``page_bytes``): the launch's constexpr
+    ``BLOCK_SIZE`` is ``init_meta``'s own rule over the largest page, the block and segment counts size the grid."""
+    import importlib
+    import math
+
+    import torch
+
+    utils = importlib.import_module(WORKER_UTILS)
+    for page in page_bytes:
+        words = page // 4
+        block = min(1 << (words - 1).bit_length(), 1024)  # init_meta: blk_size
+
+        def call(words=words, block=block):
+            zeroer = utils.KVBlockZeroer.__new__(utils.KVBlockZeroer)
+            zeroer.device = torch.device(device)
+            segments = 1
+            zeroer._meta = (torch.zeros(segments, dtype=torch.uint64, device=device),
+                            torch.full((segments,), words, dtype=torch.int64, device=device),
+                            torch.full((segments,), words, dtype=torch.int64, device=device),
+                            math.ceil(words / block), block, segments)
+            h2d = utils.async_tensor_h2d  # its pinned host staging needs a driver; the copy's source is no key
+            utils.async_tensor_h2d = lambda data, device, dtype: torch.tensor(data, dtype=dtype, device=device)
+            try:
+                zeroer.zero_block_ids([0])  # the warm-up's block; a step's new blocks: the same launch, a wider grid
+            finally:
+                utils.async_tensor_h2d = h2d
+
+        yield f"runner[zero_kv_blocks,page={page}]", call
 
 
 def _block_tables(module, r: RunnerSpec, device: str):
