@@ -115,11 +115,12 @@ def test_coverage_names_each_component_and_what_it_does_not_plan(planned):
     m, p, _ = planned
     rows = {r["component"]: r for r in kda.coverage(m.spec())}
     assert set(rows) == {"kda", "moe", "runner", "sampler", "rejection_sampler", "staged", "mamba", "speculator", "mla",
-                         "dense_mlp"}
+                         "dense_mlp", "sampler_options"}
     by_component = {}
     for c in p.compiles:  # each compile's component: its label's first part
         by_component.setdefault(c.label.split("/")[0], set()).add(c.kernel)
-    for name in ("kda", "moe", "runner", "sampler", "rejection_sampler", "staged", "mamba", "speculator"):
+    for name in ("kda", "moe", "runner", "sampler", "rejection_sampler", "staged", "mamba", "speculator",
+                 "sampler_options"):
         assert rows[name]["planned"] and set(rows[name]["planned"]) == by_component[name], name
     assert all(item["what"] and item["why"] for r in rows.values() for item in r["not_planned"])
     # without the model tables only the layer is planned, and coverage says so

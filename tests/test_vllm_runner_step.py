@@ -5,12 +5,13 @@ from ``prewarm.providers.vllm`` nor the other model-level traffic) on fake tenso
 computation (``test_vllm.runtime_compiles``): every compile request a step makes has its key in the plan, and the
 steps reach every kernel the reading of those sources says they reach.
 
-Excluded from the generator, each listed by ``prewarm plan manifests/kimi-linear-h200-vllm.toml`` under "not
-planned" with its reason (the generator's docstring names each): the sampler's Triton top-k / top-p masking,
-logit-bias / bad-words / thinking-budget / logprob kernels and ``--use-fp64-gumbel`` (component sampler), the
-structured-output bitmask (runner), ``VLLM_COMPUTE_NANS_IN_LOGITS`` (sampler), the rejection sampler's logprob
-flattening and other methods (rejection_sampler), the probabilistic-draft and adaptive-verification kernels
-(speculator), the DS conv layout and ReplaySSM / RecoverSSM (mamba), the sampler tables' staged writes (staged).
+Excluded from the generator: the requests' per-request sampling options (logit bias, bad words, logprobs and prompt
+logprobs, Triton top-k / top-p, the structured-output bitmask, the option tables' staged writes), planned by the
+component ``sampler_options`` and checked by ``tests/test_vllm_sampling_options.py``'s own independent traffic; and,
+each listed by ``prewarm plan manifests/kimi-linear-h200-vllm.toml`` under "not planned" with its reason (the
+generator's docstring names each): the thinking budget and ``--use-fp64-gumbel``, ``VLLM_COMPUTE_NANS_IN_LOGITS``
+(sampler), the rejection sampler's other methods (rejection_sampler), the probabilistic-draft and
+adaptive-verification kernels (speculator), the DS conv layout and ReplaySSM / RecoverSSM (mamba).
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ modules they reach -> the same provider's other components), ``sglang_graph`` (s
 layer under CUDA graphs), ``vllm_layer`` (vLLM's Kimi-Linear layer forward), ``vllm_model`` and ``vllm_step`` (the
 MoE, the V2 runner, samplers, staged writes, mamba bookkeeping and MTP drafter -> ``prewarm.providers.vllm``'s model
 components), ``vllm_runner_step`` (an engine step of vLLM's V2 runner, written apart from those two and from the
-provider: the same components and the KV-block zeroer), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure`` runs traffic and names
+provider: the same components and the KV-block zeroer), ``vllm_sampling_options`` (the requests' sampling options
+-> the ``sampler_options`` component, written likewise apart), ``fla_kda`` (fla-core's public API -> ``prewarm.providers.fla.kda``); ``closure`` runs traffic and names
 what it requested that the plan lacks. :func:`interleave` mixes several generators' calls into one server's steps (the
 benches' model-level runs); :func:`fill_expert_alignment` writes, on a GPU without the server's compiled extensions,
 what its CUDA MoE align writes. (This project's own kernels' traffic is

@@ -38,8 +38,10 @@ token counts), ``runner`` (:mod:`prewarm.providers.vllm.runner`: the V2 model ru
 and slot mappings, the Gumbel sampler, the rejection sampler), ``staged`` (:mod:`.staged`: the runner's staged writes of
 the request state and block tables), ``mamba`` (:mod:`.mamba`: the hybrid model state's accepted counts and, under
 prefix caching, its state pre-copy, aligned indices and post-copy) and ``speculator`` (:mod:`.speculator`: the MTP
-drafter's input preparation and greedy draft sampling). Each launch's label starts with its component (``kda/``,
-``moe/``, ``runner/``, ``sampler/``, ``rejection_sampler/``, ``staged/``, ``mamba/``, ``speculator/``); :func:`coverage`
+drafter's input preparation and greedy draft sampling), ``sampler_options`` (:mod:`.sampler_options`: the sampler on
+requests' options: logit bias, bad words, logprobs, the Triton top-k / top-p). Each launch's label starts with its
+component (``kda/``, ``moe/``, ``runner/``, ``sampler/``, ``rejection_sampler/``, ``staged/``, ``mamba/``,
+``speculator/``, ``sampler_options/``); :func:`coverage`
 says per component what is planned and what the model reaches that is not, with why.
 
 Not planned (another kernel library): Kimi-K3's FlashKDA / FlashInfer / native fused decode, RecoverSSM.
@@ -55,7 +57,7 @@ from typing import Callable, Iterator
 
 from prewarm_kernels.spec import INDEX_DTYPES, SpecError
 
-from ..capture import TensorCache, batch_sizes, fake_tensors, index_tensor, launches_of, misaligned
+from ..capture import TensorCache, batch_sizes, fake_tensors, index_tensor, launches_of
 from ..kdaspec import read_server_kda
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
@@ -203,12 +205,7 @@ def launches(spec: dict) -> list:
     out = []
     with fake_cuda():
         for label, call in _component_calls(spec, s, "cuda"):
-            for launch in launches_of(call):
-                bad = [str(i) for i, v in enumerate(launch.args) if misaligned(v)] + \
-                      [k for k, v in launch.kwargs.items() if misaligned(v)]
-                if bad:
-                    raise ValueError(f"{label}: {_kernel_name(launch)} gets {', '.join(bad)} at a pointer that is "
-                                     "not 16-byte aligned, which a plan cannot encode")
+            for launch in launches_of(call):  # a view's unaligned pointer is kept (the plan encodes it)
                 where = label  # the runner's step holds its sampler's and rejection sampler's launches too
                 if label.startswith("runner/"):
                     where = f"{runner.component(_kernel_module(launch))}/{label.removeprefix('runner/')}"
@@ -334,6 +331,10 @@ def _step_calls(spec: dict, s: VllmSpec, r, device: str) -> Iterator[tuple[str, 
     # the KV-cache groups: the MLA group and the KDA groups (at least one: a hybrid model's fused writer)
     for label, call in staged.calls(r, 1 + (mm.groups if mm else 1), device):
         yield f"staged/{label}", call
+    from . import sampler_options
+
+    for label, call in sampler_options.calls(r, device):  # requests' sampling options (logit bias, logprobs ...)
+        yield f"sampler_options/{label}", call
     if mm is not None:
         for g in layer.geometries(spec)[0]:
             for label, call in mamba.calls(mm, r, g, device):
@@ -347,7 +348,7 @@ def _step_calls(spec: dict, s: VllmSpec, r, device: str) -> Iterator[tuple[str, 
 def coverage(spec: dict) -> list[dict]:
     """Per model component, what this provider plans and what Kimi-Linear's model on vLLM reaches that it does not
     plan, with why (the per-component coverage hook)."""
-    from . import mamba, moe, runner, speculator, staged
+    from . import mamba, moe, runner, sampler_options, speculator, staged
 
     s = read_spec(spec)
     m, r = model_components(spec, s)
@@ -365,6 +366,9 @@ def coverage(spec: dict) -> list[dict]:
             *({"component": name, "planned": runner.PLANNED[name] if r else [],
                "not_planned": runner.NOT_PLANNED[name] if r else absent(runner.KEYS, ", ".join(runner.PLANNED[name]))}
               for name in runner.PLANNED),
+            {"component": "sampler_options", "planned": sampler_options.PLANNED if r else [],
+             "not_planned": sampler_options.NOT_PLANNED if r else absent(runner.KEYS,
+                                                                        ", ".join(sampler_options.PLANNED))},
             {"component": "staged", "planned": staged.PLANNED if r else [],
              "not_planned": staged.NOT_PLANNED if r else absent(runner.KEYS, staged.PLANNED[0])},
             {"component": "mamba", "planned": mamba.planned(mm) if r and mm else [],

@@ -73,28 +73,22 @@ PLANNED = {"runner": [f"{INPUT_BATCH}:{k}" for k in KERNELS] + [f"{BLOCK_TABLE}:
 WORKER = "vllm.v1.worker.gpu"
 # per component, what the runner, its sampler and its speculative path launch that is not planned yet, and why
 NOT_PLANNED = {"runner": [
-    {"what": f"{WORKER}.structured_outputs:_apply_grammar_bitmask_kernel",
-     "why": "reached only by requests with structured output (a grammar's token bitmask): not planned"},
     {"what": f"{WORKER}.cp_utils:_dcp_local_seq_lens_kernel, {WORKER}.mm.rope:_prepare_rope_positions_kernel, "
              f"{WORKER}.model_states.prompt_embeds:_apply_prompt_embeds_kernel",
      "why": "decode context parallelism, multimodal rope, prompt embeddings: not this deployment's (TP 1, a text "
             "model, token ids)"}],
     "sampler": [
-    {"what": f"{WORKER}.sample: the logit-bias, bad-words, thinking-budget and logprob kernels; vllm.v1.sample.ops: "
-             "the Triton top-k / top-p masking (apply_top_k_top_p_triton); "
-             f"{GUMBEL}:_gumbel_sample_kernel with use_fp64_gumbel",
-     "why": "not yet driven: requests with logit bias / min-tokens, bad words, a thinking budget, logprobs or "
-            "top-k / top-p (in a batch the fused FlashInfer sampler does not take: a greedy request or an explicit "
-            "seed beside them), and --use-fp64-gumbel; temperature, min-p and the penalties are planned"},
+    {"what": f"{GUMBEL}:_gumbel_sample_kernel with use_fp64_gumbel",
+     "why": "not yet driven: --use-fp64-gumbel; temperature, min-p and the penalties are planned (the requests' "
+            "other sampling options: component sampler_options)"},
     {"what": f"{WORKER}.metrics.logits:_num_nans_kernel",
      "why": "only with VLLM_COMPUTE_NANS_IN_LOGITS=1 (off by default)"},
     {"what": "FlashInfer's top-k/top-p sampling (the V2 Sampler's fused path)",
      "why": "a FlashInfer module past Triton, reached by sampled requests with top-k/top-p: not planned for vLLM"}],
     "rejection_sampler": [
-    {"what": f"{REJECTION_SAMPLER}:_flatten_sampled_kernel; {REJECTION}: the block-verification, synthetic-rate, "
-             "FLy and watermarking variants",
-     "why": "the flattening runs only for requests with logprobs; the variants are other --speculative-config "
-            "rejection_sample_method values or watermarking, not the default"}]}
+    {"what": f"{REJECTION}: the block-verification, synthetic-rate, FLy and watermarking variants",
+     "why": "other --speculative-config rejection_sample_method values or watermarking, not the default (the "
+            "logprobs' _flatten_sampled_kernel: component sampler_options)"}]}
 
 
 def component(kernel_module: str) -> str:

@@ -26,10 +26,9 @@ STATES = "vllm.v1.worker.gpu.states"
 BLOCK_TABLE = "vllm.v1.worker.gpu.block_table"
 PLANNED = [f"{BUFFER_UTILS}:_apply_write_kernel"]
 NOT_PLANNED = [
-    {"what": f"{BUFFER_UTILS}:_apply_write_kernel on the sampler's per-request option tables (logit bias, allowed "
-             "and stop token ids: float32 / int32), the logprobs' token ids, trace replay, multimodal rope positions",
-     "why": "reached only by requests with those sampling options or multimodal inputs (the sampler's options are "
-            "not planned; Kimi-Linear takes no multimodal input)"},
+    {"what": f"{BUFFER_UTILS}:_apply_write_kernel on trace replay's tables, multimodal rope positions",
+     "why": "trace replay is the runner's enable_trace_replay (off by default); Kimi-Linear takes no multimodal input "
+            "(the sampler's option tables: component sampler_options)"},
     {"what": f"{BUFFER_UTILS}:_apply_write_kernel on one KV-cache group's block table (MULTI_GROUP off)",
      "why": "a model with one KV-cache group: Kimi-Linear's hybrid cache has an MLA group and KDA groups"},
 ]
