@@ -91,8 +91,8 @@ def kinds(spec: dict) -> list[str]:
 
 
 def step_cycle(spec: dict) -> int:
-    """How many steps meet every (kind, batch class, temperature mode, fused sampler switch) once."""
-    return len(kinds(spec)) * 2 * len(TEMPERATURE_MODES) * 2
+    """How many steps meet every (kind, batch class, temperature mode, fused sampler switch, top-p) once."""
+    return len(kinds(spec)) * 2 * len(TEMPERATURE_MODES) * 2 * 2
 
 
 def calls(spec: dict, seed: int, n: int, device: str) -> Iterator[Call]:
@@ -132,11 +132,12 @@ def _needs(r: dict, vocab: int) -> bool:
 class _Traffic:
     def __init__(self, e: Envelope, rng: random.Random, device: str):
         self.e, self.rng, self.device = e, rng, device
-        # every (kind, batch class, temperature mode, fused sampler switch: a rejection step ignores it) once per
-        # :func:`step_cycle` steps: the split top-p pipeline's small batches, the sampler's fused / Triton paths and
-        # the unprocessed bf16 logits are met within that many steps, whatever the seed
+        # every (kind, batch class, temperature mode, fused sampler switch: a rejection step ignores it, top-p on or
+        # off) once per :func:`step_cycle` steps: the split top-p pipeline's small batches (a sampled step with top-p
+        # on), the sampler's fused / Triton paths and the unprocessed bf16 logits are met within that many steps,
+        # whatever the seed
         self.shapes = cycle(rng, list(itertools.product([None] + list(e.widths), ("small", "large"),
-                                                        TEMPERATURE_MODES, (True, False))))
+                                                        TEMPERATURE_MODES, (True, False), (True, False))))
         self.batches = {"small": cycle(rng, range(1, min(SPLIT_MAX_BATCH, e.max_reqs) + 1)),
                         "large": cycle(rng, range(min(SPLIT_MAX_BATCH, e.max_reqs - 1) + 1, e.max_reqs + 1))}
         self.axes = {axis: cycle(rng, [True, False]) for axis in AXES}
@@ -144,13 +145,13 @@ class _Traffic:
 
     # ---------------------------------------------------------------- draws
 
-    def profile(self, temperature: str) -> dict:
+    def profile(self, temperature: str, top_p: bool) -> dict:
         """The options a step's batch mixes: each axis on or off for the step (so a batch of any size meets top-k
         alone, top-p alone, both, neither...), greedy / sampled / mixed temperatures, and the step's logprob widths
         (a batch's largest request sets the kernels' constexprs)."""
         rng = self.rng
         p = {axis: next(self.axes[axis]) for axis in AXES}
-        p["temperature"] = temperature
+        p["temperature"], p["top_p"] = temperature, top_p
         if p["temperature"] == "plain":  # nothing to process: the sampler samples the model's bf16 logits
             p.update({axis: False for axis in PROCESSING_AXES})
         p["logprobs_n"] = rng.randint(0, MAX_LOGPROBS)
@@ -194,9 +195,9 @@ class _Traffic:
         return r
 
     def draw(self, i: int) -> Call:
-        width, size, temperature, fused = next(self.shapes)
+        width, size, temperature, fused, top_p = next(self.shapes)
         bs = next(self.batches[size])
-        profile = self.profile(temperature)
+        profile = self.profile(temperature, top_p)
         reqs = [self.request(profile, j == 0) for j in range(bs)]
         d: dict = {"kind": "sampler" if width is None else f"rejection_w{width}", "batch": bs,
                    "width": width or 1, "temperature": temperature, "fused": fused}

@@ -268,6 +268,8 @@ def zero_calls(page_bytes: list[int], device: str) -> Iterator[tuple[str, Callab
 
     import torch
 
+    from .staged import pageable_h2d
+
     utils = importlib.import_module(WORKER_UTILS)
     for page in page_bytes:
         words = page // 4
@@ -281,12 +283,8 @@ def zero_calls(page_bytes: list[int], device: str) -> Iterator[tuple[str, Callab
                             torch.full((segments,), words, dtype=torch.int64, device=device),
                             torch.full((segments,), words, dtype=torch.int64, device=device),
                             math.ceil(words / block), block, segments)
-            h2d = utils.async_tensor_h2d  # its pinned host staging needs a driver; the copy's source is no key
-            utils.async_tensor_h2d = lambda data, device, dtype: torch.tensor(data, dtype=dtype, device=device)
-            try:
-                zeroer.zero_block_ids([0])  # the warm-up's block; a step's new blocks: the same launch, a wider grid
-            finally:
-                utils.async_tensor_h2d = h2d
+            with pageable_h2d(utils):  # the warm-up's block; a step's new blocks: the same launch, a wider grid
+                zeroer.zero_block_ids([0])
 
         yield f"runner[zero_kv_blocks,page={page}]", call
 

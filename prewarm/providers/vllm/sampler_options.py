@@ -217,22 +217,16 @@ def calls(r, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
 
         yield f"sampler_options[prompt_logprobs,k={k}]", prompt
 
-    def h2d(data, device=None, dtype=None, out=None):  # the pinned host copy needs a driver; no key depends on it
-        return torch.as_tensor(data, dtype=dtype).to(device)
-
     for ids in range(1, MAX_LOGPROBS + 1):  # validated: at most max_logprobs ids a row
         def prompt_ids(ids=ids):
             """PromptLogprobsWorker.compute_prompt_token_id_logprobs: a request's ``prompt_logprob_token_ids``
             ([rows, ids]) scored per chunk of the model's bf16 logits (compute_token_logprobs)."""
             worker = prompt_logprob.PromptLogprobsWorker(r.max_num_reqs, torch.device(device))
             tokens = prompt_logprob.CHUNK_SIZE + 2
-            saved, prompt_logprob.async_tensor_h2d = prompt_logprob.async_tensor_h2d, h2d
-            try:
+            with staged.pageable_h2d(prompt_logprob):
                 worker.add_request("prompt", 0, types.SimpleNamespace(
                     prompt_logprobs=None, prompt_logprob_start=0,
                     prompt_logprob_token_ids=np.zeros((tokens - 1, ids), dtype=np.int64)))
-            finally:
-                prompt_logprob.async_tensor_h2d = saved
             prompt_lens = np.full(r.max_num_reqs, tokens, dtype=np.int32)
             # chunked prefill: a first chunk of one token, then the rest: a chunk's ids are a row slice of the
             # request's [rows, ids] int64 table, 16-byte aligned or not by its first row (odd ids past row 0: not)
@@ -314,11 +308,13 @@ def _grammar_calls(r, device: str) -> Iterator[tuple[str, Callable[[], object]]]
     model's bf16 logits, on a worker built by its own ``__init__`` (``max_num_logits`` = requests x decode query
     length, ``mask_stride`` = the decode query length: 1 + num_spec, a constexpr). Its side stream and pinned host
     copies need a driver: within the call ``torch.cuda``'s stream calls are no-ops and the host copies plain
-    (``runner.zero_calls`` does the same for its h2d copy); neither is part of the launch's key."""
+    (:func:`prewarm.providers.vllm.staged.pageable_h2d`); neither is part of the launch's key."""
     import contextlib
 
     import numpy as np
     import torch
+
+    from . import staged
 
     so = importlib.import_module(STRUCTURED_OUTPUTS)
     stride = 1 + r.num_spec  # GPUModelRunner.decode_query_len: the speculative steps + one sampled token
@@ -327,18 +323,15 @@ def _grammar_calls(r, device: str) -> Iterator[tuple[str, Callable[[], object]]]
         def wait_stream(self, other):
             return None
 
-    def h2d(data, device=None, dtype=None, out=None):
-        t = torch.as_tensor(data, dtype=dtype or (out.dtype if out is not None else None))
-        return out.copy_(t) if out is not None else t.to(device)
-
     for reqs in batch_sizes(r.max_num_reqs):
         def call(reqs=reqs):
             with contextlib.ExitStack() as stack:
                 for owner, name, value in ((torch.cuda, "Stream", Stream), (torch.cuda, "current_stream", Stream),
                                            (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
-                                           (so, "PIN_MEMORY", False), (so, "async_tensor_h2d", h2d)):
+                                           (so, "PIN_MEMORY", False)):
                     stack.callback(setattr, owner, name, getattr(owner, name))
                     setattr(owner, name, value)
+                stack.enter_context(staged.pageable_h2d(so))
                 worker = so.StructuredOutputsWorker(max_num_logits=r.max_num_reqs * stride, vocab_size=r.vocab_size,
                                                     device=torch.device(device), mask_stride=stride)
                 batch = types.SimpleNamespace(req_ids=[str(i) for i in range(reqs)],

@@ -35,6 +35,27 @@ NOT_PLANNED = [
 
 
 @contextlib.contextmanager
+def pageable_h2d(*modules) -> Iterator[None]:
+    """Within the block each of ``modules``' ``async_tensor_h2d`` (vLLM's host-to-device copy, staged through pinned
+    memory: a driver's) copies from pageable memory, into ``out`` where given: the copy's source is no part of a
+    launch's key."""
+    import torch
+
+    def h2d(data, device=None, dtype=None, out=None):
+        t = torch.as_tensor(data, dtype=dtype or (out.dtype if out is not None else None))
+        return out.copy_(t) if out is not None else t.to(device)
+
+    saved = [(module, module.async_tensor_h2d) for module in modules]
+    for module, _ in saved:
+        module.async_tensor_h2d = h2d
+    try:
+        yield
+    finally:
+        for module, original in saved:
+            module.async_tensor_h2d = original
+
+
+@contextlib.contextmanager
 def host_buffers(device: str) -> Iterator[None]:
     """Within the block vLLM's ``UvaBuffer`` is a real CPU array beside a ``device`` tensor of its size and dtype,
     and a ``UvaBackedTensor``'s host copy (its numpy source of truth) is real under fake tensors: the runner's
