@@ -4,6 +4,7 @@
 #
 #   calls 1..N-1:  bash bench/h200_triton38.sh receive PATH...      # triton parts and bundle parts, kept in /tmp
 #   call N:        bash bench/h200_triton38.sh unpack                # triton at the build venvs' paths, bundles joined
+#                  (PREWARM_CARRY_VENVS=vllm, later =sglang: one server's unpack per call, parts still in /tmp)
 #   then:          bash bench/h200_triton38.sh run vllm own          # up to 10 min a call: one or more proofs
 #                  bash bench/h200_triton38.sh run sglang-graph sglang-layer tune
 #
@@ -27,7 +28,10 @@ case $verb in
     ls "$keep"
     ;;
   unpack)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 11
+    # .whl/ travels once (13 MiB): a later unpack on the same warm machine (another server's bundle) reuses /tmp/site
+    if compgen -G ".whl/*.whl" >/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 11
+    fi
     export PYTHONPATH=/tmp/site
     for venv in ${PREWARM_CARRY_VENVS:-vllm sglang}; do bash bench/carry_triton.sh unpack 3.8.0 "$(site $venv)" || exit 1; done
     if compgen -G "$keep/sglang.tar.part-*" >/dev/null; then  # the sglang bundle, in parts (over one call's 64 MiB)
