@@ -7,9 +7,12 @@ The traffic is ``tests/traffic/vllm_layer.py`` (``bench/vllm_layer_traffic.py``'
 ``KimiGatedDeltaNetAttention`` forward in every step make-up), ``tests/traffic/vllm_model.py`` (the MoE's Triton
 GEMMs eager and graph-padded, the V2 runner's input preparation, block tables and slot mappings, the Gumbel sampler,
 the rejection sampler and the post-step updates) and ``tests/traffic/vllm_step.py`` (the staged writes, the mamba
-bookkeeping, the MTP drafter, the sampler's per-request options, the rejection sampler's draft gather), calls of the
-three in a seeded order (``traffic.interleave``), as many of each; all written from vLLM's sources,
-independently of the providers (which this bench never imports);
+bookkeeping, the MTP drafter, the sampler's per-request options, the rejection sampler's draft gather),
+``tests/traffic/vllm_runner_step.py`` (an engine step of the V2 runner, the KV-block zeroer included) and
+``tests/traffic/vllm_sampling_options.py`` (what API requests' sampling options reach: logit bias, bad words,
+logprobs, prompt logprobs, Triton top-k / top-p, the grammar bitmask), calls of all five in a seeded order
+(``traffic.interleave``), as many of each; all written from vLLM's sources, independently of the providers (which
+this bench never imports);
 ``tests/test_vllm_layer.py`` and ``tests/test_vllm_model.py`` run the same generators on fake tensors against the
 plan. vLLM's CUDA ``moe_align_block_size`` (``_moe_C``, built for the server's torch) is not in a device image of
 another torch: on a GPU the traffic writes what it writes in torch (``traffic.fill_expert_alignment``: the buffers the
@@ -35,7 +38,7 @@ from vllm_traffic import drawn_steps, vllm_bench  # noqa: E402
 
 
 # the model-level generators interleaved with the layer's (tests/traffic: each has calls() and kinds())
-MODEL_TRAFFIC = ("vllm_model", "vllm_step")
+MODEL_TRAFFIC = ("vllm_model", "vllm_step", "vllm_runner_step", "vllm_sampling_options")
 
 
 def calls(spec: dict, seed: int, n: int, device: str):
