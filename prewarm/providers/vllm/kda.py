@@ -378,9 +378,14 @@ def coverage(spec: dict) -> list[dict]:
              "not_planned": speculator.NOT_PLANNED if r and d and r.num_spec else absent(
                  (*runner.KEYS, "draft_hidden_size"), ", ".join(speculator.PLANNED))},
             {"component": "mla", "planned": [],
-             "not_planned": [{"what": "the MLA layers: attention backend, KV-cache writes, their metadata",
-                              "why": "not yet examined at model level (FlashMLA and the KV-cache writes are CUDA C; "
-                                     "a Triton helper the backend may reach is not planned)"}]},
+             "not_planned": [{"what": "the MLA layers (vllm.models.kimi_k3.nvidia.mla): attention, KV-cache writes, "
+                                      "their metadata",
+                              "why": "no Triton on this path: on SM90 vLLM ranks FLASH_ATTN_MLA first for MLA (FA3 "
+                                     "decode, FlashAttention prefill), the key concat and cache insert are its fused "
+                                     "CUDA epilogues, a long prefix's gather and merge_attn_states are CUDA ops for "
+                                     "bf16 and a v_head_dim multiple of 8; Triton only off this path: "
+                                     "fused_q_kv_rmsnorm (q_lora_rank set: Kimi-Linear's is null), the Triton merge "
+                                     "(fp8 output or other head dims), ShardQ (sparse MLA), TRITON_MLA (no FA3)"}]},
             {"component": "dense_mlp", "planned": [],
              "not_planned": [{"what": "RMSNorm, silu_and_mul, the linear layers, the logits matmul",
                               "why": "vLLM's CUDA C ops and cuBLAS: no Triton compile"}]}]
