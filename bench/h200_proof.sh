@@ -106,6 +106,16 @@ fi
 # build dir starts as an install of $1 (the manifest's Triton bundle, built on the CPU box): its compiles are
 # present, so only what the bundle lacks is built here. FlashInfer's sampling module is left out (sampling_backend
 # pytorch: this image has no FlashInfer; bench/h200_proof.sh jit proves that module).
+# the serving image's FlashInfer (sglang's EAGLE sampling and other JIT modules include its headers; a node's image
+# has it as sglang's dependency, the device image does not): its Python package and headers, carried as
+# /tmp/prewarm-carry/flashinfer-py.tar.xz (bench/h200_triton38.sh receive), unpacked once and put on the path
+node_flashinfer() {
+  local tar=/tmp/prewarm-carry/flashinfer-py.tar.xz
+  [ -f "$tar" ] || return 0
+  [ -d "$work/fi/flashinfer" ] || { mkdir -p "$work/fi" && tar -xJf "$tar" -C "$work/fi"; } || return 1
+  export PYTHONPATH=$work/fi:$PYTHONPATH
+}
+
 node_jit() {
   local manifest=manifests/kimi-linear-h200-sglang.toml
   echo "== the sglang modules of $manifest built in this node's image, no GPU visible"
@@ -231,6 +241,9 @@ case $mode in
     exit $rc
     ;;
   sglang-jit)
+    mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
+    export PYTHONPATH=$PWD/build/sglang:$work/shim:$PYTHONPATH
+    node_flashinfer || exit 1
     node_jit "$bundle/bundle" 2>&1 | tee "$out/sglang_node_jit.log"
     [ -f "$work/bundle.sglang-jit.model" ]
     ;;
@@ -241,6 +254,7 @@ case $mode in
     [ "$mode" = sglang-model ] && [ "${PREWARM_GRAPH:-1}" = 1 ] && graph+=(--graph)
     mkdir -p "$work/shim" && ln -sfn "$PWD/kernels" "$work/shim/prewarm_kernels"  # as setup.py maps it
     export PYTHONPATH=$PWD/build/sglang:$work/shim:$PYTHONPATH
+    [ "$mode" = sglang-model ] && { node_flashinfer || exit 1; }
     log=$out/$name.log
     if [ "$mode" = sglang-model ]; then  # every sglang module the model's plan builds (sglang-jit: kept in $work)
       [ -f "$work/bundle.sglang-jit.model" ] || node_jit "$bundle/bundle" 2>&1 | tee "$log"
