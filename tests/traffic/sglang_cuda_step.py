@@ -518,14 +518,14 @@ class _Traffic:
         torch, dev = self.torch(), self.device
         predict = torch.zeros((bs * width,), dtype=torch.int32, device=dev)
         accept_index = torch.full((bs, steps + 1), -1, dtype=torch.int32, device=dev)
-        accept_lens = torch.ones((bs,), dtype=torch.int32, device=dev)
+        num_correct = torch.ones((bs,), dtype=torch.int32, device=dev)
         candidates = torch.zeros((bs * width,), dtype=torch.int64, device=dev).reshape(bs, width)
         # a chain-shaped tree's retrieve tables (index, next token, next sibling), as build_chain_tree fills them
         cols = torch.arange(width, dtype=torch.int64, device=dev).repeat(bs)
         retrieve = torch.stack([torch.arange(bs * width, dtype=torch.int64, device=dev),
                                 torch.where(cols + 1 < width, cols + 1, -1),
                                 torch.full((bs * width,), -1, dtype=torch.int64, device=dev)]).view(3, bs, width)
-        tables = dict(predicts=predict, accept_index=accept_index, accept_token_num=accept_lens,
+        tables = dict(predicts=predict, accept_index=accept_index, accept_token_num=num_correct,
                       candidates=candidates, retrive_index=retrieve[0], retrive_next_token=retrieve[1],
                       retrive_next_sibling=retrieve[2])
         if greedy:
@@ -544,7 +544,9 @@ class _Traffic:
                 **tables, uniform_samples=coins, uniform_samples_for_final_sampling=final,
                 target_probs=target_probs, draft_probs=torch.zeros_like(target_probs), threshold_single=1.0,
                 threshold_acc=1.0, deterministic=True)
-        return predict, accept_index, accept_lens
+        # the verify kernels count the correct drafts; eagle_sample returns accept_lens = num_correct_drafts + 1 (the
+        # bonus token), which the commit reads as a column count (accept_index[row, accept_lens - 1])
+        return predict, accept_index, num_correct + 1
 
     def graph_metadata(self, rows: int):
         """FA3's ``init_cuda_graph_state`` buffers for the largest bucket (made once, as the backend does), sliced to
