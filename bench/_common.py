@@ -384,6 +384,7 @@ class Probes:
         self.autotune_benchmarks: dict[str, int] = defaultdict(int)
         self.launcher_builds = 0
         self.launcher_build_s = 0.0
+        self.launchers_built: list[dict] = []  # one row per C module built (cuda_utils, a launcher): name, the call
         self.launches: dict[str, dict] = {}
         self.compiled: list[dict] = []  # one row per real compile: kernel, the call that made it, its key dir
         self.during = ""  # label of the call now running (set by :func:`run_calls`)
@@ -423,6 +424,7 @@ class Probes:
             finally:
                 self.launcher_builds += 1
                 self.launcher_build_s += time.perf_counter() - t0
+                self.launchers_built.append({"module": args[0] if args else kwargs.get("name"), "during": self.during})
 
         build._build = timed_build
 
@@ -472,6 +474,7 @@ class Probes:
             "launches_by_kernel": {k: {f: round(x, 6) if isinstance(x, float) else x for f, x in v.items()}
                                    for k, v in self.launches.items()},
             "compiled": self.compiled,
+            "launchers_built": self.launchers_built,
         }
 
 

@@ -2,6 +2,7 @@
 # Issue 52/53/54's GPU proofs under Triton 3.8, on the device machine (its image: torch 2.11 + triton 3.6), with
 # Triton 3.8 carried by bench/carry_triton.sh and the bundles built on the CPU box in the servers' own venvs.
 #
+#   here:          bash bench/h200_triton38.sh flashinfer            # .carry/sglang-gpu/flashinfer-py.tar.xz (sglang-jit)
 #   calls 1..N-1:  bash bench/h200_triton38.sh receive PATH...      # triton parts and bundle parts, kept in /tmp
 #   call N:        bash bench/h200_triton38.sh unpack                # triton at the build venvs' paths, bundles joined
 #                  (PREWARM_CARRY_VENVS=vllm, later =sglang: one server's unpack per call, parts still in /tmp)
@@ -22,6 +23,17 @@ out=${OUT:-bench/results}
 # here (PREWARM_BUILD_ROOT=/work/real with PREWARM_VENV_PREFIX= for the 2026-12-05 runs' /work/real/{vllm,sglang})
 site() { echo "${PREWARM_BUILD_ROOT:-/work/main}/${PREWARM_VENV_PREFIX-.venv-}$1/lib/python3.12/site-packages"; }
 case $verb in
+  flashinfer)  # here: the serving image's FlashInfer for sglang's JIT modules (its Python files and the headers they
+    # include, 10 MB as xz) from .venv-sglang, into .carry/sglang-gpu/; a device call carries it, `receive` keeps it
+    fi_site=$(site sglang) && list=$(mktemp) && mkdir -p .carry/sglang-gpu || exit 1
+    (cd "$fi_site" && { find flashinfer -name '*.py' -not -path 'flashinfer/data/*'
+      find flashinfer/data/include flashinfer/data/cutlass/include flashinfer/data/cutlass/tools/util/include \
+        flashinfer/data/spdlog/include -type f
+      find flashinfer/data/csrc -type f \( -name '*.h' -o -name '*.cuh' -o -name '*.hpp' -o -name '*.inc' \)
+      find flashinfer_python-*.dist-info -type f; } | sort -u > "$list" &&
+      tar -cf - -T "$list" | xz -T2 -6 > "$OLDPWD/.carry/sglang-gpu/flashinfer-py.tar.xz") || exit 1
+    rm -f "$list" && ls -l .carry/sglang-gpu/flashinfer-py.tar.xz
+    ;;
   receive)
     mkdir -p "$keep"
     for path in "${@:2}"; do cp -r "$path" "$keep/"; done
@@ -77,7 +89,7 @@ case $verb in
     exit $rc
     ;;
   *)
-    echo "usage: bash bench/h200_triton38.sh receive PATH... | unpack | run vllm|vllm-model|own|sglang-layer|sglang-graph|sglang-jit|sglang-model|tune..." >&2
+    echo "usage: bash bench/h200_triton38.sh flashinfer | receive PATH... | unpack | run vllm|vllm-model|own|sglang-layer|sglang-graph|sglang-jit|sglang-model|tune..." >&2
     exit 2
     ;;
 esac
