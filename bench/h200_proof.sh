@@ -226,8 +226,12 @@ case $mode in
       echo "== the carried bundle $bundle" | tee "$log"
     else
       rm -rf "$work/vllm-build" "$work/vllm-bundle"
-      { echo "== $vllm built with no GPU visible"
-        CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build $vllm --mode offline --workers 14 --cache-dir "$work/vllm-build" &&
+      # this node's libcuda dirs (Triton's own lookup), stated as a deployer states them ([target] libcuda_dirs):
+      # Triton 3.8 keys cuda_utils by them, and this image's libcuda is not in the manifest's default dir
+      dirs=$($py -c 'import json; from triton.backends.nvidia.driver import libcuda_dirs; print(json.dumps(libcuda_dirs()))') &&
+        sed "/^\[target\]/a libcuda_dirs = $dirs" $vllm > manifests/.node-vllm.toml || exit 1
+      { echo "== $vllm built with no GPU visible, [target] libcuda_dirs = $dirs"
+        CUDA_VISIBLE_DEVICES= $py -m prewarm.cli build manifests/.node-vllm.toml --mode offline --workers 14 --cache-dir "$work/vllm-build" &&
           $py -m prewarm.cli pack "$work/vllm-build" -o "$work/vllm-bundle"
         echo "exit $?"; } 2>&1 | tee "$log"
     fi
