@@ -199,6 +199,21 @@ def test_vllm_flags_and_defaults():
     assert plain["dtypes"]["activation"].value == "float16" and plain["dtypes"]["gate"].value == ["float16", "float32"]
 
 
+def test_vllm_max_logprobs_is_written_where_the_launch_line_sets_it():
+    """--max-logprobs caps what a request may ask (logprobs, prompt logprobs and their ids): absent, vLLM's default
+    20 and no key; given, the key with its flag as the source; -1 (no cap) written and said; below -1 refused."""
+    def vllm(*args):
+        return generate(KIMI_LINEAR, "vllm", "vllm", "cuda:sm_90:H200", list(args)).spec["vllm"]
+
+    assert "max_logprobs" not in vllm("--max-num-seqs", "8")
+    raised = vllm("--max-logprobs", "64")["max_logprobs"]
+    assert raised.value == 64 and "--max-logprobs 64" in raised.source
+    uncapped = vllm("--max-logprobs=-1")["max_logprobs"]
+    assert uncapped.value == -1 and "named, not planned" in uncapped.source
+    with pytest.raises(ManifestError, match="--max-logprobs -2"):
+        vllm("--max-logprobs", "-2")
+
+
 def test_vllm_0_34_defaults_spellings_and_eager_modes():
     """vLLM 0.34.0 as `vllm serve` reads its line: the B200 tier (>= 160 GiB: 16384 tokens) and Blackwell's capture
     ceiling (1024); max_num_batched_tokens and the uniform decode batch (requests x (1 + drafts)) captured where

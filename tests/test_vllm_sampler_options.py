@@ -95,6 +95,24 @@ def test_coverage_lists_the_component():
                                                "bad-words", "option tables"))
 
 
+def test_an_uncapped_max_logprobs_names_the_counts_it_cannot_plan():
+    """--max-logprobs -1: a request may ask any count up to the vocabulary (each its own compile); the coverage row
+    says the counts above vLLM's default are not planned, and a bad value is refused naming the key."""
+    import pytest
+
+    from prewarm_kernels.spec import SpecError
+
+    spec = load(MANIFEST).spec()
+    def row(value):
+        s = {**spec, "vllm": {**spec["vllm"], "max_logprobs": value}}
+        return {r["component"]: r for r in kda.coverage(s)}["sampler_options"]["not_planned"]
+
+    assert not any("above 20" in item["what"] for item in row(24))
+    assert any("above 20" in item["what"] and "--max-logprobs -1" in item["why"] for item in row(-1))
+    with pytest.raises(SpecError, match="spec.vllm.max_logprobs"):
+        row(-2)
+
+
 def test_top_k_top_p_masking_for_each_option_and_the_split_pipeline(planned):
     """apply_top_k_top_p_triton (topk_topp_triton.py): the monolithic kernel with top-k only, top-p only, both
     (TOPK_ENABLED / TOPP_ENABLED; SPLIT_COVERS_PONLY where top-p runs at <= _SPLIT_MAX_BATCH = 64 rows), at one row

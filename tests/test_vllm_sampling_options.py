@@ -58,3 +58,25 @@ def test_sampling_option_traffic_requests_nothing_the_plan_lacks(planned, seed):
                                      for kernel, c in first.items()))
     assert reached == OPTION_KERNELS, (f"seed {seed}: not reached {sorted(OPTION_KERNELS - reached)}, "
                                        f"reached beyond the reading {sorted(reached - OPTION_KERNELS)}")
+
+
+def test_a_raised_max_logprobs_is_planned_and_the_traffic_asking_it_finds_every_key(planned):  # noqa: F811
+    """A launch line with ``--max-logprobs 24`` (``[spec.vllm] max_logprobs``): requests may ask 21..24 logprobs,
+    prompt logprobs and prompt logprob token ids. The traffic drawing up to that cap asks for compiles the default
+    plan (20) lacks, and the raised plan holds every one."""
+    import dataclasses
+
+    from prewarm.building.backends import get_target
+    from prewarm.planning.plan import plan_for
+
+    m, _, default_keys = planned
+    table = {**m.spec_table, "vllm": {**m.spec_table["vllm"], "max_logprobs": 24}}
+    raised = dataclasses.replace(m, spec_table=table)
+    keys = planned_keys(plan_for(raised, get_target("cuda", "sm_90", "offline", "H200")).compiles)
+    spec = raised.spec()
+    calls = list(vllm_sampling_options.calls(spec, 11, vllm_sampling_options.step_cycle(spec), "cuda"))
+    wanted = planned_keys(list(runtime_compiles(calls).values()))
+    beyond = [c.label for key, c in wanted.items() if key not in default_keys]
+    assert beyond, "the traffic asked nothing above the default cap: it does not read the deployment's max_logprobs"
+    missing = [c.label for key, c in wanted.items() if key not in keys]
+    assert not missing, f"{len(missing)} compile requests not in the max_logprobs = 24 plan, e.g. {missing[:3]}"

@@ -64,6 +64,7 @@ PROCESSING_AXES = ("top_k", "top_p", "min_p", "allowed", "bias", "min_tokens", "
 TEMPERATURE_MODES = ("greedy", "sampled", "mixed", "plain")  # plain: greedy or 1.0, nothing to process
 SPLIT_MAX_BATCH = 64  # topk_topp_triton.py _SPLIT_MAX_BATCH: the split top-p pipeline's batches
 MAX_LOGPROBS = 20  # vllm/config/model.py ModelConfig.max_logprobs default (logprobs, prompt logprobs and their ids)
+# the deployment's --max-logprobs where its launch line sets one ([spec.vllm] max_logprobs; -1: no cap, the vocabulary)
 MAX_LOGPROB_TOKEN_IDS = 128  # sampling_params.py: logprob_token_ids' own limit (not max_logprobs)
 MAX_SEQ = 4096  # the sequence lengths drawn (values, not keys)
 
@@ -75,13 +76,16 @@ class Envelope:
     widths: tuple
     max_model_len: int
     max_tokens: int
+    max_logprobs: int  # what SamplingParams lets a request ask (ModelConfig.max_logprobs; -1: the vocabulary)
 
     @classmethod
     def of(cls, spec: dict) -> "Envelope":
         serving, v = spec["serving"], spec["vllm"]
         return cls(vocab=v["vocab_size"], max_reqs=serving["max_running_requests"],
                    widths=tuple(serving.get("draft_widths") or ()), max_model_len=v["max_model_len"],
-                   max_tokens=serving["max_prefill_tokens"])
+                   max_tokens=serving["max_prefill_tokens"],
+                   max_logprobs=v["vocab_size"] if v.get("max_logprobs", MAX_LOGPROBS) < 0
+                   else v.get("max_logprobs", MAX_LOGPROBS))
 
 
 def kinds(spec: dict) -> list[str]:
@@ -154,9 +158,10 @@ class _Traffic:
         p["temperature"], p["top_p"] = temperature, top_p
         if p["temperature"] == "plain":  # nothing to process: the sampler samples the model's bf16 logits
             p.update({axis: False for axis in PROCESSING_AXES})
-        p["logprobs_n"] = rng.randint(0, MAX_LOGPROBS)
-        p["logprob_ids_n"] = rng.choice([rng.randint(1, MAX_LOGPROBS), rng.randint(1, MAX_LOGPROB_TOKEN_IDS)])
-        p["prompt_logprobs_n"] = rng.randint(0, MAX_LOGPROBS)
+        p["logprobs_n"] = rng.randint(0, self.e.max_logprobs)
+        p["logprob_ids_n"] = rng.choice([rng.randint(1, self.e.max_logprobs)] * bool(self.e.max_logprobs)
+                                        + [rng.randint(1, MAX_LOGPROB_TOKEN_IDS)])
+        p["prompt_logprobs_n"] = rng.randint(0, self.e.max_logprobs)
         return p
 
     def request(self, p: dict, first: bool) -> dict:
@@ -189,9 +194,10 @@ class _Traffic:
         r["logprobs"] = some("logprobs", rng.randint(0, p["logprobs_n"]), None)
         r["logprob_ids"] = some("logprob_ids", rng.randint(1, p["logprob_ids_n"]), 0)
         if r["logprob_ids"] and r["logprobs"] is not None:  # SamplingParams: both set, logprobs = len(ids)
-            r["logprobs"] = r["logprob_ids"] if r["logprob_ids"] <= MAX_LOGPROBS else None
+            r["logprobs"] = r["logprob_ids"] if r["logprob_ids"] <= self.e.max_logprobs else None
         r["prompt_logprobs"] = some("prompt_logprobs", rng.randint(0, p["prompt_logprobs_n"]), None)
-        r["prompt_logprob_ids"] = some("prompt_logprob_ids", rng.randint(1, MAX_LOGPROBS), 0)  # ids per row
+        r["prompt_logprob_ids"] = some("prompt_logprob_ids", rng.randint(1, self.e.max_logprobs), 0) \
+            if self.e.max_logprobs else 0  # ids per row, at most max_logprobs
         return r
 
     def draw(self, i: int) -> Call:

@@ -114,9 +114,10 @@ API = {
 MAX_PREFILL_TOKENS = 8192  # vLLM's max_num_batched_tokens when the spec gives none
 VLLM_KEYS = ("paths", "beta_row_strides", "state_slot_strides")
 # the model's other components' keys (prewarm.providers.vllm.moe, .runner): absent, the component is not planned
-# (and .mamba: the attention block, the KDA layers' KV-cache groups; .speculator: the MTP drafter's width)
+# (and .mamba: the attention block, the KDA layers' KV-cache groups; .speculator: the MTP drafter's width; .runner's
+# optional max_logprobs: --max-logprobs, read by .sampler_options)
 MODEL_KEYS = ("moe_experts", "moe_top_k", "moe_hidden_size", "moe_intermediate_size", "max_model_len", "vocab_size",
-              "block_size", "mamba_groups", "draft_hidden_size")
+              "block_size", "mamba_groups", "draft_hidden_size", "max_logprobs")
 
 
 @dataclass(frozen=True)
@@ -367,7 +368,7 @@ def coverage(spec: dict) -> list[dict]:
                "not_planned": runner.NOT_PLANNED[name] if r else absent(runner.KEYS, ", ".join(runner.PLANNED[name]))}
               for name in runner.PLANNED),
             {"component": "sampler_options", "planned": sampler_options.PLANNED if r else [],
-             "not_planned": sampler_options.NOT_PLANNED if r else absent(runner.KEYS,
+             "not_planned": sampler_options.not_planned(r) if r else absent(runner.KEYS,
                                                                         ", ".join(sampler_options.PLANNED))},
             {"component": "staged", "planned": staged.PLANNED if r else [],
              "not_planned": staged.NOT_PLANNED if r else absent(runner.KEYS, staged.PLANNED[0])},

@@ -105,11 +105,13 @@ class RunnerSpec:
     max_model_len: int
     vocab_size: int
     num_spec: int
+    max_logprobs: int = 20  # --max-logprobs (vLLM's ModelConfig default 20; -1: no cap, up to the vocabulary)
 
 
 def read_spec(table: dict, max_num_reqs: int, max_num_tokens: int, num_spec: int) -> RunnerSpec | None:
     """``[spec.vllm]`` ``max_model_len`` (--max-model-len, else config.json's length as vLLM derives it) and
-    ``vocab_size`` (config.json); None where neither is given (the runner's kernels not planned)."""
+    ``vocab_size`` (config.json); None where neither is given (the runner's kernels not planned). Optional
+    ``max_logprobs`` (--max-logprobs: the most logprobs a request may ask; absent: vLLM's default 20, -1: no cap)."""
     if not any(k in table for k in KEYS):
         return None
     for key in KEYS:
@@ -117,8 +119,13 @@ def read_spec(table: dict, max_num_reqs: int, max_num_tokens: int, num_spec: int
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SpecError(f"vllm.{key}", value if key in table else ..., "a positive integer: max_model_len and "
                             "vocab_size are given together (the server's max_model_len, config.json vocab_size)")
+    max_logprobs = table.get("max_logprobs", RunnerSpec.max_logprobs)
+    if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or max_logprobs < -1:
+        raise SpecError("vllm.max_logprobs", max_logprobs, "an integer >= -1: the server's --max-logprobs (-1: no "
+                        "cap)")
     return RunnerSpec(max_num_reqs=max_num_reqs, max_num_tokens=max_num_tokens, num_spec=num_spec,
-                      max_model_len=table["max_model_len"], vocab_size=table["vocab_size"])
+                      max_model_len=table["max_model_len"], vocab_size=table["vocab_size"],
+                      max_logprobs=max_logprobs)
 
 
 def calls(r: RunnerSpec, device: str) -> Iterator[tuple[str, Callable[[], object]]]:

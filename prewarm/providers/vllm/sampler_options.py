@@ -71,10 +71,24 @@ NOT_PLANNED = [
     {"what": f"{SAMPLE}.output:_compact_sampling_mask_kernel",
      "why": "only with --return-sampling-mask (ModelConfig.return_sampling_mask, off by default; no request option "
             "reaches it)"},
-    {"what": f"{LOGPROB}: logprob counts above {MAX_LOGPROBS} (--max-logprobs above the default, or -1: the "
-             "vocabulary)",
-     "why": "not this deployment's: the server runs vLLM's default max_logprobs"},
 ]
+
+
+def max_logprobs(r) -> int:
+    """The most logprobs (and prompt logprobs, and prompt logprob token ids a row) a request may ask: the server's
+    ``--max-logprobs`` (``[spec.vllm] max_logprobs``; vLLM's default :data:`MAX_LOGPROBS`); with -1 (no cap: any
+    count up to the vocabulary, one compile per count) the default's range is planned and the rest named."""
+    return MAX_LOGPROBS if r.max_logprobs < 0 else r.max_logprobs
+
+
+def not_planned(r) -> list[dict]:
+    """:data:`NOT_PLANNED`, and with ``--max-logprobs -1`` the counts above the planned range."""
+    if r.max_logprobs >= 0:
+        return NOT_PLANNED
+    return NOT_PLANNED + [
+        {"what": f"{LOGPROB}: logprob and prompt logprob counts above {MAX_LOGPROBS}",
+         "why": "--max-logprobs -1: a request may ask any count up to the vocabulary, each count its own compile "
+                "(not enumerable); state the deployment's real cap as --max-logprobs N to plan it"}]
 
 
 def logprob_widths(max_logprobs: int, max_token_ids: int) -> list[tuple[int, int]]:
@@ -178,7 +192,7 @@ def calls(r, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
         yield f"sampler_options[{kind},reqs={reqs},structured_output={structured}]", process
 
     for dtype, (k, m) in itertools.product((torch.bfloat16, f32),
-                                           logprob_widths(MAX_LOGPROBS, sampling_params.MAX_LOGPROB_TOKEN_IDS)):
+                                           logprob_widths(max_logprobs(r), sampling_params.MAX_LOGPROB_TOKEN_IDS)):
         def scores(dtype=dtype, k=k, m=m):
             with staged.host_buffers(device):
                 o = options()
@@ -191,7 +205,7 @@ def calls(r, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
 
         yield f"sampler_options[logprobs,logits={str(dtype).removeprefix('torch.')},k={k},token_ids={m}]", scores
 
-    for k in range(MAX_LOGPROBS + 1):
+    for k in range(max_logprobs(r) + 1):
         def prompt(k=k):
             """GPUModelRunner's prompt logprobs (PromptLogprobsWorker.compute_prompt_logprobs) for a prompt of two
             chunks (CHUNK_SIZE rows, then one) asking ``k`` logprobs: the token gather from the request state, then
@@ -217,7 +231,7 @@ def calls(r, device: str) -> Iterator[tuple[str, Callable[[], object]]]:
 
         yield f"sampler_options[prompt_logprobs,k={k}]", prompt
 
-    for ids in range(1, MAX_LOGPROBS + 1):  # validated: at most max_logprobs ids a row
+    for ids in range(1, max_logprobs(r) + 1):  # validated: at most max_logprobs ids a row
         def prompt_ids(ids=ids):
             """PromptLogprobsWorker.compute_prompt_token_id_logprobs: a request's ``prompt_logprob_token_ids``
             ([rows, ids]) scored per chunk of the model's bf16 logits (compute_token_logprobs)."""

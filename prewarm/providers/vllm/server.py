@@ -40,6 +40,7 @@ class Vllm(Server):
         parser.add_argument("--max-num-seqs", type=positive_int_arg)
         parser.add_argument("--max-num-batched-tokens", type=positive_int_arg)
         parser.add_argument("--max-model-len", type=positive_int_arg)
+        parser.add_argument("--max-logprobs", type=int)
         parser.add_argument("--cudagraph-capture-sizes", type=positive_int_arg, nargs="+")
         parser.add_argument("--max-cudagraph-capture-size", type=positive_int_arg)
         parser.add_argument("--compilation-config", "-cc", type=json_object_arg)
@@ -357,7 +358,7 @@ MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 def _model_spec(args, argv, cfg) -> dict:
     """The model around the KDA layers (``prewarm.providers.vllm.moe``, ``.runner``): the MoE's widths from
     config.json (where it has routed experts), the runner's max_model_len (--max-model-len, else config.json's as
-    vLLM derives it) and vocabulary."""
+    vLLM derives it) and vocabulary, and --max-logprobs where the launch line raises or lowers it."""
     out = {}
     if positive_int(cfg.doc.get("num_experts")):
         for key, field in (("moe_experts", "num_experts"), ("moe_top_k", "num_experts_per_token"),
@@ -374,6 +375,12 @@ def _model_spec(args, argv, cfg) -> dict:
         out["max_model_len"] = Sourced(lengths[key], f"no --max-model-len: {cfg.source(key)}")
     if "max_model_len" in out and positive_int(cfg.doc.get("vocab_size")):
         out["vocab_size"] = Sourced(cfg.doc["vocab_size"], cfg.source("vocab_size"))
+        if args.max_logprobs is not None:  # absent: vLLM's default 20 (prewarm.providers.vllm.sampler_options)
+            if args.max_logprobs < -1:
+                raise ManifestError(f"--max-logprobs {args.max_logprobs}: vLLM takes a count >= 0, or -1 (no cap)")
+            out["max_logprobs"] = Sourced(args.max_logprobs, flag_source(argv, "--max-logprobs") + (
+                " (-1: no cap; counts above vLLM's default 20 are named, not planned)" if args.max_logprobs < 0
+                else ""))
     else:
         out.pop("max_model_len", None)  # the runner's kernels need both
     return out
