@@ -96,6 +96,10 @@ def component(kernel_module: str) -> str:
     return COMPONENT_OF_MODULE.get(kernel_module, "runner")
 
 
+# vLLM's ModelConfig.max_logprobs default (--max-logprobs 20): what a request's logprobs are validated against
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class RunnerSpec:
     """The model runner's geometry on one rank."""
@@ -105,7 +109,7 @@ class RunnerSpec:
     max_model_len: int
     vocab_size: int
     num_spec: int
-    max_logprobs: int = 20  # --max-logprobs (vLLM's ModelConfig default 20; -1: no cap, up to the vocabulary)
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs (-1: no cap, up to the vocabulary)
 
 
 def read_spec(table: dict, max_num_reqs: int, max_num_tokens: int, num_spec: int) -> RunnerSpec | None:

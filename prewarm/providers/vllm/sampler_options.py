@@ -42,6 +42,7 @@ import types
 from typing import Callable, Iterator
 
 from ..capture import batch_sizes
+from .runner import MAX_LOGPROBS
 
 SAMPLE = "vllm.v1.worker.gpu.sample"
 LOGIT_BIAS = f"{SAMPLE}.logit_bias"
@@ -52,8 +53,6 @@ STATES = "vllm.v1.worker.gpu.states"
 BUFFER_UTILS = "vllm.v1.worker.gpu.buffer_utils"
 REJECTION_SAMPLER = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 PROMPT_LOGPROB = f"{SAMPLE}.prompt_logprob"
-# vLLM's ModelConfig.max_logprobs default (--max-logprobs 20): a request's logprobs are validated against it
-MAX_LOGPROBS = 20
 TOPK_TOPP = "vllm.v1.sample.ops.topk_topp_triton"
 STRUCTURED_OUTPUTS = "vllm.v1.worker.gpu.structured_outputs"
 TOPK_TOPP_SAMPLER = "vllm.v1.sample.ops.topk_topp_sampler"

@@ -375,12 +375,14 @@ def _model_spec(args, argv, cfg) -> dict:
         out["max_model_len"] = Sourced(lengths[key], f"no --max-model-len: {cfg.source(key)}")
     if "max_model_len" in out and positive_int(cfg.doc.get("vocab_size")):
         out["vocab_size"] = Sourced(cfg.doc["vocab_size"], cfg.source("vocab_size"))
-        if args.max_logprobs is not None:  # absent: vLLM's default 20 (prewarm.providers.vllm.sampler_options)
+        if args.max_logprobs is not None:  # absent: vLLM's default (prewarm.providers.vllm.runner.MAX_LOGPROBS)
             if args.max_logprobs < -1:
                 raise ManifestError(f"--max-logprobs {args.max_logprobs}: vLLM takes a count >= 0, or -1 (no cap)")
+            from .runner import MAX_LOGPROBS
+
             out["max_logprobs"] = Sourced(args.max_logprobs, flag_source(argv, "--max-logprobs") + (
-                " (-1: no cap; counts above vLLM's default 20 are named, not planned)" if args.max_logprobs < 0
-                else ""))
+                f" (-1: no cap; counts above vLLM's default {MAX_LOGPROBS} are named, not planned)"
+                if args.max_logprobs < 0 else ""))
     else:
         out.pop("max_model_len", None)  # the runner's kernels need both
     return out

@@ -39,8 +39,8 @@ SPEC_DECODE = "vllm.v1.worker.gpu.spec_decode"
 NOT_PLANNED = [
     {"what": "the draft model's forward (the MTP module's layers and head)",
      "why": "not driven here: where its layers are the target's kinds their kernels' keys are the target's (the "
-            "MoE's fused_moe_kernel is planned over 1..the step budget); its attention (MLA) is the target's kind: no Triton on the "
-            "H200 (the mla component)"},
+            "MoE's fused_moe_kernel is planned over 1..the step budget); its attention (MLA) is the target's kind: "
+            "no Triton on the H200 (the mla component)"},
     {"what": f"{SPEC_DECODE}.draft_logits (DraftLogitsCache writes), vllm.v1.worker.gpu.sample.gumbel with "
              "is_drafting (the drafter's Gumbel sampling)",
      "why": "draft_sample_method probabilistic, not vLLM's default (greedy)"},
